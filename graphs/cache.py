@@ -1,0 +1,69 @@
+"""On-disk cache of lowered graphs, keyed by config values, lowering options and library versions.
+
+A cache hit reads one JSON file and never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .graph import LayerGraph
+    from .lora import LoraSpec
+
+# Bump when the lowering's output changes meaning, so stale entries are ignored.
+FORMAT_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """`$FITPLAN_CACHE_DIR`, else `$XDG_CACHE_HOME/fitplan`, else `~/.cache/fitplan`."""
+    explicit = os.environ.get("FITPLAN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fitplan"
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def cache_key(values: dict[str, Any], *, dtype: str, attention: str | None, lora: LoraSpec | None,
+              probes: tuple[int, ...]) -> str:
+    payload = {
+        "format": FORMAT_VERSION, "config": values, "dtype": dtype, "attention": attention,
+        "lora": lora.to_json() if lora else None, "probes": list(probes),
+        "versions": {p: _version(p) for p in ("fitplan", "torch", "transformers", "peft")},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def load_cached(key: str) -> LayerGraph | None:
+    from .graph import LayerGraph
+
+    path = cache_dir() / "lower" / f"{key}.json"
+    try:
+        return LayerGraph.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_cached(key: str, graph: LayerGraph) -> None:
+    """Write atomically; a cache that cannot be written is skipped, not an error."""
+    folder = cache_dir() / "lower"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
+            json.dump(graph.to_json(), handle)
+        os.replace(handle.name, folder / f"{key}.json")
+    except OSError:
+        return

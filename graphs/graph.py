@@ -1,0 +1,144 @@
+"""`LayerGraph`: a lowered model as a networkx DiGraph of layers in execution order, with model-wide facts."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from .layer import Checkpoint, Layer, ModeCost, MoE, ParamTensor, Role, Work
+from .lora import LoraSpec
+from .poly import ZERO, Poly
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelDims:
+    """The architecture numbers that cost models and alignment checks read."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    experts: int = 0
+    top_k: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LayerGraph:
+    """A model lowered for one dtype/attention/LoRA setting. Nodes carry `Layer` records under "layer"."""
+
+    model: str
+    """The name the user gave (catalog id, path or cached Hub id)."""
+    source: str
+    """Where the config came from: "catalog", "local" or "hf-cache"."""
+    model_type: str
+    architecture: str
+    """The transformers class, e.g. LlamaForCausalLM."""
+    dtype: str
+    """Parameter and compute dtype of the traced model."""
+    attention: str
+    """Attention implementation traced ("sdpa" runs as flash/memory-efficient attention on GPUs)."""
+    lora: LoraSpec | None
+    dims: ModelDims
+    inputs: Poly = ZERO
+    """Bytes of one micro-batch of token ids and labels."""
+    shared: Poly = ZERO
+    """Activation bytes several layers save together (e.g. rotary cos/sin), alive through the whole pass."""
+    tp_splits_activations: bool = False
+    """Whether activations inside attention/MLP were measured per TP rank (a clean column/row-wise plan)."""
+    tp_degrees: tuple[int, ...] = (1,)
+    """Tensor-parallel degrees the model's TP plan and head counts allow."""
+    published_params: int | None = None
+    versions: tuple[tuple[str, str], ...] = ()
+    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+
+    def nodes(self) -> list[Layer]:
+        """All nodes in execution order."""
+        return [self.graph.nodes[name]["layer"] for name in nx.topological_sort(self.graph)]
+
+    def node(self, name: str) -> Layer:
+        return self.graph.nodes[name]["layer"]
+
+    def decoder_layers(self) -> list[Layer]:
+        return [layer for layer in self.nodes() if layer.role is Role.DECODER]
+
+    def params(self) -> list[ParamTensor]:
+        return [p for layer in self.nodes() for p in layer.params]
+
+    @property
+    def param_count(self) -> int:
+        return sum(p.numel for p in self.params())
+
+    @property
+    def trainable_count(self) -> int:
+        return sum(p.numel for p in self.params() if p.trainable)
+
+    def checkpoint_modes(self) -> tuple[Checkpoint, ...]:
+        """Modes every decoder layer supports."""
+        layers = self.decoder_layers()
+        return tuple(m for m in Checkpoint if all(m in layer.checkpoint_modes for layer in layers))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "source": self.source, "model_type": self.model_type,
+            "architecture": self.architecture, "dtype": self.dtype, "attention": self.attention,
+            "lora": self.lora.to_json() if self.lora else None, "dims": _slots_dict(self.dims),
+            "inputs": self.inputs.to_json(), "shared": self.shared.to_json(),
+            "tp_splits_activations": self.tp_splits_activations, "tp_degrees": list(self.tp_degrees),
+            "published_params": self.published_params, "versions": dict(self.versions),
+            "nodes": [_layer_json(layer) for layer in self.nodes()],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LayerGraph:
+        layers = [_layer_from_json(item) for item in data["nodes"]]
+        return cls(
+            model=data["model"], source=data["source"], model_type=data["model_type"],
+            architecture=data["architecture"], dtype=data["dtype"], attention=data["attention"],
+            lora=LoraSpec.from_json(data["lora"]) if data["lora"] else None, dims=ModelDims(**data["dims"]),
+            inputs=Poly.from_json(data["inputs"]), shared=Poly.from_json(data["shared"]),
+            tp_splits_activations=data["tp_splits_activations"], tp_degrees=tuple(data["tp_degrees"]),
+            published_params=data["published_params"], versions=tuple(sorted(data["versions"].items())),
+            graph=chain_graph(layers))
+
+
+def chain_graph(layers: list[Layer]) -> nx.DiGraph:
+    """A DiGraph with one node per layer and an edge along each data-flow step."""
+    graph = nx.DiGraph()
+    for layer in layers:
+        graph.add_node(layer.name, layer=layer)
+    for before, after in itertools.pairwise(layers):
+        graph.add_edge(before.name, after.name)
+    return graph
+
+
+def _slots_dict(value: Any) -> dict[str, Any]:
+    return {name: getattr(value, name) for name in value.__slots__}
+
+
+def _layer_json(layer: Layer) -> dict[str, Any]:
+    return {
+        "name": layer.name, "role": layer.role.value, "index": layer.index, "kind": layer.kind,
+        "params": [{**_slots_dict(p), "shape": list(p.shape)} for p in layer.params],
+        "modes": {mode.value: cost.to_json() for mode, cost in layer.modes},
+        "boundary": layer.boundary.to_json(), "tp_allreduces": layer.tp_allreduces,
+        "moe": _slots_dict(layer.moe) if layer.moe else None,
+    }
+
+
+def _layer_from_json(data: dict[str, Any]) -> Layer:
+    return Layer(
+        name=data["name"], role=Role(data["role"]), index=data["index"], kind=data["kind"],
+        params=tuple(ParamTensor(**{**p, "shape": tuple(p["shape"])}) for p in data["params"]),
+        modes=tuple((Checkpoint(mode), ModeCost.from_json(cost)) for mode, cost in data["modes"].items()),
+        boundary=Poly.from_json(data["boundary"]), tp_allreduces=data["tp_allreduces"],
+        moe=MoE(**data["moe"]) if data["moe"] else None,
+    )
+
+
+__all__ = ["LayerGraph", "ModelDims", "Work", "chain_graph"]

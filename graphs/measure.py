@@ -1,0 +1,185 @@
+"""Measure a model: build it on meta, trace representative layers on fake tensors at the probe shapes, fit.
+
+The result (`Study`) is what `lower.assemble` maps onto the full graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .errors import MalformedConfig, UnsupportedModel
+from .fake import build_model, to_fake
+from .fit import Probes, segment_costs, shared_bytes
+from .graph import ModelDims
+from .layer import Checkpoint, ModeCost, MoE, ParamTensor
+from .lora import LoraSpec, apply_lora
+from .poly import Poly
+from .probe import TraceSlot, build_trace_model, run_pass, trace_slots
+from .sources import ResolvedModel
+from .structure import ModelParts, find_parts, layer_kinds, param_tensors, tp_style
+
+_ROWWISE = {"rowwise", "rowwise_split_input", "local_rowwise"}
+# TP plan styles whose activations split cleanly per rank (no gathered outputs inside the block).
+_CLEAN_STYLES = {"colwise", "rowwise", "packed_colwise", "local_colwise", "local_rowwise", "moe_tp_experts",
+                 "replicated_with_grad_allreduce", "replicate", "mla_kv_a_proj"}
+
+
+@dataclass(slots=True, kw_only=True)
+class Study:
+    """Everything measured about one model at one dtype / attention / LoRA setting."""
+
+    architecture: str
+    attention: str
+    dims: ModelDims
+    itemsize: int
+    params: list[ParamTensor]
+    kinds: list[int]
+    slot_scopes: dict[tuple[int, Checkpoint], str]
+    costs: dict[str, ModeCost]
+    rowwise_modules: list[int]
+    moe: dict[int, MoE]
+    inputs: Poly
+    shared: Poly
+    widened: bool
+    tp_degrees: tuple[int, ...]
+    versions: tuple[tuple[str, str], ...]
+
+
+def transformers_config(resolved: ResolvedModel) -> Any:
+    """Build the transformers config from config.json values (never with remote code)."""
+    from transformers import AutoConfig
+
+    values = resolved.as_dict()
+    model_type = values.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except (TypeError, ValueError) as err:
+        raise MalformedConfig(f"{resolved.location}: transformers rejects this {model_type} config: {err}",
+                              "Fix the named field in the config file.") from err
+
+
+def study(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, b0: int, s0: int,
+          widen: int) -> Study:
+    from .lower import dims_of, widened_config
+
+    dims = dims_of(config)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    wide = _parts(config, dtype=dtype, attention=attention, lora=lora, layers=dims.layers)
+    kinds = layer_kinds(wide)
+    plan = dict(getattr(wide.model, "_tp_plan", None) or {})
+    params = param_tensors(wide.model, _owners(wide), plan)
+    rowwise = [_count_rowwise(wide, i, plan) for i in range(dims.layers)]
+    moe = _moe(wide, kinds, dims)
+    slots = trace_slots(kinds, selective=True)
+    trace = build_trace_model(wide, kinds, slots)
+    run = _runner(trace, slots, dims.vocab, fake)
+    probes = Probes(run(b0, s0), run(b0, 2 * s0), run(b0, 3 * s0), run(2 * b0, s0), None)
+    tp_degrees = _tp_degrees(params, dims)
+    if _clean(plan) and len(tp_degrees) > 1:
+        widened = _parts(widened_config(config, widen), dtype=dtype, attention=attention, lora=lora,
+                         layers=dims.layers)
+        if _matches_widening(widened, wide_params=params, factor=widen):
+            widened_trace = build_trace_model(widened, kinds, slots)
+            probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
+                            _runner(widened_trace, slots, dims.vocab, fake)(b0, s0))
+    costs = segment_costs(probes)
+    _rename_dynamic(params, probes.base)
+    slot_scopes = {(slot.kind, slot.mode): f"layers.{j}" for j, slot in enumerate(slots) if slot.kind is not None}
+    slot_scopes = {key: scope for key, scope in slot_scopes.items()
+                   if key[1] is not Checkpoint.SELECTIVE or costs[scope].recompute.flops}
+    inputs, shared = shared_bytes(probes)
+    return Study(architecture=type(wide.model).__name__, attention=wide.model.config._attn_implementation,
+                 dims=dims, itemsize=torch.finfo(next(wide.model.parameters()).dtype).bits // 8, params=params,
+                 kinds=kinds, slot_scopes=slot_scopes, costs=costs, rowwise_modules=rowwise, moe=moe,
+                 inputs=inputs, shared=shared, widened=probes.widened is not None, tp_degrees=tp_degrees,
+                 versions=_versions())
+
+
+def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, layers: int) -> ModelParts:
+    model = build_model(config, dtype=dtype, attention=attention)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    return find_parts(model, layers)
+
+
+def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTensorMode) -> Any:
+    to_fake(parts.model, fake)
+
+    def run(b: int, s: int) -> Any:
+        try:
+            with fake:
+                return run_pass(parts, slots, b=b, s=s, vocab=vocab)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
+            raise UnsupportedModel(f"{type(parts.model).__name__} could not be traced on fake tensors: {err}",
+                                   "Try --attention eager, or report the architecture.") from err
+    return run
+
+
+def _owners(parts: ModelParts) -> dict[str, str]:
+    """Parameter-name prefixes to graph nodes; base-model children are resolved after tracing."""
+    owners = {f"{parts.layers_path}.{i}": f"layers.{i}" for i in range(len(parts.layers))}
+    for name, child in parts.base.named_children():
+        if child is not parts.layers:
+            owners[f"{parts.base_path}.{name}"] = f"child:{name}"
+    head_name = next(name for name, module in parts.model.named_modules() if module is parts.head)
+    owners[head_name] = "head"
+    return owners
+
+
+def _rename_dynamic(params: list[ParamTensor], recording: Any) -> None:
+    """Base-model children are "embed" or "norm" depending on whether they ran before the decoder layers."""
+    names = recording.dynamic_scopes
+    for i, p in enumerate(params):
+        if p.node.startswith("child:"):
+            node = names.get(p.node.removeprefix("child:"), "embed")
+            params[i] = ParamTensor(**{**{k: getattr(p, k) for k in p.__slots__}, "node": node})
+
+
+def _count_rowwise(parts: ModelParts, index: int, plan: dict[str, str]) -> int:
+    prefix = f"{parts.layers_path}.{index}"
+    return sum(1 for name, _ in parts.layers[index].named_modules()
+               if name and tp_style(f"{prefix}.{name}".replace(".base_layer", ""), plan) in _ROWWISE)
+
+
+def _moe(parts: ModelParts, kinds: list[int], dims: ModelDims) -> dict[int, MoE]:
+    result = {}
+    for kind in set(kinds):
+        layer = parts.layers[kinds.index(kind)]
+        expert = sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}")
+        if expert and dims.experts:
+            result[kind] = MoE(experts=dims.experts, top_k=dims.top_k, expert_params=expert)
+    return result
+
+
+def _clean(plan: dict[str, str]) -> bool:
+    layer_styles = {style for pattern, style in plan.items() if "layers" in pattern or ".h." in pattern}
+    return bool(layer_styles) and layer_styles <= _CLEAN_STYLES
+
+
+def _tp_degrees(params: list[ParamTensor], dims: ModelDims) -> tuple[int, ...]:
+    if not any(p.tp_dim is not None and p.node.startswith("layers.") for p in params):
+        return (1,)
+    return tuple(t for t in (1, 2, 4, 8, 16, 32, 64) if dims.heads % t == 0 and dims.kv_heads % t == 0)
+
+
+def _matches_widening(widened: ModelParts, *, wide_params: list[ParamTensor], factor: int) -> bool:
+    """The widened model stands for TP rank 1/factor iff exactly the TP-sharded decoder tensors grew."""
+    expected = {p.name: p.numel * (factor if p.tp_dim is not None else 1)
+                for p in wide_params if p.node.startswith("layers.")}
+    got = {name: p.numel() for name, p in widened.model.named_parameters() if name in expected}
+    return got.keys() == expected.keys() and all(got[name] == expected[name] for name in got)
+
+
+def _versions() -> tuple[tuple[str, str], ...]:
+    found = []
+    for package in ("fitplan", "torch", "transformers", "peft"):
+        try:
+            found.append((package, version(package)))
+        except PackageNotFoundError:
+            found.append((package, "unknown"))
+    return tuple(found)

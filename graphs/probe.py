@@ -1,0 +1,105 @@
+"""Run one fake training pass (forward + backward) of a trace model at a probe shape and record it.
+
+A trace model keeps the real model's embedding, final norm and head, but replaces its decoder stack by a few
+representative layers: a leading "dummy" layer (absorbs what only the first real layer does, such as releasing
+the shared rotary tables) and, for each layer kind, one layer per checkpoint mode.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .fake import full_checkpoint_function, quirks
+from .layer import Checkpoint
+from .recorder import OpRecord, Recorder, ScopeTracker, StorageRecord
+from .structure import ModelParts
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSlot:
+    """Which real layer kind and checkpoint mode a trace-model layer stands for (kind None = dummy)."""
+
+    kind: int | None
+    mode: Checkpoint
+
+
+@dataclass(slots=True)
+class Recording:
+    """Everything one probe pass recorded."""
+
+    b: int
+    s: int
+    ops: list[OpRecord]
+    storages: list[StorageRecord]
+    global_storages: set[int]
+    """Storages that outlive their segment for model-wide reasons: inputs, and tensors several layers save."""
+    dynamic_scopes: dict[str, str]
+    """Base-model children (by attribute name) and the scope they ran in: "embed" or "norm"."""
+
+
+def trace_slots(kinds: list[int], selective: bool) -> list[TraceSlot]:
+    modes = [Checkpoint.NONE, Checkpoint.FULL] + ([Checkpoint.SELECTIVE] if selective else [])
+    slots = [TraceSlot(None, Checkpoint.NONE)]
+    for kind in sorted(set(kinds)):
+        slots.extend(TraceSlot(kind, mode) for mode in modes)
+    return slots
+
+
+def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot]) -> ModelParts:
+    """Swap the decoder stack of `parts.model` for one layer per slot (call under the same FakeTensorMode)."""
+    first_of_kind = {kind: kinds.index(kind) for kind in set(kinds)}
+    used: set[int] = set()
+    layers = []
+    for slot in slots:
+        kind = kinds[0] if slot.kind is None else slot.kind
+        candidates = [i for i, k in enumerate(kinds) if k == kind and i not in used]
+        index = candidates[0] if candidates else first_of_kind[kind]
+        layer = parts.layers[index] if index not in used else copy.deepcopy(parts.layers[index])
+        used.add(index)
+        layers.append(layer)
+    stack = torch.nn.ModuleList(layers)
+    parent_path, _, attribute = parts.layers_path.rpartition(".")
+    setattr(parts.model.get_submodule(parent_path), attribute, stack)
+    parts.model.config.num_hidden_layers = len(stack)
+    text_config = parts.model.config.get_text_config()
+    text_config.num_hidden_layers = len(stack)
+    return ModelParts(parts.model, parts.layers_path, parts.base_path, stack, parts.base, parts.head)
+
+
+def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab: int) -> Recording:
+    """Record a forward and backward pass of the trace model at micro-batch b and sequence length s."""
+    for param in parts.model.parameters():
+        param.grad = None
+    recorder = Recorder([*parts.model.parameters(), *parts.model.buffers()])
+    _set_modes(parts, slots, recorder)
+    scopes: dict[torch.nn.Module, str] = {layer: f"layers.{i}" for i, layer in enumerate(parts.layers)}
+    scopes[parts.head] = "head"
+    dynamic = {child for child in parts.base.children() if child is not parts.layers}
+    tracker = ScopeTracker(recorder, scopes, dynamic=dynamic, head=parts.head)
+    with quirks(recorder.recomputing), recorder:
+        ids = torch.randint(0, vocab, (b, s))
+        labels = torch.randint(0, vocab, (b, s))
+        with tracker.active():
+            with recorder.saving():
+                loss = parts.model(input_ids=ids, labels=labels, use_cache=False).loss
+            tracker.enter_backward()
+            loss.backward()
+        del loss, ids, labels
+    recorder.mark_grads(parts.model.parameters())
+    shared = {i for i, st in enumerate(recorder.storages) if len(st.savers) > 1}
+    inputs = {i for i, st in enumerate(recorder.storages) if recorder.ops[st.alloc_op].scope == "inputs"}
+    names = {name: tracker.dynamic_names[id(child)] for name, child in parts.base.named_children()
+             if id(child) in tracker.dynamic_names}
+    return Recording(b, s, recorder.ops, recorder.storages, shared | inputs, names)
+
+
+def _set_modes(parts: ModelParts, slots: list[TraceSlot], recorder: Recorder) -> None:
+    checkpoint_function = full_checkpoint_function(recorder.recomputing)
+    for layer, slot in zip(parts.layers, slots, strict=True):
+        layer.gradient_checkpointing = slot.mode is Checkpoint.FULL
+        layer._gradient_checkpointing_func = checkpoint_function
+        for module in layer.modules():
+            module._fitplan_selective = slot.mode is Checkpoint.SELECTIVE

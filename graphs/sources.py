@@ -1,0 +1,123 @@
+"""Resolve a model name to its published config.json values without touching the network.
+
+Three sources, in order: a local directory or config.json path, the bundled catalog, the local Hugging Face
+cache. Remote code is never run: an architecture transformers does not know is an error naming its model_type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .catalog import closest_ids, load_entry
+from .errors import MalformedConfig, UnknownModel, UnsupportedModel
+
+# Fields every decoder-only config needs (under any of their transformers names), with their meaning.
+_REQUIRED = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "hidden_dim"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """A model's config.json values and where they came from."""
+
+    id: str
+    values: tuple[tuple[str, Any], ...]
+    """The config.json fields (hashable); `as_dict()` gives them back."""
+    source: str
+    """"catalog", "local" or "hf-cache"."""
+    location: str
+    """The catalog id or the file path that was read."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: json.loads(value) for key, value in self.values}
+
+    @property
+    def model_type(self) -> str:
+        return str(self.as_dict().get("model_type"))
+
+
+def resolve(name: str) -> ResolvedModel:
+    """Find `name` as a path, a catalog id or a cached Hub id; never downloads."""
+    name = name.strip()
+    path = Path(name).expanduser()
+    if path.exists():
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise MalformedConfig(f"{path} is a directory without a config.json",
+                                  "Point --model at a folder saved with save_pretrained(), or at a config.json.")
+        return _from_values(str(path), read_config_file(file), "local", str(file))
+    try:
+        entry = load_entry(name)
+    except UnknownModel:
+        cached = _hf_cache_config(name)
+        if cached is None:
+            raise UnknownModel(
+                f"Unknown model '{name}': not a local path, not in fitplan's catalog, not in the local "
+                "Hugging Face cache (fitplan never downloads).",
+                "Closest catalog ids: " + ", ".join(closest_ids(name))
+                + ". List them with `fitplan models`, or pass a local config.json path.") from None
+        return _from_values(name, read_config_file(cached), "hf-cache", str(cached))
+    return _from_values(entry.id, dict(entry.config), "catalog", entry.id)
+
+
+def read_config_file(file: Path) -> dict[str, Any]:
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise MalformedConfig(f"Cannot read {file}: {err}", "Check the path and its permissions.") from err
+    except json.JSONDecodeError as err:
+        raise MalformedConfig(f"{file} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}",
+                              "Fix the JSON, or re-save the config with save_pretrained().") from err
+    if not isinstance(values, dict):
+        raise MalformedConfig(f"{file} must hold a JSON object, not {type(values).__name__}",
+                              "A Hugging Face config.json is one object of fields.")
+    return values
+
+
+def _from_values(model_id: str, values: dict[str, Any], source: str, location: str) -> ResolvedModel:
+    validate_values(values, location)
+    frozen = tuple(sorted((key, json.dumps(value, sort_keys=True)) for key, value in values.items()
+                          if not key.startswith("_")))
+    return ResolvedModel(model_id, frozen, source, location)
+
+
+def validate_values(values: dict[str, Any], location: str) -> None:
+    """Check the fields lowering needs, naming the file and field on failure."""
+    model_type = values.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise MalformedConfig(f"{location}: field 'model_type' is missing or not a string",
+                              "Every Hugging Face config.json names its architecture in 'model_type'.")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        remote = " It declares 'auto_map' (remote code), which fitplan never runs." if "auto_map" in values else ""
+        raise UnsupportedModel(
+            f"{location}: model_type '{model_type}' is not an architecture transformers knows.{remote}",
+            "fitplan lowers architectures built into transformers (trust_remote_code stays off). "
+            "Upgrade transformers if the architecture is new, or use a config of a supported model_type.")
+    for field, aliases in _REQUIRED.items():
+        present = [alias for alias in aliases if alias in values]
+        for alias in present:
+            value = values[alias]
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise MalformedConfig(f"{location}: field '{alias}' must be a positive integer, got {value!r}",
+                                      f"Fix '{alias}' ({field}) in the config file.")
+
+
+def _hf_cache_config(model_id: str) -> Path | None:
+    """The cached config.json of a Hub id, if the local Hugging Face cache holds one."""
+    if model_id.count("/") != 1:
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model_id, "config.json")
+    return Path(found) if isinstance(found, str) else None
