@@ -52,7 +52,7 @@ def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot
     """Swap the decoder stack of `parts.model` for one layer per slot (call under the same FakeTensorMode)."""
     first_of_kind = {kind: kinds.index(kind) for kind in set(kinds)}
     used: set[int] = set()
-    layers = []
+    layers, indices = [], []
     for slot in slots:
         kind = kinds[0] if slot.kind is None else slot.kind
         candidates = [i for i, k in enumerate(kinds) if k == kind and i not in used]
@@ -60,12 +60,15 @@ def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot
         layer = parts.layers[index] if index not in used else copy.deepcopy(parts.layers[index])
         used.add(index)
         layers.append(layer)
+        indices.append(index)
     stack = torch.nn.ModuleList(layers)
     parent_path, _, attribute = parts.layers_path.rpartition(".")
     setattr(parts.model.get_submodule(parent_path), attribute, stack)
-    parts.model.config.num_hidden_layers = len(stack)
-    text_config = parts.model.config.get_text_config()
-    text_config.num_hidden_layers = len(stack)
+    for config in {id(c): c for c in (parts.model.config, parts.model.config.get_text_config())}.values():
+        config.num_hidden_layers = len(stack)
+        # Some models look masks up by position (`config.layer_types[i]`): keep each trace layer's own type.
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = [config.layer_types[i] for i in indices]
     return ModelParts(parts.model, parts.layers_path, parts.base_path, stack, parts.base, parts.head)
 
 
