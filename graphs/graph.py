@@ -91,12 +91,15 @@ class LayerGraph:
             "inputs": self.inputs.to_json(), "shared": self.shared.to_json(),
             "tp_splits_activations": self.tp_splits_activations, "tp_degrees": list(self.tp_degrees),
             "published_params": self.published_params, "versions": dict(self.versions),
+            # Layers of one kind share their costs: store them once per kind (fast cache loads).
+            "kind_modes": {str(layer.kind): _modes_json(layer) for layer in reversed(self.decoder_layers())},
             "nodes": [_layer_json(layer) for layer in self.nodes()],
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LayerGraph:
-        layers = [_layer_from_json(item) for item in data["nodes"]]
+        kind_modes = {int(kind): _modes_from_json(modes) for kind, modes in data["kind_modes"].items()}
+        layers = [_layer_from_json(item, kind_modes) for item in data["nodes"]]
         return cls(
             model=data["model"], source=data["source"], model_type=data["model_type"],
             architecture=data["architecture"], dtype=data["dtype"], attention=data["attention"],
@@ -125,17 +128,25 @@ def _layer_json(layer: Layer) -> dict[str, Any]:
     return {
         "name": layer.name, "role": layer.role.value, "index": layer.index, "kind": layer.kind,
         "params": [{**_slots_dict(p), "shape": list(p.shape)} for p in layer.params],
-        "modes": {mode.value: cost.to_json() for mode, cost in layer.modes},
+        "modes": None if layer.kind is not None else _modes_json(layer),
         "boundary": layer.boundary.to_json(), "tp_allreduces": layer.tp_allreduces,
         "moe": _slots_dict(layer.moe) if layer.moe else None,
     }
 
 
-def _layer_from_json(data: dict[str, Any]) -> Layer:
+def _modes_json(layer: Layer) -> dict[str, Any]:
+    return {mode.value: cost.to_json() for mode, cost in layer.modes}
+
+
+def _modes_from_json(data: dict[str, Any]) -> tuple[tuple[Checkpoint, ModeCost], ...]:
+    return tuple((Checkpoint(mode), ModeCost.from_json(cost)) for mode, cost in data.items())
+
+
+def _layer_from_json(data: dict[str, Any], kind_modes: dict[int, tuple[tuple[Checkpoint, ModeCost], ...]]) -> Layer:
     return Layer(
         name=data["name"], role=Role(data["role"]), index=data["index"], kind=data["kind"],
         params=tuple(ParamTensor(**{**p, "shape": tuple(p["shape"])}) for p in data["params"]),
-        modes=tuple((Checkpoint(mode), ModeCost.from_json(cost)) for mode, cost in data["modes"].items()),
+        modes=kind_modes[data["kind"]] if data["modes"] is None else _modes_from_json(data["modes"]),
         boundary=Poly.from_json(data["boundary"]), tp_allreduces=data["tp_allreduces"],
         moe=MoE(**data["moe"]) if data["moe"] else None,
     )

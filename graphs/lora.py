@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import FitplanError
+
+if TYPE_CHECKING:
+    import torch
 
 ALL_LINEAR = "all-linear"
 

@@ -54,7 +54,10 @@ def transformers_config(resolved: ResolvedModel) -> Any:
     """Build the transformers config from config.json values (never with remote code)."""
     from transformers import AutoConfig
 
+    from .sources import check_architecture
+
     values = resolved.as_dict()
+    check_architecture(values, resolved.location)
     model_type = values.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **values)

@@ -90,19 +90,11 @@ def _from_values(model_id: str, values: dict[str, Any], source: str, location: s
 
 
 def validate_values(values: dict[str, Any], location: str) -> None:
-    """Check the fields lowering needs, naming the file and field on failure."""
+    """Check the fields lowering needs, naming the file and field on failure (transformers checks the rest)."""
     model_type = values.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise MalformedConfig(f"{location}: field 'model_type' is missing or not a string",
                               "Every Hugging Face config.json names its architecture in 'model_type'.")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        remote = " It declares 'auto_map' (remote code), which fitplan never runs." if "auto_map" in values else ""
-        raise UnsupportedModel(
-            f"{location}: model_type '{model_type}' is not an architecture transformers knows.{remote}",
-            "fitplan lowers architectures built into transformers (trust_remote_code stays off). "
-            "Upgrade transformers if the architecture is new, or use a config of a supported model_type.")
     for field, aliases in _REQUIRED.items():
         present = [alias for alias in aliases if alias in values]
         for alias in present:
@@ -121,3 +113,16 @@ def _hf_cache_config(model_id: str) -> Path | None:
 
     found = try_to_load_from_cache(model_id, "config.json")
     return Path(found) if isinstance(found, str) else None
+
+
+def check_architecture(values: dict[str, Any], location: str) -> None:
+    """Refuse a model_type that transformers does not know; remote code is never an option."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = values["model_type"]
+    if model_type not in CONFIG_MAPPING_NAMES:
+        remote = " It declares 'auto_map' (remote code), which fitplan never runs." if "auto_map" in values else ""
+        raise UnsupportedModel(
+            f"{location}: model_type '{model_type}' is not an architecture transformers knows.{remote}",
+            "fitplan lowers architectures built into transformers (trust_remote_code stays off). "
+            "Upgrade transformers if the architecture is new, or use a config of a supported model_type.")
