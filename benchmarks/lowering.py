@@ -47,7 +47,8 @@ def main() -> None:
         for model in MODELS:
             for state in ("cold", "cached"):
                 rows.append({"model": model, "state": state, **measure(model, cache)})
-    print(f"{'model':28} {'state':6} {'params':>16} {'import s':>9} {'lower s':>8} {'process s':>10} {'peak RSS MiB':>13}")
+    header = f"{'model':28} {'state':6} {'params':>16} {'import s':>9} {'lower s':>8} {'process s':>10}"
+    print(header + f" {'peak RSS MiB':>13}")
     for r in rows:
         print(f"{r['model']:28} {r['state']:6} {r['params']:>16,} {r['import_s']:>9.2f} {r['lower_s']:>8.2f} "
               f"{r['process_s']:>10.2f} {r['peak_rss_mib']:>13.0f}")
