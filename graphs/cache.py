@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .lora import LoraSpec
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
 
 
 def cache_dir() -> Path:
@@ -37,10 +37,10 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def cache_key(values: dict[str, Any], *, dtype: str, attention: str | None, lora: LoraSpec | None,
-              probes: tuple[int, ...]) -> str:
+def cache_key(values: dict[str, Any], *, dtype: str, autocast: str | None, attention: str | None,
+              lora: LoraSpec | None, probes: tuple[int, ...]) -> str:
     payload = {
-        "format": FORMAT_VERSION, "config": values, "dtype": dtype, "attention": attention,
+        "format": FORMAT_VERSION, "config": values, "dtype": dtype, "autocast": autocast, "attention": attention,
         "lora": lora.to_json() if lora else None, "probes": list(probes),
         "versions": {p: _version(p) for p in ("fitplan", "torch", "transformers", "peft")},
     }

@@ -94,16 +94,21 @@ def full_checkpoint_function(on_recompute: Callable[[], contextlib.AbstractConte
     return run_checkpointed
 
 
+def is_moe(config: PretrainedConfig) -> bool:
+    return bool(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+                or getattr(config, "n_routed_experts", None))
+
+
 def build_model(config: PretrainedConfig, *, dtype: str, attention: str | None) -> torch.nn.Module:
     """Instantiate the causal LM on the meta device (no memory, no init work)."""
     config = copy.deepcopy(config)  # transformers 5 `from_config` mutates the config it is given
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
     if attention:
         kwargs["attn_implementation"] = attention
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or \
-            getattr(config, "n_routed_experts", None):
-        # Eager experts call aten.nonzero, which has no fake-tensor shape (feasibility study §4).
-        kwargs["experts_implementation"] = "grouped_mm"
+    if is_moe(config):
+        # Eager experts call aten.nonzero, which has no fake-tensor shape (feasibility study §4); torch 2.13's
+        # grouped_mm takes bf16 only, so other dtypes use batched_mm (one bmm over the routed tokens).
+        kwargs["experts_implementation"] = "grouped_mm" if dtype == "bfloat16" else "batched_mm"
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **kwargs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .layer import ModeCost, Work
 from .poly import ZERO, PeakPoly, Poly, ProbeValues, fit_probe_values
-from .probe import Recording
+from .probe import MODEL_WIDE, Recording
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +75,23 @@ class _Timeline:
     grads_at: list[Poly]  # gradient bytes allocated by each op
 
 
+def released_after_forward(rec: Recording) -> set[int]:
+    """Storages that die when the forward call returns (autocast's cast cache, the top-level forward's locals):
+    they stay alive through the rest of the forward wherever they were made, and go before backward starts."""
+    first_backward = next((k for k, op in enumerate(rec.ops) if op.backward), len(rec.ops))
+    return {i for i, st in enumerate(rec.storages) if st.free_after == first_backward and not st.grad
+            and i not in rec.global_storages}
+
+
 def _timeline(rec: Recording, sizes: list[Poly]) -> _Timeline:
     allocs: list[list[int]] = [[] for _ in rec.ops]
     frees: list[list[int]] = [[] for _ in rec.ops]
+    kept = released_after_forward(rec)
     for i, st in enumerate(rec.storages):
         if i in rec.global_storages:
             continue
         allocs[st.alloc_op].append(i)
-        if st.free_after is not None and not st.grad:
+        if st.free_after is not None and not st.grad and i not in kept:
             frees[min(st.free_after, len(rec.ops)) - 1].append(i)
     live = ZERO
     peak, after, grads_at = [], [], []
@@ -145,6 +154,10 @@ def segment_costs(probes: Probes) -> dict[str, ModeCost]:
     for i, st in enumerate(rec.storages):
         if len(st.savers) == 1 and i not in rec.global_storages:
             saved[st.savers[0]] = saved.get(st.savers[0], ZERO) + sizes[i]
+    released: dict[str, Poly] = {}
+    for i in released_after_forward(rec):
+        scope = rec.ops[rec.storages[i].alloc_op].scope
+        released[scope] = released.get(scope, ZERO) + sizes[i]
     costs = {}
     for scope in dict.fromkeys(scope for scope, _ in spans):
         if scope == "inputs":
@@ -158,17 +171,16 @@ def segment_costs(probes: Probes) -> dict[str, ModeCost]:
             forward=_work(works, rec, fwd, recompute=False),
             backward=_work(works, rec, bwd, recompute=False),
             recompute=_work(works, rec, bwd, recompute=True),
-            fwd_peak=f_peak, fwd_net=f_net, bwd_peak=b_peak, bwd_peak_fresh=b_fresh, bwd_net=b_net, grads=grads)
+            fwd_peak=f_peak, fwd_net=f_net, released_after_forward=released.get(scope, ZERO), bwd_peak=b_peak,
+            bwd_peak_fresh=b_fresh, bwd_net=b_net, grads=grads)
     return costs
 
 
-def shared_bytes(probes: Probes) -> tuple[Poly, Poly]:
-    """Bytes of (input batches, tensors shared by several layers) that live through the whole pass."""
+def model_wide_bytes(probes: Probes) -> dict[str, Poly]:
+    """Bytes of model-wide tensors by lifetime (see `probe.MODEL_WIDE`)."""
     sizes = storage_polys(probes)
-    rec = probes.base
-    inputs = [i for i in rec.global_storages if rec.ops[rec.storages[i].alloc_op].scope == "inputs"]
-    shared = [i for i in rec.global_storages if i not in inputs]
-    return _sum(sizes, inputs), _sum(sizes, shared)
+    lifetimes = probes.base.global_storages
+    return {kind: _sum(sizes, [i for i, k in lifetimes.items() if k == kind]) for kind in MODEL_WIDE}
 
 
 def _work(works: list[Work], rec: Recording, span: range, *, recompute: bool) -> Work:

@@ -40,7 +40,9 @@ class LayerGraph:
     architecture: str
     """The transformers class, e.g. LlamaForCausalLM."""
     dtype: str
-    """Parameter and compute dtype of the traced model."""
+    """Parameter dtype of the traced model (and compute dtype unless `autocast`)."""
+    autocast: str | None
+    """Compute dtype under torch.autocast (fp32 weights), or None."""
     attention: str
     """Attention implementation traced ("sdpa" runs as flash/memory-efficient attention on GPUs)."""
     lora: LoraSpec | None
@@ -48,7 +50,12 @@ class LayerGraph:
     inputs: Poly = ZERO
     """Bytes of one micro-batch of token ids and labels."""
     shared: Poly = ZERO
-    """Activation bytes several layers save together (e.g. rotary cos/sin), alive through the whole pass."""
+    """Model-wide tensors the layers need in backward (e.g. rotary cos/sin), alive through the whole pass."""
+    checkpoint_shared: Poly = ZERO
+    """Model-wide tensors only checkpointed layers keep for backward (e.g. an attention mask): alive through
+    the whole pass when some layer is checkpointed, else only through forward."""
+    forward_shared: Poly = ZERO
+    """Model-wide tensors the layers read but do not save (e.g. an eager attention mask): forward only."""
     tp_splits_activations: bool = False
     """Whether activations inside attention/MLP were measured per TP rank (a clean column/row-wise plan)."""
     tp_degrees: tuple[int, ...] = (1,)
@@ -86,9 +93,11 @@ class LayerGraph:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model, "source": self.source, "model_type": self.model_type,
-            "architecture": self.architecture, "dtype": self.dtype, "attention": self.attention,
+            "architecture": self.architecture, "dtype": self.dtype, "autocast": self.autocast,
+            "attention": self.attention,
             "lora": self.lora.to_json() if self.lora else None, "dims": _slots_dict(self.dims),
             "inputs": self.inputs.to_json(), "shared": self.shared.to_json(),
+            "checkpoint_shared": self.checkpoint_shared.to_json(), "forward_shared": self.forward_shared.to_json(),
             "tp_splits_activations": self.tp_splits_activations, "tp_degrees": list(self.tp_degrees),
             "published_params": self.published_params, "versions": dict(self.versions),
             # Layers of one kind share their costs: store them once per kind (fast cache loads).
@@ -102,9 +111,12 @@ class LayerGraph:
         layers = [_layer_from_json(item, kind_modes) for item in data["nodes"]]
         return cls(
             model=data["model"], source=data["source"], model_type=data["model_type"],
-            architecture=data["architecture"], dtype=data["dtype"], attention=data["attention"],
+            architecture=data["architecture"], dtype=data["dtype"], autocast=data["autocast"],
+            attention=data["attention"],
             lora=LoraSpec.from_json(data["lora"]) if data["lora"] else None, dims=ModelDims(**data["dims"]),
             inputs=Poly.from_json(data["inputs"]), shared=Poly.from_json(data["shared"]),
+            checkpoint_shared=Poly.from_json(data["checkpoint_shared"]),
+            forward_shared=Poly.from_json(data["forward_shared"]),
             tp_splits_activations=data["tp_splits_activations"], tp_degrees=tuple(data["tp_degrees"]),
             published_params=data["published_params"], versions=tuple(sorted(data["versions"].items())),
             graph=chain_graph(layers))

@@ -109,6 +109,9 @@ class ModeCost:
     """Forward work repeated during backward (checkpointed modes)."""
     fwd_peak: PeakPoly = field(default_factory=PeakPoly)
     fwd_net: Poly = ZERO
+    released_after_forward: Poly = ZERO
+    """Part of `fwd_net` freed when the whole forward returns (autocast's cast cache, locals of the top-level
+    forward), before any backward runs."""
     bwd_peak: PeakPoly = field(default_factory=PeakPoly)
     """Backward peak when each new gradient is handed off at once (reduced, or added to an existing one)."""
     bwd_peak_fresh: PeakPoly = field(default_factory=PeakPoly)

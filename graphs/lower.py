@@ -24,38 +24,47 @@ PROBE_SEQ = 32
 WIDEN_FACTOR = 2
 
 
-def lower(model: str, *, dtype: str = "bfloat16", attention: str | None = None, lora: LoraSpec | None = None,
-          use_cache: bool = True) -> LayerGraph:
-    """Lower `model` (catalog id, local path or cached Hub id) to its `LayerGraph`."""
+def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, attention: str | None = None,
+          lora: LoraSpec | None = None, use_cache: bool = True) -> LayerGraph:
+    """Lower `model` (catalog id, local path or cached Hub id) to its `LayerGraph`.
+
+    `dtype` is the parameter dtype; `autocast` ("bfloat16"/"float16") runs forward under torch.autocast, as
+    plain PyTorch mixed precision does with fp32 weights.
+    """
     resolved = resolve(model)
-    return lower_resolved(resolved, dtype=dtype, attention=attention, lora=lora, use_cache=use_cache)
+    return lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                          use_cache=use_cache)
 
 
 @functools.lru_cache(maxsize=64)
-def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", attention: str | None = None,
-                   lora: LoraSpec | None = None, use_cache: bool = True) -> LayerGraph:
+def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast: str | None = None,
+                   attention: str | None = None, lora: LoraSpec | None = None, use_cache: bool = True) -> LayerGraph:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
-    key = cache_key(resolved.as_dict(), dtype=dtype, attention=attention, lora=lora,
+    if autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"autocast={autocast!r} must be None, bfloat16 or float16")
+    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                     probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR))
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
-    graph = _measure(resolved, dtype=dtype, attention=attention, lora=lora)
+    graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
     if use_cache:
         store_cached(key, graph)
     return graph
 
 
-def _measure(resolved: ResolvedModel, *, dtype: str, attention: str | None, lora: LoraSpec | None) -> LayerGraph:
+def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
+             lora: LoraSpec | None) -> LayerGraph:
     from . import measure
 
     config = measure.transformers_config(resolved)
-    study = measure.study(config, dtype=dtype, attention=attention, lora=lora,
+    study = measure.study(config, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                           b0=PROBE_BATCH, s0=PROBE_SEQ, widen=WIDEN_FACTOR)
-    return assemble(resolved, study, dtype=dtype, lora=lora)
+    return assemble(resolved, study, dtype=dtype, autocast=autocast, lora=lora)
 
 
-def assemble(resolved: ResolvedModel, study: Any, *, dtype: str, lora: LoraSpec | None) -> LayerGraph:
+def assemble(resolved: ResolvedModel, study: Any, *, dtype: str, autocast: str | None,
+             lora: LoraSpec | None) -> LayerGraph:
     """Build the full graph: the measured trace scopes mapped onto every real layer."""
     params_by_node: dict[str, list[ParamTensor]] = {}
     for tensor in study.params:
@@ -81,8 +90,11 @@ def assemble(resolved: ResolvedModel, study: Any, *, dtype: str, lora: LoraSpec 
     nodes.append(Layer(name="loss", role=Role.LOSS, modes=((Checkpoint.NONE, study.costs["loss"]),)))
     return LayerGraph(
         model=resolved.id, source=resolved.source, model_type=resolved.model_type,
-        architecture=study.architecture, dtype=dtype, attention=study.attention, lora=lora, dims=study.dims,
-        inputs=study.inputs, shared=study.shared, tp_splits_activations=study.widened,
+        architecture=study.architecture, dtype=dtype, autocast=autocast, attention=study.attention, lora=lora,
+        dims=study.dims,
+        inputs=study.model_wide["inputs"], shared=study.model_wide["shared"],
+        checkpoint_shared=study.model_wide["checkpoint_shared"], forward_shared=study.model_wide["forward_shared"],
+        tp_splits_activations=study.widened,
         tp_degrees=study.tp_degrees, published_params=_published(resolved), versions=study.versions,
         graph=chain_graph(nodes))
 

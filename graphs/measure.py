@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import MalformedConfig, UnsupportedModel
 from .fake import build_model, to_fake
-from .fit import Probes, segment_costs, shared_bytes
+from .fit import Probes, model_wide_bytes, segment_costs
 from .graph import ModelDims
 from .layer import Checkpoint, ModeCost, MoE, ParamTensor
 from .lora import LoraSpec, apply_lora
@@ -43,8 +43,7 @@ class Study:
     costs: dict[str, ModeCost]
     rowwise_modules: list[int]
     moe: dict[int, MoE]
-    inputs: Poly
-    shared: Poly
+    model_wide: dict[str, Poly]
     widened: bool
     tp_degrees: tuple[int, ...]
     versions: tuple[tuple[str, str], ...]
@@ -66,8 +65,8 @@ def transformers_config(resolved: ResolvedModel) -> Any:
                               "Fix the named field in the config file.") from err
 
 
-def study(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, b0: int, s0: int,
-          widen: int) -> Study:
+def study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
+          b0: int, s0: int, widen: int) -> Study:
     from .lower import dims_of, widened_config
 
     dims = dims_of(config)
@@ -80,7 +79,7 @@ def study(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | No
     moe = _moe(wide, kinds, dims)
     slots = trace_slots(kinds, selective=True)
     trace = build_trace_model(wide, kinds, slots)
-    run = _runner(trace, slots, dims.vocab, fake)
+    run = _runner(trace, slots, dims.vocab, fake, autocast)
     probes = Probes(run(b0, s0), run(b0, 2 * s0), run(b0, 3 * s0), run(2 * b0, s0), None)
     tp_degrees = _tp_degrees(params, dims)
     if _clean(plan) and len(tp_degrees) > 1:
@@ -89,17 +88,16 @@ def study(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | No
         if _matches_widening(widened, wide_params=params, factor=widen):
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
-                            _runner(widened_trace, slots, dims.vocab, fake)(b0, s0))
+                            _runner(widened_trace, slots, dims.vocab, fake, autocast)(b0, s0))
     costs = segment_costs(probes)
     _rename_dynamic(params, probes.base)
     slot_scopes = {(slot.kind, slot.mode): f"layers.{j}" for j, slot in enumerate(slots) if slot.kind is not None}
     slot_scopes = {key: scope for key, scope in slot_scopes.items()
                    if key[1] is not Checkpoint.SELECTIVE or costs[scope].recompute.flops}
-    inputs, shared = shared_bytes(probes)
     return Study(architecture=type(wide.model).__name__, attention=wide.model.config._attn_implementation,
                  dims=dims, itemsize=torch.finfo(next(wide.model.parameters()).dtype).bits // 8, params=params,
                  kinds=kinds, slot_scopes=slot_scopes, costs=costs, rowwise_modules=rowwise, moe=moe,
-                 inputs=inputs, shared=shared, widened=probes.widened is not None, tp_degrees=tp_degrees,
+                 model_wide=model_wide_bytes(probes), widened=probes.widened is not None, tp_degrees=tp_degrees,
                  versions=_versions())
 
 
@@ -110,13 +108,14 @@ def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | N
     return find_parts(model, layers)
 
 
-def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTensorMode) -> Any:
+def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTensorMode,
+            autocast: str | None) -> Any:
     to_fake(parts.model, fake)
 
     def run(b: int, s: int) -> Any:
         try:
             with fake:
-                return run_pass(parts, slots, b=b, s=s, vocab=vocab)
+                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast)
         except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
             raise UnsupportedModel(f"{type(parts.model).__name__} could not be traced on fake tensors: {err}",
                                    "Try --attention eager, or report the architecture.") from err

@@ -7,8 +7,10 @@ the shared rotary tables) and, for each layer kind, one layer per checkpoint mod
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,8 +36,8 @@ class Recording:
     s: int
     ops: list[OpRecord]
     storages: list[StorageRecord]
-    global_storages: set[int]
-    """Storages that outlive their segment for model-wide reasons: inputs, and tensors several layers save."""
+    global_storages: dict[int, str]
+    """Storages that outlive their segment for model-wide reasons, by lifetime (`MODEL_WIDE`)."""
     dynamic_scopes: dict[str, str]
     """Base-model children (by attribute name) and the scope they ran in: "embed" or "norm"."""
 
@@ -72,7 +74,8 @@ def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot
     return ModelParts(parts.model, parts.layers_path, parts.base_path, stack, parts.base, parts.head)
 
 
-def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab: int) -> Recording:
+def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab: int,
+             autocast: str | None = None) -> Recording:
     """Record a forward and backward pass of the trace model at micro-batch b and sequence length s."""
     for param in parts.model.parameters():
         param.grad = None
@@ -82,21 +85,59 @@ def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab
     scopes[parts.head] = "head"
     dynamic = {child for child in parts.base.children() if child is not parts.layers}
     tracker = ScopeTracker(recorder, scopes, dynamic=dynamic, head=parts.head)
+    boundary: list[int | None] = []
+
+    def note_boundary(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not boundary and isinstance(hidden, torch.Tensor):
+            boundary.append(recorder.storage_index(hidden))
+
+    handle = parts.layers[0].register_forward_pre_hook(note_boundary, with_kwargs=True)
     with quirks(recorder.recomputing), recorder:
         ids = torch.randint(0, vocab, (b, s))
         labels = torch.randint(0, vocab, (b, s))
         with tracker.active():
-            with recorder.saving():
+            with recorder.saving(), _autocast(autocast):
                 loss = parts.model(input_ids=ids, labels=labels, use_cache=False).loss
             tracker.enter_backward()
             loss.backward()
         del loss, ids, labels
+    handle.remove()
     recorder.mark_grads(parts.model.parameters())
-    shared = {i for i, st in enumerate(recorder.storages) if len(st.savers) > 1}
-    inputs = {i for i, st in enumerate(recorder.storages) if recorder.ops[st.alloc_op].scope == "inputs"}
+    lifetimes = model_wide(recorder, slots, boundary[0] if boundary else None)
     names = {name: tracker.dynamic_names[id(child)] for name, child in parts.base.named_children()
              if id(child) in tracker.dynamic_names}
-    return Recording(b, s, recorder.ops, recorder.storages, shared | inputs, names)
+    return Recording(b, s, recorder.ops, recorder.storages, lifetimes, names)
+
+
+# Lifetimes of model-wide tensors (made before the layers and read by them, or saved by several layers):
+# "inputs" (token ids, labels) and "shared" live through the whole pass; "checkpoint_shared" too, when some
+# layer is checkpointed (the recompute needs them), else like "forward_shared", which goes once forward ends.
+MODEL_WIDE = ("inputs", "shared", "checkpoint_shared", "forward_shared")
+
+
+def model_wide(recorder: Recorder, slots: list[TraceSlot], boundary: int | None) -> dict[int, str]:
+    """Classify the storages whose lifetime is set by the whole model, not by the node that made them."""
+    mode_of = {f"layers.{j}": slot.mode for j, slot in enumerate(slots)}
+    result = {}
+    for i, st in enumerate(recorder.storages):
+        scope = recorder.ops[st.alloc_op].scope
+        if scope == "inputs":
+            result[i] = "inputs"
+        elif len(st.savers) > 1 or (scope == "embed" and st.read_by_layer and i != boundary):
+            modes = {mode_of.get(saver, Checkpoint.NONE) for saver in st.savers}
+            if Checkpoint.NONE in modes:
+                result[i] = "shared"
+            else:
+                result[i] = "checkpoint_shared" if modes else "forward_shared"
+    return result
+
+
+def _autocast(dtype: str | None) -> contextlib.AbstractContextManager[None]:
+    """Forward under torch.autocast, as plain PyTorch mixed precision runs it (CPU op lists; see lower)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=getattr(torch, dtype))
 
 
 def _set_modes(parts: ModelParts, slots: list[TraceSlot], recorder: Recorder) -> None:

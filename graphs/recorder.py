@@ -93,6 +93,8 @@ class StorageRecord:
     dropout_mask: bool = False
     grad: bool = False
     savers: list[str] = field(default_factory=list)
+    read_by_layer: bool = False
+    """Read by an op inside a decoder layer (set for storages made before the layers only)."""
 
 
 class Recorder(TorchDispatchMode):
@@ -115,6 +117,8 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace == "prim":  # metadata queries (prim.device); dispatched more or less often by caches
             return out
+        if self.scope.startswith("layers."):
+            self._note_layer_reads(args, kwargs)
         packet = func._overloadpacket
         index = len(self.ops)
         for tensor in _tensors(out):
@@ -130,6 +134,12 @@ class Recorder(TorchDispatchMode):
         self.ops.append(OpRecord(str(packet), self.scope, self.backward, self.recompute_depth > 0,
                                  int(flops), flop_class, io))
         return out
+
+    def _note_layer_reads(self, args: Any, kwargs: Any) -> None:
+        for tensor in _tensors((args, kwargs)):
+            position = self._live.get(tensor.untyped_storage()._cdata)
+            if position is not None and self.ops[self.storages[position].alloc_op].scope in ("embed", "inputs"):
+                self.storages[position].read_by_layer = True
 
     def _track(self, tensor: torch.Tensor, index: int) -> None:
         storage = tensor.untyped_storage()

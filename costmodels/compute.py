@@ -1,0 +1,68 @@
+"""Kernel time from FLOPs and bytes: a roofline with an efficiency that depends on the operation's size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphs import Work
+
+from .activations import evaluate
+from .hardware import GPU
+
+# Achievable dense matmul throughput as a fraction of peak ("MAMF", stas00/ml-engineering
+# compute/accelerator, commit 744d01e): A100 SXM 271/312, A100 PCIe 253/312, H100 SXM 794.5/989 (H200 "the
+# same"), B200 1745/2250, MI300X 668/1300. Other GPUs use DEFAULT_MAMF (an assumption).
+MAMF = {"a100-sxm-40gb": 0.869, "a100-sxm-80gb": 0.869, "a100-pcie-40gb": 0.811, "a100-pcie-80gb": 0.811,
+        "h100-sxm-80gb": 0.803, "h200-sxm-141gb": 0.803, "b200-180gb": 0.776, "mi300x-192gb": 0.514}
+DEFAULT_MAMF = 0.75
+
+# Matmuls reach MAMF only when large: efficiency = MAMF * m / (m + GEMM_HALF_TOKENS) over the tokens per
+# micro-batch on one rank, and * k / (k + GEMM_HALF_WIDTH) over the layer width each rank multiplies.
+# Calibrated on shared/data/calibration/throughput_published.json (benchmarks/fidelity.py), not per row.
+GEMM_HALF_TOKENS = 256
+GEMM_HALF_WIDTH = 512
+
+# FlashAttention-2 reaches 50-73% of peak on A100 (Dao 2023, "FlashAttention-2", fig. 5-6); fitplan uses 0.6.
+ATTENTION_EFFICIENCY = 0.6
+# torch's FLOP counter charges full s^2 attention; a causal kernel skips the masked half (Dao 2023, §3.1).
+CAUSAL_FRACTION = 0.5
+
+# Elementwise kernels stream at ~80% of HBM bandwidth; unfused eager ops read and write each tensor
+# (an assumption checked by the fidelity benchmark).
+MEMORY_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpeed:
+    """What one rank's kernels run at for a given precision and shape."""
+
+    matmul_flops: float
+    """Effective matmul FLOP/s."""
+    attention_flops: float
+    """Effective attention-kernel FLOP/s (already counting the causal half)."""
+    memory_bandwidth: float
+    """Effective bytes/s of memory-bound kernels."""
+
+
+def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: int, width: int,
+                 alignment: float = 1.0) -> KernelSpeed:
+    """Rates for matmuls over `tokens` rows and a per-rank width of `width` (with a shape-alignment factor)."""
+    peak = gpu.peak_flops(matmul_dtype)
+    attention_peak = gpu.peak_flops(attention_dtype)
+    if peak is None or attention_peak is None:
+        raise ValueError(f"{gpu.name} has no {matmul_dtype} tensor cores")
+    size = tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
+    mamf = MAMF.get(gpu.id, DEFAULT_MAMF)
+    return KernelSpeed(matmul_flops=peak * mamf * size * alignment,
+                       attention_flops=attention_peak * ATTENTION_EFFICIENCY / CAUSAL_FRACTION,
+                       memory_bandwidth=gpu.hbm_bandwidth * MEMORY_EFFICIENCY)
+
+
+def work_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, sequence_parallel: bool = False,
+                 memory_speedup: float = 1.0) -> float:
+    """Seconds for one node's phase: matmuls, attention kernels and memory-bound ops, run one after another."""
+    flops = evaluate(work.flops, b=b, s=s, tp=tp, sequence_parallel=False)
+    attention = evaluate(work.attention_flops, b=b, s=s, tp=tp, sequence_parallel=False)
+    io = evaluate(work.io_bytes, b=b, s=s, tp=tp, sequence_parallel=sequence_parallel)
+    return ((flops - attention) / speed.matmul_flops + attention / speed.attention_flops
+            + io / (speed.memory_bandwidth * memory_speedup))

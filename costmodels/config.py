@@ -1,0 +1,136 @@
+"""What a training configuration is: the knobs the solver turns and `estimate` prices, and the workload.
+
+Choices are string enums (they print and serialise as their values). Invariants are checked on construction
+and reported as `ValueError`s that name the value and the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from graphs import Checkpoint
+
+
+class _Choice(str, Enum):
+    def __str__(self) -> str:
+        return self.value
+
+
+class Precision(_Choice):
+    """Number formats of weights, gradients and compute."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"  # fp32 storage, matmuls on TF32 tensor cores (Ampere and newer)
+    FP16_MIXED = "fp16-mixed"  # fp16 compute, fp32 master weights, dynamic loss scaling
+    BF16_MIXED = "bf16-mixed"  # bf16 compute, fp32 master weights
+    BF16 = "bf16"  # pure bf16: weights, gradients and optimizer states in bf16, no master copy
+    FP8 = "fp8"  # bf16-mixed with fp8 matmuls in the linear layers (Transformer Engine / torchao float8)
+
+
+class Optimizer(_Choice):
+    ADAMW = "adamw"  # torch.optim.AdamW, foreach implementation (the CUDA default)
+    ADAMW_FUSED = "adamw-fused"  # torch.optim.AdamW(fused=True)
+    ADAFACTOR = "adafactor"  # factored second moment, no first moment
+    ADAMW_8BIT = "adamw-8bit"  # bitsandbytes AdamW8bit: blockwise-quantised uint8 moments
+    SGD = "sgd"  # SGD with momentum
+
+
+class Engine(_Choice):
+    """Which runtime shards and moves the model states; their buffers differ."""
+
+    DDP = "ddp"  # plain PyTorch (DistributedDataParallel when dp > 1); autocast for mixed precision
+    DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO stages 0-3
+    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard; ZeRO-2/3-like via reshard_after_forward
+
+
+class Offload(_Choice):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """What one optimizer step processes."""
+
+    seq_len: int
+    """Tokens per sequence."""
+    global_batch: int
+    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """One way to run the job: every knob the planner decides."""
+
+    tp: int = 1
+    """Tensor-parallel degree (inside a node)."""
+    dp: int = 1
+    """Data-parallel degree; tp * dp is the world size."""
+    engine: Engine = Engine.DDP
+    zero: int = 0
+    """ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until backward)."""
+    optimizer_offload: Offload = Offload.NONE
+    """Where optimizer states (and fp32 master weights) live."""
+    param_offload: Offload = Offload.NONE
+    """Where sharded parameters live between uses (ZeRO-3 / FSDP2 only)."""
+    micro_batch: int = 1
+    """Sequences per rank per forward pass."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    checkpoint: tuple[Checkpoint, ...] = ()
+    """Checkpoint mode of each decoder layer, in layer order."""
+    precision: Precision = Precision.BF16_MIXED
+    optimizer: Optimizer = Optimizer.ADAMW
+    sequence_parallel: bool = False
+    """Shard the activations outside attention/MLP across TP ranks (Megatron-style SP)."""
+    compile: bool = False
+    """torch.compile the model."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "micro_batch", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
+        if self.engine is Engine.DDP and self.zero:
+            raise ValueError(f"engine=ddp has no ZeRO stage (zero={self.zero}); use deepspeed or fsdp2")
+        if self.engine is Engine.FSDP2 and self.zero not in (2, 3):
+            raise ValueError(f"engine=fsdp2 shards like ZeRO-2 or ZeRO-3 (zero={self.zero}); use 2 or 3")
+        if self.param_offload is not Offload.NONE and self.zero != 3:
+            raise ValueError(f"param_offload={self.param_offload} needs ZeRO-3 (zero={self.zero})")
+        if self.engine is Engine.DDP and self.optimizer_offload is not Offload.NONE:
+            raise ValueError("engine=ddp cannot offload the optimizer; use deepspeed or fsdp2")
+        if Offload.NVME in (self.optimizer_offload, self.param_offload) and \
+                (self.engine is not Engine.DEEPSPEED or self.zero != 3):
+            raise ValueError("NVMe offload needs DeepSpeed ZeRO-3")
+        if self.engine is Engine.FSDP2 and self.optimizer_offload != self.param_offload:
+            raise ValueError("FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states together: "
+                             f"optimizer_offload={self.optimizer_offload} must equal "
+                             f"param_offload={self.param_offload}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    def layer_modes(self, layers: int) -> tuple[Checkpoint, ...]:
+        """The per-layer modes, validated against the model's layer count (empty means no checkpointing)."""
+        if not self.checkpoint:
+            return (Checkpoint.NONE,) * layers
+        if len(self.checkpoint) != layers:
+            raise ValueError(f"checkpoint lists {len(self.checkpoint)} modes but the model has {layers} layers")
+        return self.checkpoint

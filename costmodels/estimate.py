@@ -1,0 +1,94 @@
+"""`estimate(graph, cluster, workload, config)`: the one place the knob models are composed."""
+
+from __future__ import annotations
+
+from graphs import Checkpoint, FitplanError, LayerGraph, Role
+
+from . import precision
+from .breakdown import Estimate
+from .cluster import Cluster
+from .compute import CAUSAL_FRACTION
+from .config import Config, Engine, Precision, Workload
+from .memory import memory_breakdown
+from .timing import time_breakdown
+
+
+class InvalidConfig(FitplanError):
+    """A configuration that cannot run on this model or cluster."""
+
+
+def lowering_for(config: Config, *, lora: bool = False) -> tuple[str, str | None]:
+    """The (dtype, autocast) the layer graph must be lowered with for `config`.
+
+    Plain PyTorch mixed precision keeps fp32 weights and autocasts (LoRA keeps the frozen base in 16 bits);
+    DeepSpeed and FSDP2 run the module in 16 bits and keep fp32 masters / shards themselves.
+    """
+    compute = precision.compute_dtype(config.precision)
+    if precision.is_mixed(config.precision) and config.engine is Engine.DDP:
+        return (compute if lora else "float32"), compute
+    return compute, None
+
+
+def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> None:
+    """Raise `InvalidConfig` (with a way out) when `config` cannot run as given."""
+    wanted = lowering_for(config, lora=graph.lora is not None)
+    if (graph.dtype, graph.autocast) != wanted:
+        raise ValueError(f"graph lowered as {graph.dtype}/autocast={graph.autocast}, but {config.engine} with "
+                         f"{config.precision} needs {wanted[0]}/autocast={wanted[1]}")
+    hint = "Choose a configuration the hardware and model allow (see `fitplan explain`)."
+    if config.world_size != cluster.world_size:
+        raise InvalidConfig(f"tp={config.tp} x dp={config.dp} = {config.world_size} ranks, but the cluster has "
+                            f"{cluster.world_size} GPUs", hint)
+    if config.tp not in graph.tp_degrees or config.tp > cluster.gpus_per_node:
+        raise InvalidConfig(f"tp={config.tp} is not possible: {graph.model} allows {list(graph.tp_degrees)} and "
+                            f"a node has {cluster.gpus_per_node} GPUs", hint)
+    layers = graph.decoder_layers()
+    for layer, mode in zip(layers, config.layer_modes(len(layers)), strict=True):
+        if mode not in layer.checkpoint_modes:
+            raise InvalidConfig(f"{layer.name} cannot use checkpoint mode {mode} ({graph.architecture} "
+                                "does not route attention through transformers' attention interface)", hint)
+    for dtype in {precision.matmul_dtype(config.precision), precision.attention_dtype(config.precision)}:
+        if cluster.gpu.peak_flops(dtype) is None:
+            raise InvalidConfig(f"{cluster.gpu.name} has no {dtype} support for precision {config.precision}",
+                                "Pick a precision the GPU supports (e.g. fp16-mixed on V100/T4, no fp8 before Hopper).")
+    per_step = config.micro_batch * config.grad_accum * config.dp
+    if per_step != workload.global_batch:
+        raise InvalidConfig(f"micro_batch {config.micro_batch} x grad_accum {config.grad_accum} x dp {config.dp} = "
+                            f"{per_step}, not the global batch {workload.global_batch}", hint)
+
+
+def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> Estimate:
+    """Memory per GPU and time per optimizer step of running `graph` on `cluster` with `config`."""
+    check(graph, cluster, workload, config)
+    memory = memory_breakdown(graph, cluster, workload, config)
+    time = time_breakdown(graph, cluster, workload, config)
+    tokens = workload.tokens_per_step / time.step_time
+    return Estimate(memory=memory, time=time, tokens_per_second=tokens,
+                    mfu=model_flops(graph, workload) / time.step_time / _cluster_peak(cluster, config),
+                    notes=_notes(graph, config))
+
+
+def model_flops(graph: LayerGraph, workload: Workload) -> float:
+    """Training FLOPs of one step without recompute (causal attention counted once, as MFU conventions do)."""
+    per_sequence = 0.0
+    for layer in graph.nodes():
+        for work in (layer.cost().forward, layer.cost().backward):
+            flops = work.flops(1, workload.seq_len)
+            attention = work.attention_flops(1, workload.seq_len)
+            per_sequence += flops - attention * (1 - CAUSAL_FRACTION)
+    return per_sequence * workload.global_batch
+
+
+def _cluster_peak(cluster: Cluster, config: Config) -> float:
+    dtype = "bf16" if config.precision is Precision.FP8 else precision.matmul_dtype(config.precision)
+    return (cluster.gpu.peak_flops(dtype) or 1.0) * cluster.world_size
+
+
+def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
+    notes = [f"activations measured with {graph.attention} attention (flash/memory-efficient kernels on GPUs); "
+             "sliding windows are not credited"]
+    if any(m is not Checkpoint.NONE for m in config.layer_modes(len(graph.decoder_layers()))):
+        notes.append("checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
+    if any(layer.role is Role.DECODER and layer.moe for layer in graph.nodes()):
+        notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)")
+    return tuple(notes)

@@ -1,0 +1,121 @@
+"""Peak memory per GPU: model states, the activation timeline with engine buffers, the optimizer step, and the
+runtime overhead outside PyTorch's allocator."""
+
+from __future__ import annotations
+
+import math
+
+from graphs import Checkpoint, Layer, LayerGraph, Poly
+
+from . import precision
+from .activations import Peak, evaluate, nodes_at, walk
+from .breakdown import MemoryBreakdown
+from .cluster import Cluster
+from .config import Config, Engine, Offload, Workload
+from .overhead import reserved_bytes, runtime_overhead
+from .states import ModelStates, model_states
+from .zero import local_elements, persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
+
+# DeepSpeed's estimators size host memory for offload with a 1.5x buffer factor
+# (`estimate_zero3_model_states_mem_needs(..., additional_buffer_factor=1.5)`), for pinned staging buffers.
+OFFLOAD_HOST_BUFFER_FACTOR = 1.5
+
+
+def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> MemoryBreakdown:
+    """The allocated and device peaks of one rank and their breakdown at the allocated peak."""
+    states = model_states(graph, config)
+    b, s = config.micro_batch, workload.seq_len
+    nodes = nodes_at(graph, config, b=b, s=s)
+    start, forward_only = model_wide_bytes(graph, config, b=b, s=s)
+    extra = engine_buffers(graph, config)
+    accumulate = states.accumulating_grads > 0
+    first = walk(nodes, start=start, forward_only=forward_only, fresh_grads=accumulate, extra=extra)
+    candidates = [(first, 0)]
+    if accumulate and config.grad_accum > 1:
+        later = walk(nodes, start=start, forward_only=forward_only, fresh_grads=False, extra=extra)
+        candidates.append((later, states.accumulating_grads))
+    step = Peak(bytes=states.step_temp, at="optimizer step", activations=0, grads=0)
+    candidates.append((step, states.accumulating_grads))
+    peak, grads_before = max(candidates, key=lambda item: item[0].bytes + item[1])
+    allocated = states.gpu_total + grads_before + peak.bytes
+    grads = states.grads + grads_before + peak.grads
+    temporary = allocated - states.params - grads - states.master - states.optimizer - peak.activations
+    overhead = runtime_overhead(cluster, config)
+    reserved = reserved_bytes(allocated)
+    cpu, nvme = offload_bytes(cluster, config, states)
+    return MemoryBreakdown(parameters=states.params, gradients=grads, optimizer_states=states.master + states.optimizer,
+                           activations=peak.activations, temporary=temporary, allocated_peak=allocated,
+                           reserved_peak=reserved, overhead=overhead, device_peak=reserved + overhead,
+                           peak_at=peak.at, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme)
+
+
+def model_wide_bytes(graph: LayerGraph, config: Config, *, b: int, s: int) -> tuple[int, int]:
+    """(bytes alive before the first node, part of it gone before backward) of model-wide tensors."""
+    def at(poly: Poly) -> int:
+        return evaluate(poly, b=b, s=s, tp=config.tp, sequence_parallel=config.sequence_parallel)
+
+    checkpointed = any(m is not Checkpoint.NONE for m in config.layer_modes(len(graph.decoder_layers())))
+    start = at(graph.inputs) + at(graph.shared) + at(graph.checkpoint_shared) + at(graph.forward_shared)
+    return start, at(graph.forward_shared) + (0 if checkpointed else at(graph.checkpoint_shared))
+
+
+def offload_bytes(cluster: Cluster, config: Config, states: ModelStates) -> tuple[int, int]:
+    """Host RAM and NVMe per node for the offloaded states of its ranks."""
+    ranks = min(cluster.gpus_per_node, config.world_size)
+    factor = OFFLOAD_HOST_BUFFER_FACTOR if config.engine is Engine.DEEPSPEED else 1.0
+    return math.ceil(states.cpu * ranks * factor), states.nvme * ranks
+
+
+def _gathered(graph: LayerGraph, config: Config, layer: Layer) -> int:
+    """Bytes of one node's parameters gathered whole (within its TP shard) in the compute dtype."""
+    tensors = [t for t in layer.params
+               if not (config.engine is Engine.DEEPSPEED and t.numel < persistence_threshold(graph.dims.hidden))]
+    itemsize = precision.compute_itemsize(config.precision)
+    return itemsize * local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False)
+
+
+def _unsharded_grads(config: Config, layer: Layer) -> int:
+    """An FSDP2 unit's full gradients before reduce-scatter, plus their fp32 copy when reducing in fp32."""
+    elements = local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=1, engine=config.engine,
+                              sharded=False)
+    reduce_copy = 4 if precision.is_mixed(config.precision) else 0
+    return elements * (precision.compute_itemsize(config.precision) + reduce_copy)
+
+
+def engine_buffers(graph: LayerGraph, config: Config) -> list[tuple[int, int, int]]:
+    """Per node: (forward transient, kept from forward to backward, backward transient) engine bytes."""
+    layers = graph.nodes()
+    zeros = [(0, 0, 0)] * len(layers)
+    sharded_params = (config.engine is Engine.FSDP2) or (config.engine is Engine.DEEPSPEED and config.zero == 3)
+    if config.engine is Engine.DEEPSPEED and config.zero == 2:
+        bucket = _bucket_bytes(graph, config)
+        return [(0, 0, bucket)] * len(layers)
+    if not sharded_params:
+        return zeros
+    gathered = [_gathered(graph, config, layer) for layer in layers]
+    result = []
+    for i, layer in enumerate(layers):
+        after = gathered[i + 1] if i + 1 < len(layers) else 0
+        before = gathered[i - 1] if i > 0 else 0
+        if config.engine is Engine.DEEPSPEED:
+            # ZeRO-3 gathers a module's parameters and prefetches up to `stage3_prefetch_bucket_size`.
+            prefetch = precision.compute_itemsize(config.precision) * prefetch_bucket_elements(graph.dims.hidden)
+            result.append((gathered[i] + min(prefetch, after), 0,
+                           gathered[i] + min(prefetch, before) + _bucket_bytes(graph, config)))
+        elif config.zero == 3:
+            # FSDP2 reshards after forward; the next unit's all-gather is prefetched (implicit prefetching).
+            result.append((gathered[i] + after, 0, gathered[i] + before + _unsharded_grads(config, layer)))
+        else:
+            # reshard_after_forward=False: each unit stays gathered from its forward to its backward.
+            result.append((gathered[i] + after, gathered[i], _unsharded_grads(config, layer)))
+    return result
+
+
+def _bucket_bytes(graph: LayerGraph, config: Config) -> int:
+    """ZeRO's double-buffered reduce bucket (overlap_comm=true), capped by the gradients there are."""
+    trainable = sum(t.numel for t in graph.params() if t.trainable)
+    elements = min(reduce_bucket_elements(graph.dims.hidden), trainable)
+    return 2 * elements * precision.grad_itemsize(config.precision, config.engine)
+
+
+__all__ = ["Offload", "memory_breakdown"]

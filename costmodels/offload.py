@@ -1,0 +1,44 @@
+"""Offload: PCIe traffic for states kept on the host, NVMe traffic, and the CPU optimizer step."""
+
+from __future__ import annotations
+
+from .cluster import Cluster
+from .config import Config, Engine, Offload
+
+# Measured host-to-device copies reach 88% of PCIe Gen5 x16 (55.4 of 63 GB/s on 8xH200, nvbandwidth;
+# stas00/ml-engineering, shared notes §1.2). Applied to every host link.
+PCIE_EFFICIENCY = 0.88
+# The CPU Adam step streams fp32 param, grad, m, v in and param, m, v out: 28 bytes per parameter
+# (ZeRO-Offload, Ren et al. 2021, §4.1: the CPU step is memory-bandwidth bound).
+CPU_ADAM_BYTES_PER_PARAM = 28
+# Host memory bandwidth per node actually reached by the optimizer threads: half of a 2-socket, 8-channel
+# DDR4-3200 server's 409.6 GB/s peak (an assumption; nodes vary widely).
+HOST_MEMORY_BANDWIDTH = 200e9
+# DeepSpeed's vectorised CPU-Adam is 5-7x faster than PyTorch's CPU Adam (ZeRO-Offload paper, §4.1); FSDP2's
+# CPUOffloadPolicy runs torch's optimizer on the host, taken as 6x slower.
+TORCH_CPU_ADAM_SLOWDOWN = 6.0
+
+
+def offload_seconds(cluster: Cluster, config: Config, *, partition: int, grad_bytes: int) -> float:
+    """Exposed seconds per step of offload traffic and the host optimizer step.
+
+    `partition` is the number of parameter elements this rank's optimizer owns; `grad_bytes` the bytes of one
+    16-bit element (gradients and parameters cross PCIe in the compute dtype).
+    """
+    ranks = min(cluster.gpus_per_node, config.world_size)
+    pcie = cluster.gpu.host_bandwidth * PCIE_EFFICIENCY
+    seconds = 0.0
+    if config.optimizer_offload is not Offload.NONE:
+        moved = 2 * partition * (4 if config.engine is Engine.FSDP2 else grad_bytes)  # grads down, params up
+        seconds += moved / pcie
+        step = partition * CPU_ADAM_BYTES_PER_PARAM * ranks / HOST_MEMORY_BANDWIDTH
+        seconds += step * (TORCH_CPU_ADAM_SLOWDOWN if config.engine is Engine.FSDP2 else 1.0)
+        if config.optimizer_offload is Offload.NVME:
+            seconds += 2 * 12 * partition * ranks / max(cluster.nvme_bandwidth, 1.0)
+    if config.param_offload is not Offload.NONE:
+        # Each micro-batch fetches the rank's parameter shard for forward and again for backward.
+        fetched = 2 * partition * grad_bytes * config.grad_accum
+        seconds += fetched / pcie
+        if config.param_offload is Offload.NVME:
+            seconds += fetched * ranks / max(cluster.nvme_bandwidth, 1.0)
+    return seconds

@@ -1,0 +1,66 @@
+"""Precision: which dtype each kind of state and each kind of math uses."""
+
+from __future__ import annotations
+
+from .config import Engine, Precision
+
+_COMPUTE = {Precision.FP32: "float32", Precision.TF32: "float32", Precision.FP16_MIXED: "float16",
+            Precision.BF16_MIXED: "bfloat16", Precision.BF16: "bfloat16", Precision.FP8: "bfloat16"}
+_MATMUL = {Precision.FP32: "fp32", Precision.TF32: "tf32", Precision.FP16_MIXED: "fp16",
+           Precision.BF16_MIXED: "bf16", Precision.BF16: "bf16", Precision.FP8: "fp8"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def compute_dtype(precision: Precision) -> str:
+    """The dtype activations and the traced model use (the lowering's `dtype`)."""
+    return _COMPUTE[precision]
+
+
+def matmul_dtype(precision: Precision) -> str:
+    """The tensor-core format of linear-layer matmuls (the GPU peak-FLOP/s column)."""
+    return _MATMUL[precision]
+
+
+def attention_dtype(precision: Precision) -> str:
+    """Attention kernels run in the compute dtype even when linears run in fp8."""
+    return "bf16" if precision is Precision.FP8 else _MATMUL[precision]
+
+
+def is_mixed(precision: Precision) -> bool:
+    """Mixed precision keeps fp32 master weights beside 16-bit compute."""
+    return precision in (Precision.FP16_MIXED, Precision.BF16_MIXED, Precision.FP8)
+
+
+def compute_itemsize(precision: Precision) -> int:
+    return _ITEMSIZE[compute_dtype(precision)]
+
+
+def weight_itemsize(precision: Precision, engine: Engine, *, trainable: bool) -> int:
+    """Bytes per element of the parameters the engine keeps (before any gather).
+
+    Plain PyTorch and FSDP2 keep trainable weights in fp32 under mixed precision (autocast / MixedPrecisionPolicy
+    casts per use); DeepSpeed keeps the model in 16 bits and an fp32 master copy in the optimizer. Frozen weights
+    (LoRA base) stay in the compute dtype.
+    """
+    if not trainable:
+        return compute_itemsize(precision)
+    if is_mixed(precision) and engine is not Engine.DEEPSPEED:
+        return 4
+    return compute_itemsize(precision)
+
+
+def grad_itemsize(precision: Precision, engine: Engine) -> int:
+    """Bytes per element of gradients as backward produces them (before reduction)."""
+    if is_mixed(precision) and engine is Engine.DDP:
+        return 4  # autocast: gradients of fp32 leaf weights are fp32
+    return compute_itemsize(precision)
+
+
+def master_itemsize(precision: Precision, engine: Engine) -> int:
+    """Extra fp32 master copy per trainable element: DeepSpeed under mixed precision only."""
+    return 4 if is_mixed(precision) and engine is Engine.DEEPSPEED else 0
+
+
+def state_itemsize(precision: Precision) -> int:
+    """Optimizer moments follow the master weights: fp32, except for pure bf16 training."""
+    return 2 if precision is Precision.BF16 else 4

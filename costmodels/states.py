@@ -1,0 +1,136 @@
+"""Model states per GPU: parameters, gradients, fp32 master weights and optimizer states, after tensor
+parallelism, ZeRO/FSDP sharding and offload, plus the optimizer step's temporaries."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from graphs import LayerGraph, ParamTensor
+
+from . import optimizers, precision
+from .config import Config, Engine, Offload
+from .zero import local_elements, local_shape, persistence_threshold, sharding
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelStates:
+    """Bytes per rank. `grads` is what persists between steps; unsharded gradients that accumulate during the
+    first micro-batch's backward are `accumulating_grads` (they appear in the activation timeline)."""
+
+    params: int
+    grads: int
+    accumulating_grads: int
+    master: int
+    optimizer: int
+    step_temp: int
+    cpu: int
+    nvme: int
+
+    @property
+    def gpu_total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer
+
+
+def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
+    """(gpu, cpu, nvme) bytes of a state kept at `kind`."""
+    return (nbytes, 0, 0) if kind is Offload.NONE else (0, nbytes, 0) if kind is Offload.CPU else (0, 0, nbytes)
+
+
+def model_states(graph: LayerGraph, config: Config) -> ModelStates:
+    """The persistent states of one rank (the largest shard) and where they live."""
+    shard = sharding(config)
+    trainable = [t for t in graph.params() if t.trainable]
+    frozen = [t for t in graph.params() if not t.trainable]
+    tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
+
+    def count(ts: list[ParamTensor], sharded: bool) -> int:
+        return local_elements(ts, tp=tp, dp=dp, engine=engine, sharded=sharded)
+
+    params = _param_bytes(graph, config, trainable, frozen)
+    grads, accumulating = _grad_bytes(config, count(trainable, False), count(trainable, True),
+                                      precision.grad_itemsize(prec, engine))
+    master = count(trainable, shard.optimizer > 1) * precision.master_itemsize(prec, engine)
+    opt = _optimizer_bytes(config, trainable)
+    fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))
+    offloaded = config.optimizer_offload is not Offload.NONE
+    # ZeRO-Offload moves the fp32 gradient partition with the optimizer (the 16-bit grads stream to the CPU
+    # from ZeRO-2 on); FSDP2's CPUOffloadPolicy keeps the sharded gradients on the CPU.
+    moved_grads = 0
+    if offloaded:
+        moved_grads = grads if engine is Engine.FSDP2 or config.zero >= 2 else fp32_partition
+    gpu_master, cpu_opt, nvme_opt = _offloaded(config.optimizer_offload, master + opt)
+    gpu_params, cpu_params, nvme_params = _offloaded(config.param_offload, params)
+    local = _optimizer_shapes(config, trainable)
+    temp = 0 if offloaded else _step_temp(config, local, precision.state_itemsize(prec))
+    return ModelStates(params=gpu_params, grads=grads - moved_grads, accumulating_grads=accumulating,
+                       master=master if gpu_master else 0, optimizer=opt if gpu_master else 0, step_temp=temp,
+                       cpu=cpu_opt + cpu_params + (moved_grads if config.optimizer_offload is Offload.CPU else 0),
+                       nvme=nvme_opt + nvme_params + (moved_grads if config.optimizer_offload is Offload.NVME else 0))
+
+
+def _optimizer_shapes(config: Config, trainable: list[ParamTensor]) -> list[tuple[int, ...]]:
+    """Shapes the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
+    tp, dp, engine = config.tp, config.dp, config.engine
+    if engine is Engine.DEEPSPEED and sharding(config).optimizer > 1:
+        return [(math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) / dp),) for t in trainable]
+    return [local_shape(t, tp=tp, dp=dp, engine=engine) for t in trainable]
+
+
+def _optimizer_bytes(config: Config, trainable: list[ParamTensor]) -> int:
+    local = _optimizer_shapes(config, trainable)
+    itemsize = precision.state_itemsize(config.precision)
+    return (sum(optimizers.state_bytes(config.optimizer, shape, itemsize) for shape in local)
+            + optimizers.step_counter_bytes(config.optimizer, len(local))
+            + optimizers.fixed_state_bytes(config.optimizer))
+
+
+def _param_bytes(graph: LayerGraph, config: Config, trainable: list[ParamTensor], frozen: list[ParamTensor]) -> int:
+    shard = sharding(config)
+    tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
+    total = 0
+    for group, is_trainable in ((trainable, True), (frozen, False)):
+        itemsize = precision.weight_itemsize(prec, engine, trainable=is_trainable)
+        sharded = [t for t in group if not _persistent(graph, config, t)]
+        whole = [t for t in group if _persistent(graph, config, t)]
+        total += itemsize * (local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1)
+                             + local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False))
+    return total
+
+
+def _persistent(graph: LayerGraph, config: Config, tensor: ParamTensor) -> bool:
+    """DeepSpeed ZeRO-3 keeps small parameters (norm weights, biases) whole on every rank."""
+    return (config.engine is Engine.DEEPSPEED and config.zero == 3
+            and tensor.numel < persistence_threshold(graph.dims.hidden))
+
+
+def _fp32_grad_partition(config: Config, elements: int) -> int:
+    """DeepSpeed under mixed precision keeps an fp32 gradient buffer beside the 16-bit gradients (the
+    estimator's 18 bytes/param for ZeRO-2/3: `estimate_zero2_model_states_mem_needs`, stage3 likewise)."""
+    if config.engine is Engine.DEEPSPEED and precision.is_mixed(config.precision):
+        return 4 * elements
+    return 0
+
+
+def _grad_bytes(config: Config, full: int, partition: int, itemsize: int) -> tuple[int, int]:
+    """(persistent, accumulating) gradient bytes per rank."""
+    fp32 = _fp32_grad_partition(config, partition if config.zero >= 1 else full)
+    if config.engine is Engine.FSDP2:
+        # Sharded gradients in the reduce dtype: fp32 under mixed precision (MixedPrecisionPolicy reduce_dtype).
+        reduce = 4 if precision.is_mixed(config.precision) else itemsize
+        return partition * reduce, 0
+    if config.engine is Engine.DEEPSPEED and config.zero == 3:
+        return fp32 or partition * itemsize, 0
+    if config.engine is Engine.DEEPSPEED and config.zero == 2:
+        return partition * itemsize + fp32, 0
+    # DDP / ZeRO-0/1: every rank accumulates full gradients. DDP (dp > 1) also keeps flat reduction buckets of
+    # the same size (torch DistributedDataParallel, gradient_as_bucket_view=False, the default).
+    buckets = full * itemsize if config.engine is Engine.DDP and config.dp > 1 else 0
+    return fp32 + buckets, full * itemsize
+
+
+def _step_temp(config: Config, local: list[tuple[int, ...]], itemsize: int) -> int:
+    """DeepSpeed runs its own fused Adam (no list-wide temporaries); torch optimizers use foreach on CUDA."""
+    if config.engine is Engine.DEEPSPEED:
+        return 0
+    return optimizers.step_temp_bytes(config.optimizer, local, itemsize)
