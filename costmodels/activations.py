@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
+from graphs import Checkpoint, Layer, Poly, Role
 
 from .config import Config
 
@@ -18,7 +18,6 @@ from .config import Config
 class NodeMemory:
     """One node's memory effect, in bytes at the configuration's micro-batch, sequence and TP degree."""
 
-    name: str
     decoder: bool
     saved: int
     fwd_net: int
@@ -63,22 +62,15 @@ def node_memory(layer: Layer, mode: Checkpoint, *, b: int, s: int, config: Confi
     def peak(candidates: tuple[Poly, ...]) -> int:
         return max((at(p) for p in candidates), default=0)
 
-    return NodeMemory(name=layer.name, decoder=layer.role is Role.DECODER, saved=at(cost.saved),
+    return NodeMemory(decoder=layer.role is Role.DECODER, saved=at(cost.saved),
                       fwd_net=at(cost.fwd_net), released_after_forward=at(cost.released_after_forward),
                       fwd_peak=peak(cost.fwd_peak.candidates), bwd_net=at(cost.bwd_net),
                       bwd_peak=peak(cost.bwd_peak.candidates), bwd_peak_fresh=peak(cost.bwd_peak_fresh.candidates),
                       grads=at(cost.grads))
 
 
-def nodes_at(graph: LayerGraph, config: Config, *, b: int, s: int) -> list[NodeMemory]:
-    """Every node's memory in forward order, each decoder layer in its configured checkpoint mode."""
-    modes = iter(config.layer_modes(len(graph.decoder_layers())))
-    return [node_memory(layer, next(modes) if layer.role is Role.DECODER else Checkpoint.NONE, b=b, s=s,
-                        config=config) for layer in graph.nodes()]
-
-
 def walk(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh_grads: bool,
-         extra: list[tuple[int, int, int]]) -> Peak:
+         extra: tuple[tuple[int, int, int], ...], names: tuple[str, ...]) -> Peak:
     """The peak over forward then backward of one micro-batch.
 
     `start` is the live activation bytes before the first node (input batch, model-wide tensors), of which
@@ -91,7 +83,7 @@ def walk(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh_grads:
     for i, (node, (fwd_extra, keep, _)) in enumerate(zip(nodes, extra, strict=True)):
         candidate = live + node.fwd_peak + fwd_extra + kept
         if candidate > best.bytes:
-            best = Peak(bytes=candidate, at=f"forward {node.name}", activations=saved, grads=0)
+            best = Peak(bytes=candidate, at=f"forward {names[i]}", activations=saved, grads=0)
         live += node.fwd_net
         kept += keep
         saved += node.saved
@@ -99,11 +91,12 @@ def walk(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh_grads:
             live -= forward_only
             saved -= forward_only
     live -= sum(node.released_after_forward for node in nodes)
-    for node, (_, keep, bwd_extra) in zip(reversed(nodes), reversed(extra), strict=True):
+    for i in reversed(range(len(nodes))):
+        node, (_, keep, bwd_extra) = nodes[i], extra[i]
         node_peak = node.bwd_peak_fresh if fresh_grads else node.bwd_peak
         candidate = live + node_peak + bwd_extra + kept
         if candidate > best.bytes:
-            best = Peak(bytes=candidate, at=f"backward {node.name}", activations=saved, grads=grads)
+            best = Peak(bytes=candidate, at=f"backward {names[i]}", activations=saved, grads=grads)
         live += node.bwd_net + (node.grads if fresh_grads else 0)
         grads += node.grads if fresh_grads else 0
         kept -= keep

@@ -4,11 +4,12 @@ runtime overhead outside PyTorch's allocator."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from graphs import Checkpoint, Layer, LayerGraph, Poly
+from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
 
 from . import precision
-from .activations import Peak, evaluate, nodes_at, walk
+from .activations import NodeMemory, Peak, evaluate, node_memory, walk
 from .breakdown import MemoryBreakdown
 from .cluster import Cluster
 from .config import Config, Engine, Offload, Workload
@@ -21,23 +22,65 @@ from .zero import local_elements, persistence_threshold, prefetch_bucket_element
 OFFLOAD_HOST_BUFFER_FACTOR = 1.5
 
 
-def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> MemoryBreakdown:
-    """The allocated and device peaks of one rank and their breakdown at the allocated peak."""
+@dataclass(frozen=True, slots=True)
+class MemoryTerms:
+    """Everything the peak of one configuration depends on, for every choice of per-layer checkpoint modes."""
+
+    states: ModelStates
+    start: int
+    """Model-wide activation bytes alive before the first node."""
+    forward_only: int
+    """Part of `start` gone once the last decoder layer has run."""
+    nodes: tuple[tuple[tuple[Checkpoint, NodeMemory], ...], ...]
+    """Per node in forward order, its memory in each mode it supports (non-decoder nodes: NONE only)."""
+    names: tuple[str, ...]
+    """Node names, in the same order."""
+    extra: tuple[tuple[int, int, int], ...]
+    """Per node, the engine's (forward transient, kept to backward, backward transient) bytes."""
+    walks: tuple[tuple[bool, int], ...]
+    """Micro-batch timelines to check: (gradients produced stay allocated, gradient bytes already there)."""
+
+
+def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> MemoryTerms:
     states = model_states(graph, config)
     b, s = config.micro_batch, workload.seq_len
-    nodes = nodes_at(graph, config, b=b, s=s)
+    by_kind: dict[int, tuple[tuple[Checkpoint, NodeMemory], ...]] = {}  # layers of one kind cost the same
+    nodes = []
+    for layer in graph.nodes():
+        if layer.role is not Role.DECODER:
+            nodes.append(((Checkpoint.NONE, node_memory(layer, Checkpoint.NONE, b=b, s=s, config=config)),))
+            continue
+        if layer.kind not in by_kind:
+            by_kind[layer.kind] = tuple((mode, node_memory(layer, mode, b=b, s=s, config=config))
+                                        for mode in layer.checkpoint_modes)
+        nodes.append(by_kind[layer.kind])
     start, forward_only = model_wide_bytes(graph, config, b=b, s=s)
-    extra = engine_buffers(graph, config)
     accumulate = states.accumulating_grads > 0
-    first = walk(nodes, start=start, forward_only=forward_only, fresh_grads=accumulate, extra=extra)
-    candidates = [(first, 0)]
+    walks = [(accumulate, 0)]
     if accumulate and config.grad_accum > 1:
-        later = walk(nodes, start=start, forward_only=forward_only, fresh_grads=False, extra=extra)
-        candidates.append((later, states.accumulating_grads))
-    step = Peak(bytes=states.step_temp, at="optimizer step", activations=0, grads=0)
-    candidates.append((step, states.accumulating_grads))
-    peak, grads_before = max(candidates, key=lambda item: item[0].bytes + item[1])
-    allocated = states.gpu_total + grads_before + peak.bytes
+        walks.append((False, states.accumulating_grads))  # later micro-batches: gradients already allocated
+    return MemoryTerms(states=states, start=start, forward_only=forward_only, nodes=tuple(nodes),
+                       names=tuple(layer.name for layer in graph.nodes()),
+                       extra=tuple(engine_buffers(graph, config)), walks=tuple(walks))
+
+
+def allocated_peak(terms: MemoryTerms, modes: tuple[Checkpoint, ...]) -> tuple[int, Peak, int]:
+    """(allocated peak bytes, the micro-batch peak it comes from, gradient bytes allocated before it)."""
+    choice = iter(modes)
+    nodes = [dict(options)[next(choice)] if options[0][1].decoder else options[0][1] for options in terms.nodes]
+    candidates = [(walk(nodes, start=terms.start, forward_only=terms.forward_only, fresh_grads=fresh,
+                        extra=terms.extra, names=terms.names), before) for fresh, before in terms.walks]
+    step = Peak(bytes=terms.states.step_temp, at="optimizer step", activations=0, grads=0)
+    candidates.append((step, terms.states.accumulating_grads))
+    peak, before = max(candidates, key=lambda item: item[0].bytes + item[1])
+    return terms.states.gpu_total + before + peak.bytes, peak, before
+
+
+def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> MemoryBreakdown:
+    """The allocated and device peaks of one rank and their breakdown at the allocated peak."""
+    terms = memory_terms(graph, workload, config)
+    states = terms.states
+    allocated, peak, grads_before = allocated_peak(terms, config.layer_modes(len(graph.decoder_layers())))
     grads = states.grads + grads_before + peak.grads
     temporary = allocated - states.params - grads - states.master - states.optimizer - peak.activations
     overhead = runtime_overhead(cluster, config)
@@ -69,7 +112,7 @@ def offload_bytes(cluster: Cluster, config: Config, states: ModelStates) -> tupl
 def _gathered(graph: LayerGraph, config: Config, layer: Layer) -> int:
     """Bytes of one node's parameters gathered whole (within its TP shard) in the compute dtype."""
     tensors = [t for t in layer.params
-               if not (config.engine is Engine.DEEPSPEED and t.numel < persistence_threshold(graph.dims.hidden))]
+               if not (config.engine is Engine.DEEPSPEED and t.numel <= persistence_threshold(graph.dims.hidden))]
     itemsize = precision.compute_itemsize(config.precision)
     return itemsize * local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False)
 
@@ -92,28 +135,34 @@ def engine_buffers(graph: LayerGraph, config: Config) -> list[tuple[int, int, in
         return [(0, 0, bucket)] * len(layers)
     if not sharded_params:
         return zeros
-    gathered = [_gathered(graph, config, layer) for layer in layers]
+    per_kind: dict[object, tuple[int, int]] = {}  # layers of one kind gather the same bytes
+    for layer in layers:
+        key = layer.kind if layer.kind is not None else layer.name
+        if key not in per_kind:
+            per_kind[key] = (_gathered(graph, config, layer), _unsharded_grads(config, layer))
+    gathered = [per_kind[layer.kind if layer.kind is not None else layer.name][0] for layer in layers]
+    grads = [per_kind[layer.kind if layer.kind is not None else layer.name][1] for layer in layers]
+    bucket = _bucket_bytes(graph, config)
+    prefetch = precision.compute_itemsize(config.precision) * prefetch_bucket_elements(graph.dims.hidden)
     result = []
-    for i, layer in enumerate(layers):
+    for i in range(len(layers)):
         after = gathered[i + 1] if i + 1 < len(layers) else 0
         before = gathered[i - 1] if i > 0 else 0
         if config.engine is Engine.DEEPSPEED:
             # ZeRO-3 gathers a module's parameters and prefetches up to `stage3_prefetch_bucket_size`.
-            prefetch = precision.compute_itemsize(config.precision) * prefetch_bucket_elements(graph.dims.hidden)
-            result.append((gathered[i] + min(prefetch, after), 0,
-                           gathered[i] + min(prefetch, before) + _bucket_bytes(graph, config)))
+            result.append((gathered[i] + min(prefetch, after), 0, gathered[i] + min(prefetch, before) + bucket))
         elif config.zero == 3:
             # FSDP2 reshards after forward; the next unit's all-gather is prefetched (implicit prefetching).
-            result.append((gathered[i] + after, 0, gathered[i] + before + _unsharded_grads(config, layer)))
+            result.append((gathered[i] + after, 0, gathered[i] + before + grads[i]))
         else:
             # reshard_after_forward=False: each unit stays gathered from its forward to its backward.
-            result.append((gathered[i] + after, gathered[i], _unsharded_grads(config, layer)))
+            result.append((gathered[i] + after, gathered[i], grads[i]))
     return result
 
 
 def _bucket_bytes(graph: LayerGraph, config: Config) -> int:
     """ZeRO's double-buffered reduce bucket (overlap_comm=true), capped by the gradients there are."""
-    trainable = sum(t.numel for t in graph.params() if t.trainable)
+    trainable = sum(t.numel * n for t, n in graph.tensor_groups(trainable=True))
     elements = min(reduce_bucket_elements(graph.dims.hidden), trainable)
     return 2 * elements * precision.grad_itemsize(config.precision, config.engine)
 

@@ -43,3 +43,15 @@ def reserved_bytes(allocated: int) -> int:
     """The allocator's reservation for an allocated peak: rounding to 2 MiB blocks plus fragmentation."""
     rounded = math.ceil(allocated / LARGE_BLOCK) * LARGE_BLOCK
     return rounded + math.ceil(FRAGMENTATION * allocated)
+
+
+def allocated_budget(usable: int, overhead: int) -> int:
+    """The largest allocated peak whose reservation plus `overhead` fits in `usable` bytes (0 if none)."""
+    low, high = 0, max(0, usable)
+    while low < high:  # reserved_bytes is nondecreasing, so bisect on it
+        middle = (low + high + 1) // 2
+        if reserved_bytes(middle) + overhead <= usable:
+            low = middle
+        else:
+            high = middle - 1
+    return low if reserved_bytes(low) + overhead <= usable else 0

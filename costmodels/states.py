@@ -12,6 +12,9 @@ from . import optimizers, precision
 from .config import Config, Engine, Offload
 from .zero import local_elements, local_shape, persistence_threshold, sharding
 
+Group = tuple[ParamTensor, int]
+"""Identical parameter tensors and how many there are (`LayerGraph.tensor_groups`)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelStates:
@@ -40,68 +43,77 @@ def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
 def model_states(graph: LayerGraph, config: Config) -> ModelStates:
     """The persistent states of one rank (the largest shard) and where they live."""
     shard = sharding(config)
-    trainable = [t for t in graph.params() if t.trainable]
-    frozen = [t for t in graph.params() if not t.trainable]
+    trainable = list(graph.tensor_groups(trainable=True))
+    frozen = list(graph.tensor_groups(trainable=False))
     tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
 
-    def count(ts: list[ParamTensor], sharded: bool) -> int:
+    def count(ts: list[Group], sharded: bool) -> int:
         return local_elements(ts, tp=tp, dp=dp, engine=engine, sharded=sharded)
 
-    params = _param_bytes(graph, config, trainable, frozen)
+    sharded_params, persistent_params = _param_bytes(graph, config, trainable, frozen)
     grads, accumulating = _grad_bytes(config, count(trainable, False), count(trainable, True),
                                       precision.grad_itemsize(prec, engine))
     master = count(trainable, shard.optimizer > 1) * precision.master_itemsize(prec, engine)
     opt = _optimizer_bytes(config, trainable)
     fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))
     offloaded = config.optimizer_offload is not Offload.NONE
-    # ZeRO-Offload moves the fp32 gradient partition with the optimizer (the 16-bit grads stream to the CPU
-    # from ZeRO-2 on); FSDP2's CPUOffloadPolicy keeps the sharded gradients on the CPU.
-    moved_grads = 0
-    if offloaded:
-        moved_grads = grads if engine is Engine.FSDP2 or config.zero >= 2 else fp32_partition
+    gpu_grads, host_grads = grads, 0
+    if offloaded and engine is Engine.FSDP2:  # CPUOffloadPolicy keeps the sharded gradients on the CPU
+        gpu_grads, host_grads = 0, grads
+    elif offloaded and config.zero >= 2:
+        # ZeRO-Offload keeps the fp32 gradient partition on the host, and with accumulation also a 16-bit
+        # accumulation buffer (DeepSpeed stage_1_and_2.py `accumulated_grads_in_cpu`); nothing stays on the GPU.
+        accumulation = 2 * count(trainable, True) if config.grad_accum > 1 else 0
+        gpu_grads, host_grads = 0, fp32_partition + accumulation
+    elif offloaded:
+        gpu_grads, host_grads = grads - fp32_partition, fp32_partition
     gpu_master, cpu_opt, nvme_opt = _offloaded(config.optimizer_offload, master + opt)
-    gpu_params, cpu_params, nvme_params = _offloaded(config.param_offload, params)
-    local = _optimizer_shapes(config, trainable)
+    # DeepSpeed keeps its persistent (small, unpartitioned) parameters on the GPU under parameter offload
+    # (partition_parameters.py: `if param.ds_persist: device = self.local_device`).
+    gpu_params, cpu_params, nvme_params = _offloaded(config.param_offload, sharded_params)
+    gpu_params += persistent_params
+    local = [shape for shape, n in _optimizer_shapes(config, trainable) for _ in range(n)]
     temp = 0 if offloaded else _step_temp(config, local, precision.state_itemsize(prec))
-    return ModelStates(params=gpu_params, grads=grads - moved_grads, accumulating_grads=accumulating,
+    return ModelStates(params=gpu_params, grads=gpu_grads, accumulating_grads=accumulating,
                        master=master if gpu_master else 0, optimizer=opt if gpu_master else 0, step_temp=temp,
-                       cpu=cpu_opt + cpu_params + (moved_grads if config.optimizer_offload is Offload.CPU else 0),
-                       nvme=nvme_opt + nvme_params + (moved_grads if config.optimizer_offload is Offload.NVME else 0))
+                       cpu=cpu_opt + cpu_params + (host_grads if config.optimizer_offload is Offload.CPU else 0),
+                       nvme=nvme_opt + nvme_params + (host_grads if config.optimizer_offload is Offload.NVME else 0))
 
 
-def _optimizer_shapes(config: Config, trainable: list[ParamTensor]) -> list[tuple[int, ...]]:
-    """Shapes the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
+def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, count) the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
     tp, dp, engine = config.tp, config.dp, config.engine
     if engine is Engine.DEEPSPEED and sharding(config).optimizer > 1:
-        return [(math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) / dp),) for t in trainable]
-    return [local_shape(t, tp=tp, dp=dp, engine=engine) for t in trainable]
+        return [((math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) / dp),), n) for t, n in trainable]
+    return [(local_shape(t, tp=tp, dp=dp, engine=engine), n) for t, n in trainable]
 
 
-def _optimizer_bytes(config: Config, trainable: list[ParamTensor]) -> int:
+def _optimizer_bytes(config: Config, trainable: list[Group]) -> int:
     local = _optimizer_shapes(config, trainable)
     itemsize = precision.state_itemsize(config.precision)
-    return (sum(optimizers.state_bytes(config.optimizer, shape, itemsize) for shape in local)
-            + optimizers.step_counter_bytes(config.optimizer, len(local))
+    return (sum(n * optimizers.state_bytes(config.optimizer, shape, itemsize) for shape, n in local)
+            + optimizers.step_counter_bytes(config.optimizer, sum(n for _, n in local))
             + optimizers.fixed_state_bytes(config.optimizer))
 
 
-def _param_bytes(graph: LayerGraph, config: Config, trainable: list[ParamTensor], frozen: list[ParamTensor]) -> int:
+def _param_bytes(graph: LayerGraph, config: Config, trainable: list[Group], frozen: list[Group]) -> tuple[int, int]:
+    """(partitioned, persistent) parameter bytes per rank."""
     shard = sharding(config)
     tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
-    total = 0
+    partitioned = persistent = 0
     for group, is_trainable in ((trainable, True), (frozen, False)):
         itemsize = precision.weight_itemsize(prec, engine, trainable=is_trainable)
-        sharded = [t for t in group if not _persistent(graph, config, t)]
-        whole = [t for t in group if _persistent(graph, config, t)]
-        total += itemsize * (local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1)
-                             + local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False))
-    return total
+        sharded = [g for g in group if not _persistent(graph, config, g[0])]
+        whole = [g for g in group if _persistent(graph, config, g[0])]
+        partitioned += itemsize * local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1)
+        persistent += itemsize * local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False)
+    return partitioned, persistent
 
 
 def _persistent(graph: LayerGraph, config: Config, tensor: ParamTensor) -> bool:
     """DeepSpeed ZeRO-3 keeps small parameters (norm weights, biases) whole on every rank."""
     return (config.engine is Engine.DEEPSPEED and config.zero == 3
-            and tensor.numel < persistence_threshold(graph.dims.hidden))
+            and tensor.numel <= persistence_threshold(graph.dims.hidden))
 
 
 def _fp32_grad_partition(config: Config, elements: int) -> int:

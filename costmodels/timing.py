@@ -3,7 +3,9 @@ the engine overlaps them), offload, and the optimizer step."""
 
 from __future__ import annotations
 
-from graphs import Checkpoint, LayerGraph, Role
+from dataclasses import dataclass
+
+from graphs import Checkpoint, Layer, LayerGraph, Role
 
 from . import precision
 from .breakdown import TimeBreakdown
@@ -12,7 +14,7 @@ from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduc
 from .compute import KernelSpeed, kernel_speed, work_seconds
 from .config import Config, Engine, Offload, Workload
 from .offload import offload_seconds
-from .tensor_parallel import tp_comm_seconds
+from .tensor_parallel import tp_node_seconds
 from .zero import dp_traffic, local_elements, sharding
 
 # The optimizer step streams each local parameter's states: fp32 param, grad, 2 moments read and param and
@@ -21,19 +23,28 @@ from .zero import dp_traffic, local_elements, sharding
 OPTIMIZER_BYTES_PER_PARAM = 32
 
 
-def compute_seconds(graph: LayerGraph, config: Config, speed: KernelSpeed, *, b: int, s: int,
-                    memory_speedup: float = 1.0) -> tuple[float, float, float]:
-    """(forward, backward, recompute) seconds of one micro-batch on one rank."""
-    modes = iter(config.layer_modes(len(graph.decoder_layers())))
-    fwd = bwd = rec = 0.0
-    for layer in graph.nodes():
-        cost = layer.cost(next(modes) if layer.role is Role.DECODER else Checkpoint.NONE)
-        kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
-                  "memory_speedup": memory_speedup}
-        fwd += work_seconds(cost.forward, speed, **kwargs)
-        bwd += work_seconds(cost.backward, speed, **kwargs)
-        rec += work_seconds(cost.recompute, speed, **kwargs)
-    return fwd, bwd, rec
+@dataclass(frozen=True, slots=True)
+class NodeTime:
+    """Seconds one node adds per step in one checkpoint mode (gradient accumulation included)."""
+
+    compute: float
+    recompute: float
+    tp: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class TimeTerms:
+    """Step time as a constant plus one term per decoder layer and mode: what the solver sums."""
+
+    fixed: TimeBreakdown
+    """Everything that does not depend on the decoder layers' checkpoint modes (their NONE-mode work
+    excluded): non-decoder nodes, data-parallel collectives, offload, the optimizer step."""
+    layers: tuple[tuple[tuple[Checkpoint, NodeTime], ...], ...]
+    """For each decoder layer, its time in every mode it supports."""
 
 
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
@@ -43,27 +54,80 @@ def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s:
                         width=max(1, graph.dims.hidden // config.tp), alignment=alignment)
 
 
-def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
-                   alignment: float = 1.0, memory_speedup: float = 1.0) -> TimeBreakdown:
-    """Seconds per optimizer step for `config` (gradient accumulation included)."""
+def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
+              speed: KernelSpeed, *, b: int, s: int, memory_speedup: float = 1.0) -> NodeTime:
+    cost = layer.cost(mode)
+    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
+              "memory_speedup": memory_speedup}
+    ga = config.grad_accum
+    return NodeTime(compute=ga * (work_seconds(cost.forward, speed, **kwargs)
+                                  + work_seconds(cost.backward, speed, **kwargs)),
+                    recompute=ga * work_seconds(cost.recompute, speed, **kwargs),
+                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s))
+
+
+def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
+               alignment: float = 1.0, memory_speedup: float = 1.0) -> TimeTerms:
+    """The step time of `config` for every choice of per-layer checkpoint modes.
+
+    Data-parallel collectives overlap the forward and backward compute of the layers without counting
+    recompute, so that the step time is a sum over layers (what makes the solver's model linear).
+    """
     b, s, ga = config.micro_batch, workload.seq_len, config.grad_accum
     speed = speed_for(graph, cluster, config, b=b, s=s, alignment=alignment)
-    fwd, bwd, rec = compute_seconds(graph, config, speed, b=b, s=s, memory_speedup=memory_speedup)
-    tp = tp_comm_seconds(graph, cluster, config, b=b, s=s)
-    dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd + rec)
-    partition = local_elements([p for p in graph.params() if p.trainable], tp=config.tp, dp=config.dp,
+    fwd = bwd = 0.0
+    fixed = NodeTime(0.0, 0.0, 0.0)
+    layers = []
+    by_kind: dict[int, tuple[tuple[tuple[Checkpoint, NodeTime], ...], float, float]] = {}
+    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
+              "memory_speedup": memory_speedup}
+    for layer in graph.nodes():
+        if layer.role is Role.DECODER:
+            if layer.kind not in by_kind:  # layers of one kind cost the same
+                options = tuple((mode, node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
+                                                 memory_speedup=memory_speedup)) for mode in layer.checkpoint_modes)
+                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs),
+                                       work_seconds(layer.cost().backward, speed, **kwargs))
+            options, layer_fwd, layer_bwd = by_kind[layer.kind]
+            layers.append(options)
+            fwd, bwd = fwd + layer_fwd, bwd + layer_bwd
+        else:
+            fwd += work_seconds(layer.cost().forward, speed, **kwargs)
+            bwd += work_seconds(layer.cost().backward, speed, **kwargs)
+            t = node_time(graph, cluster, config, layer, Checkpoint.NONE, speed, b=b, s=s,
+                          memory_speedup=memory_speedup)
+            fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
+    dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
+    partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=config.dp,
                                engine=config.engine, sharded=sharding(config).optimizer > 1)
     offload = offload_seconds(cluster, config, partition=partition,
                               grad_bytes=precision.compute_itemsize(config.precision))
     optimizer = 0.0 if config.optimizer_offload is not Offload.NONE else \
         partition * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth
-    communication = ga * (tp + dp_mb) + dp_step
-    compute, recompute = ga * (fwd + bwd), ga * rec
-    return TimeBreakdown(compute=compute, recompute=recompute, communication=communication, offload=offload,
-                         optimizer=optimizer, step_time=compute + recompute + communication + offload + optimizer,
-                         communication_total=ga * tp + dp_total,
-                         details=(("forward", ga * fwd), ("backward", ga * bwd), ("tp_collectives", ga * tp),
-                                  ("dp_collectives_total", dp_total)))
+    communication = fixed.tp + ga * dp_mb + dp_step
+    total = fixed.compute + fixed.recompute + communication + offload + optimizer
+    return TimeTerms(
+        fixed=TimeBreakdown(compute=fixed.compute, recompute=fixed.recompute, communication=communication,
+                            offload=offload, optimizer=optimizer, step_time=total,
+                            communication_total=fixed.tp + dp_total,
+                            details=(("dp_collectives_total", dp_total),)),
+        layers=tuple(layers))
+
+
+def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
+                   alignment: float = 1.0, memory_speedup: float = 1.0) -> TimeBreakdown:
+    """Seconds per optimizer step for `config` (gradient accumulation included)."""
+    terms = time_terms(graph, cluster, workload, config, alignment=alignment, memory_speedup=memory_speedup)
+    compute, recompute, tp = terms.fixed.compute, terms.fixed.recompute, 0.0
+    for options, mode in zip(terms.layers, config.layer_modes(len(terms.layers)), strict=True):
+        chosen = dict(options)[mode]
+        compute, recompute, tp = compute + chosen.compute, recompute + chosen.recompute, tp + chosen.tp
+    f = terms.fixed
+    communication = f.communication + tp
+    return TimeBreakdown(compute=compute, recompute=recompute, communication=communication, offload=f.offload,
+                         optimizer=f.optimizer, step_time=compute + recompute + communication + f.offload + f.optimizer,
+                         communication_total=f.communication_total + tp,
+                         details=(("tp_collectives_decoder_layers", tp), *f.details))
 
 
 def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward: float,
@@ -74,9 +138,8 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     ZeRO-0/1 all-reduce overlaps the last micro-batch's backward (bucketed); ZeRO-1/2's parameter all-gather
     after the step is exposed.
     """
-    tensors = graph.params()
-    elements = local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False)
-    trainable = local_elements([t for t in tensors if t.trainable], tp=config.tp, dp=1, engine=config.engine,
+    elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False)
+    trainable = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=1, engine=config.engine,
                                sharded=False)
     traffic = dp_traffic(config, param_bytes=elements * precision.compute_itemsize(config.precision),
                          grad_bytes=trainable * _reduce_itemsize(config))

@@ -44,22 +44,26 @@ def local_shape(tensor: ParamTensor, *, tp: int, dp: int, engine: Engine) -> tup
     return tuple(shape)
 
 
-def local_elements(tensors: Iterable[ParamTensor], *, tp: int, dp: int, engine: Engine, sharded: bool) -> int:
-    """Elements the largest rank holds of `tensors` when a state is (or is not) sharded over `dp`.
+def local_elements(tensors: Iterable[ParamTensor | tuple[ParamTensor, int]], *, tp: int, dp: int, engine: Engine,
+                   sharded: bool) -> int:
+    """Elements the largest rank holds of `tensors` (or (tensor, count) groups) when a state is (or is not)
+    sharded over `dp`.
 
     FSDP2 shards every tensor on dim 0; DeepSpeed ZeRO partitions each tensor's flat view (stage 3) or the flat
     concatenation (stages 1-2) evenly, so a rank holds ceil(n / dp).
     """
-    tensors = list(tensors)
-    if not sharded or dp == 1:
-        return sum(math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) for t in tensors)
-    if engine is Engine.FSDP2:
-        return sum(math.prod(local_shape(t, tp=tp, dp=dp, engine=engine)) for t in tensors)
-    flat = [math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) for t in tensors]
-    return sum(math.ceil(n / dp) for n in flat)
+    total = 0
+    for item in tensors:
+        tensor, count = item if isinstance(item, tuple) else (item, 1)
+        if sharded and dp > 1 and engine is Engine.FSDP2:
+            total += count * math.prod(local_shape(tensor, tp=tp, dp=dp, engine=engine))
+        else:
+            n = math.prod(local_shape(tensor, tp=tp, dp=1, engine=engine))
+            total += count * (math.ceil(n / dp) if sharded and dp > 1 else n)
+    return total
 
 
-# DeepSpeed keeps parameters below `stage3_param_persistence_threshold` elements whole on every rank; the HF
+# DeepSpeed keeps parameters of at most `stage3_param_persistence_threshold` elements whole on every rank; the HF
 # integration sets it to 10 * hidden ("auto", transformers integrations/deepspeed.py).
 def persistence_threshold(hidden: int) -> int:
     return 10 * hidden

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +64,13 @@ class LayerGraph:
     published_params: int | None = None
     versions: tuple[tuple[str, str], ...] = ()
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def nodes(self) -> list[Layer]:
         """All nodes in execution order."""
-        return [self.graph.nodes[name]["layer"] for name in nx.topological_sort(self.graph)]
+        if "nodes" not in self._memo:
+            self._memo["nodes"] = [self.graph.nodes[name]["layer"] for name in nx.topological_sort(self.graph)]
+        return list(self._memo["nodes"])
 
     def node(self, name: str) -> Layer:
         return self.graph.nodes[name]["layer"]
@@ -76,6 +80,14 @@ class LayerGraph:
 
     def params(self) -> list[ParamTensor]:
         return [p for layer in self.nodes() for p in layer.params]
+
+    def tensor_groups(self, *, trainable: bool | None = None) -> tuple[tuple[ParamTensor, int], ...]:
+        """Parameter tensors grouped by what their cost depends on (shape, TP split, role, dtype), with counts:
+        a 70B model's ~700 tensors are a dozen groups, which keeps cost evaluation fast."""
+        key = f"groups:{trainable}"
+        if key not in self._memo:
+            self._memo[key] = group_tensors(p for p in self.params() if trainable in (None, p.trainable))
+        return self._memo[key]
 
     @property
     def param_count(self) -> int:
@@ -120,6 +132,18 @@ class LayerGraph:
             tp_splits_activations=data["tp_splits_activations"], tp_degrees=tuple(data["tp_degrees"]),
             published_params=data["published_params"], versions=tuple(sorted(data["versions"].items())),
             graph=chain_graph(layers))
+
+
+def group_tensors(tensors: Iterable[ParamTensor]) -> tuple[tuple[ParamTensor, int], ...]:
+    """Identical-cost tensors counted once: (a representative, how many)."""
+    counts: dict[tuple[Any, ...], list[Any]] = {}
+    for t in tensors:
+        key = (t.shape, t.tp_dim, t.trainable, t.itemsize)
+        if key in counts:
+            counts[key][1] += 1
+        else:
+            counts[key] = [t, 1]
+    return tuple((t, n) for t, n in counts.values())
 
 
 def chain_graph(layers: list[Layer]) -> nx.DiGraph:

@@ -7,6 +7,7 @@ several (a layer's transient peak is the largest of its per-op working sets, whi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -63,7 +64,10 @@ class Poly:
 
     def __call__(self, b: int, s: int, t: int = 1) -> int:
         """The value at (b, s, t), rounded up to a whole number (bytes and FLOPs are counted whole)."""
-        return math.ceil(self.exact(b, s, t))
+        scale, terms = _integer_form(self.terms)
+        top = max((k for (_, _, k), _ in terms), default=0)
+        total = sum(c * b**i * s**j * t ** (top - k) for (i, j, k), c in terms)
+        return -(-total // (scale * t**top))
 
     def without_tp(self) -> Poly:
         """The same quantity when nothing is split by tensor parallelism (t = 1 folded in)."""
@@ -94,6 +98,13 @@ class Poly:
 
 
 ZERO = Poly()
+
+
+@functools.lru_cache(maxsize=65536)
+def _integer_form(terms: tuple[tuple[Monomial, Fraction], ...]) -> tuple[int, tuple[tuple[Monomial, int], ...]]:
+    """(common denominator, integer numerators): evaluation in integers, exact and fast."""
+    scale = math.lcm(*(c.denominator for _, c in terms)) if terms else 1
+    return scale, tuple((m, int(c * scale)) for m, c in terms)
 
 
 @dataclass(frozen=True, slots=True)

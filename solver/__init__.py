@@ -1,0 +1,11 @@
+"""solver: choose the fastest configuration that fits (CP-SAT over every knob), and hand launchers a config.
+
+`solve(model, gpus, ...) -> Plan` and `estimate(model, gpus, config) -> Estimate` are the library calls;
+`fitplan` / `solve` are the command-line tools.
+"""
+
+from .api import estimate, solve
+from .diagnose import Infeasible
+from .plan import Plan, json_schema
+
+__all__ = ["Infeasible", "Plan", "estimate", "json_schema", "solve"]

@@ -1,0 +1,256 @@
+"""The public library calls: `solve(model, gpus, ...) -> Plan` and `estimate(model, gpus, config) -> Estimate`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from costmodels import (
+    Cluster,
+    Config,
+    Engine,
+    Estimate,
+    Offload,
+    Optimizer,
+    Precision,
+    Workload,
+    load_cluster_file,
+    lowering_for,
+    parse_cluster,
+)
+from costmodels import estimate as estimate_config
+from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
+from graphs.lower import lower_resolved
+from graphs.sources import ResolvedModel
+
+from .alternatives import alternatives
+from .diagnose import Infeasible, diagnose
+from .launchers.support import runnable_by
+from .plan import ClusterInfo, Decisions, Inputs, LoraDecision, Plan, SolverStats
+from .search import build_tables, search
+from .space import Outer, Pins, outer_space
+from .tables import TICK_SECONDS
+
+# Common fine-tuning practice when the user gives no workload: 4096-token sequences (or the model's limit)
+# and 64 sequences per step (e.g. the Alpaca/Tulu recipes use 64-128), raised to one per data-parallel rank.
+DEFAULT_SEQ_LEN = 4096
+DEFAULT_GLOBAL_BATCH = 64
+DEFAULT_HEADROOM = 0.05
+DEFAULT_TIME_LIMIT = 5.0
+# fp16 and bf16 tensors have the same sizes, so one 16-bit lowering serves both.
+SIXTEEN = {"float16": "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    resolved: ResolvedModel
+    cluster: Cluster
+    workload: Workload
+    assumed: tuple[str, ...]
+
+
+def cluster_from(gpus: str | Cluster, **options: Any) -> Cluster:
+    """A cluster from a spec string ("8xA100"), a JSON/YAML file path, or a ready `Cluster`."""
+    if isinstance(gpus, Cluster):
+        return gpus
+    path = Path(gpus)
+    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file():
+        return load_cluster_file(path)
+    return parse_cluster(gpus, **{k: v for k, v in options.items() if v is not None})
+
+
+def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, global_batch: int | None,
+              tokens_per_step: int | None) -> tuple[Workload, list[str]]:
+    assumed = []
+    if seq_len is None:
+        limit = resolved.as_dict().get("max_position_embeddings") or resolved.as_dict().get("n_positions")
+        seq_len = min(DEFAULT_SEQ_LEN, int(limit)) if isinstance(limit, int) and limit > 0 else DEFAULT_SEQ_LEN
+        assumed.append(f"sequence length {seq_len} tokens (none given)")
+    if tokens_per_step is not None:
+        if global_batch is not None:
+            raise FitplanError("Give either --global-batch or --tokens-per-step, not both.",
+                               "--tokens-per-step N means N // seq_len sequences per step.")
+        global_batch = max(1, tokens_per_step // seq_len)
+        assumed.append(f"global batch {global_batch} sequences = {tokens_per_step} tokens / {seq_len}")
+    if global_batch is None:
+        global_batch = max(DEFAULT_GLOBAL_BATCH, cluster.world_size)
+        assumed.append(f"global batch {global_batch} sequences per step (none given)")
+    for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+        if value < 1:
+            raise FitplanError(f"{name}={value} must be a positive integer", "Pass a positive number.")
+    return Workload(seq_len=seq_len, global_batch=global_batch), assumed
+
+
+def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict) -> Any:
+    def graph(outer: Outer) -> LayerGraph:
+        dtype, autocast = (SIXTEEN.get(d, d) for d in lowering_for(outer.config(), lora=lora is not None))
+        key = (dtype, autocast)
+        if key not in cache:
+            cache[key] = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
+        return cache[key]
+    return graph
+
+
+def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global_batch: int | None = None,
+          tokens_per_step: int | None = None, headroom: float = DEFAULT_HEADROOM,
+          time_limit: float = DEFAULT_TIME_LIMIT, lora: LoraSpec | None = None, allow_lora: bool = False,
+          attention: str | None = None, alternatives_count: int = 3, **pins: Any) -> Plan:
+    """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
+
+    Pins: tp, engine, zero, offload, param_offload, micro_batch, grad_accum, checkpoint, precisions,
+    optimizers, sequence_parallel, launcher (see `space.Pins`).
+    """
+    started = time.perf_counter()
+    if not 0 <= headroom < 1:
+        raise FitplanError(f"headroom={headroom} must be in [0, 1)", "e.g. --headroom 0.1 keeps 10% free.")
+    resolved = resolve(model)
+    cluster = cluster_from(gpus)
+    workload, assumed = _workload(resolved, cluster, seq_len, global_batch, tokens_per_step)
+    pin = _pins(pins)
+    try:
+        return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=lora,
+                      attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
+                      gpus=gpus)
+    except Infeasible:
+        if not allow_lora or lora is not None:
+            raise
+        fallback = LoraSpec()
+        assumed = [*assumed, f"full fine-tuning does not fit; LoRA fallback r={fallback.rank} on all linear layers"]
+        return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
+                      attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
+                      gpus=gpus)
+
+
+def _pins(pins: dict[str, Any]) -> Pins:
+    known = set(Pins.__dataclass_fields__)
+    unknown = set(pins) - known
+    if unknown:
+        raise FitplanError(f"Unknown pin(s): {', '.join(sorted(unknown))}", f"Pins are: {', '.join(sorted(known))}.")
+    try:
+        converted = dict(pins)
+        for name, kind in (("engine", Engine), ("offload", Offload), ("param_offload", Offload),
+                           ("checkpoint", Checkpoint)):
+            if converted.get(name) is not None:
+                converted[name] = kind(converted[name])
+        if converted.get("precisions"):
+            converted["precisions"] = tuple(Precision(p) for p in converted["precisions"])
+        if converted.get("optimizers"):
+            converted["optimizers"] = tuple(Optimizer(o) for o in converted["optimizers"])
+        return Pins(**converted)
+    except ValueError as err:
+        raise FitplanError(f"Invalid pin: {err}", "Check the value against `solve --help`.") from err
+
+
+def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, *, headroom: float,
+           time_limit: float, lora: LoraSpec | None, attention: str | None, assumed: list[str], started: float,
+           alternatives_count: int, gpus: str | Cluster) -> Plan:
+    cache: dict = {}
+    graph_of = _graph_for(resolved, lora, attention, cache)
+    any_graph = graph_of(Outer(1, 1, Engine.DDP, 0, Offload.NONE, Offload.NONE, 1, 1, Precision.BF16_MIXED,
+                               Optimizer.ADAMW))
+    space = outer_space(any_graph, cluster, workload, pins)
+    inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus)
+    if not space.outers:
+        raise Infeasible(*diagnose(None, inputs, pins, space))
+    tables = build_tables(space, graph_of, cluster, workload, headroom=headroom)
+    kinds = [layer.kind for layer in any_graph.decoder_layers()]
+    found = search(tables, kinds, space.modes, time_limit=time_limit, configurations=len(space.outers))
+    result = found.result
+    if result.table is None:
+        raise Infeasible(*diagnose(found, inputs, pins, space))
+    table = tables[result.table]
+    outer = table.outer
+    graph = graph_of(outer)
+    config = outer.config(result.modes)
+    estimate = estimate_config(graph, cluster, workload, config)
+    decisions = _decisions(outer, result.modes, graph, lora)
+    objective = result.objective // found.weight * TICK_SECONDS if result.objective is not None else \
+        estimate.time.step_time
+    bound = result.bound // found.weight * TICK_SECONDS if result.bound is not None else None
+    stats = SolverStats(status=result.status, objective_seconds=objective, bound_seconds=bound,
+                        gap=None if bound is None or objective == 0 else max(0.0, (objective - bound) / objective),
+                        wall_seconds=time.perf_counter() - started, configurations=found.configurations,
+                        considered=len(found.candidates), time_limit_seconds=time_limit)
+    alts = alternatives(found, kinds, space.modes, graph_of, cluster, workload, chosen=result.table,
+                        count=alternatives_count)
+    fastest_fits = all(m is Checkpoint.NONE for m in result.modes) and outer.optimizer_offload is Offload.NONE \
+        and outer.param_offload is Offload.NONE
+    binding = "none: the fastest settings already fit" if fastest_fits else \
+        "device memory: faster settings (less recompute, less sharding or offload) do not fit"
+    return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
+                launchers=runnable_by(decisions), binding=binding)
+
+
+def _decisions(outer: Outer, modes: tuple[Checkpoint, ...], graph: LayerGraph, lora: LoraSpec | None) -> Decisions:
+    return Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
+                     optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
+                     micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
+                     optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=modes,
+                     lora=None if lora is None else LoraDecision(rank=lora.rank, alpha=lora.alpha,
+                                                                 targets=lora.targets, dropout=lora.dropout),
+                     attention=graph.attention)
+
+
+def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,
+            assumed: list[str], gpus: str | Cluster) -> Inputs:
+    pinned = {name: getattr(pins, name) for name in Pins.__dataclass_fields__
+              if getattr(pins, name) not in (None, ())}
+    if pinned.get("optimizers") == (Optimizer.ADAMW,):
+        pinned.pop("optimizers")
+    info = ClusterInfo(spec=gpus if isinstance(gpus, str) else f"{cluster.world_size}x{cluster.gpu.id}",
+                       gpu=cluster.gpu.id, gpu_name=cluster.gpu.name, nodes=cluster.nodes,
+                       gpus_per_node=cluster.gpus_per_node, gpu_memory_bytes=cluster.gpu.memory_bytes,
+                       cpu_ram_per_node_bytes=cluster.cpu_ram_per_node,
+                       inter_node_bytes_per_s=cluster.inter_node_bandwidth, nvme_bytes_per_s=cluster.nvme_bandwidth,
+                       assumptions=cluster.assumptions)
+    defaults = [*assumed, f"memory headroom {headroom:.0%} of each GPU kept free"]
+    if not pins.precisions:
+        defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
+                        "(pure bf16 and fp8 only when allowed)")
+    return Inputs(model=resolved.id, model_source=resolved.source, cluster=info, seq_len=workload.seq_len,
+                  global_batch=workload.global_batch, tokens_per_step=workload.tokens_per_step, headroom=headroom,
+                  pins={k: (list(v) if isinstance(v, tuple) else v) for k, v in pinned.items()},
+                  assumed=tuple(defaults))
+
+
+def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *, seq_len: int | None = None,
+             global_batch: int | None = None, lora: LoraSpec | None = None, attention: str | None = None) -> Estimate:
+    """Memory and time of one given configuration (names resolved, the model lowered as the config needs).
+
+    `config` may be a `Config` or a dict of its fields; when `global_batch` is None it is micro_batch x
+    grad_accum x dp.
+    """
+    resolved = resolve(model)
+    cluster = cluster_from(gpus)
+    cfg = config_from(config, layers=None)
+    dtype, autocast = lowering_for(cfg, lora=lora is not None)
+    graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
+    cfg = config_from(config, layers=len(graph.decoder_layers()))
+    batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp
+    workload, _ = _workload(resolved, cluster, seq_len, batch, None)
+    return estimate_config(graph, cluster, workload, cfg)
+
+
+def config_from(config: Config | dict[str, Any], *, layers: int | None) -> Config:
+    """A `Config` from a dict (CLI flags, a JSON file); a single checkpoint mode applies to every layer."""
+    if isinstance(config, Config):
+        return config
+    values = dict(config)
+    converters = {"engine": Engine, "optimizer_offload": Offload, "param_offload": Offload,
+                  "precision": Precision, "optimizer": Optimizer}
+    try:
+        for name, kind in converters.items():
+            if name in values:
+                values[name] = kind(values[name])
+        mode = values.get("checkpoint")
+        if isinstance(mode, str):
+            values["checkpoint"] = () if layers is None else (Checkpoint(mode),) * layers
+        elif mode is not None:
+            values["checkpoint"] = tuple(Checkpoint(m) for m in mode)
+        return Config(**values)
+    except (TypeError, ValueError) as err:
+        raise FitplanError(f"Invalid configuration: {err}",
+                           "Fields: tp, dp, engine, zero, optimizer_offload, param_offload, micro_batch, "
+                           "grad_accum, checkpoint, precision, optimizer, sequence_parallel.") from err

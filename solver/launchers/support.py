@@ -1,0 +1,48 @@
+"""Which launchers can express a plan's decisions (DESIGN.md: every plan records who can run it)."""
+
+from __future__ import annotations
+
+from costmodels import Engine, Offload
+from graphs import Checkpoint
+
+from ..plan import Decisions
+
+
+def unsupported(launcher: str, d: Decisions) -> list[str]:
+    """Decisions `launcher` cannot express (empty when it can run the plan as emitted)."""
+    problems = []
+    selective = Checkpoint.SELECTIVE in d.checkpoint
+    nvme = Offload.NVME in (d.optimizer_offload, d.param_offload)
+    if launcher == "deepspeed":
+        if d.engine is not Engine.DEEPSPEED:
+            problems.append(f"engine {d.engine} (the deepspeed launcher runs DeepSpeed ZeRO)")
+        if d.tp > 1:
+            problems.append("tensor parallelism (fitplan emits DeepSpeed plans without AutoTP)")
+        if selective:
+            problems.append("selective recompute (HF models checkpoint whole layers)")
+    elif launcher in ("hf", "accelerate"):
+        if selective:
+            problems.append("selective recompute (transformers checkpoints whole layers)")
+        if nvme and d.engine is not Engine.DEEPSPEED:
+            problems.append("NVMe offload outside DeepSpeed")
+        if d.tp > 1 and d.engine is Engine.DEEPSPEED:
+            problems.append("tensor parallelism with DeepSpeed")
+        if d.sequence_parallel:
+            problems.append("sequence parallelism")
+    elif launcher == "torchrun":
+        if d.engine is Engine.DEEPSPEED:
+            problems.append("DeepSpeed ZeRO (torchrun runs plain PyTorch / FSDP2)")
+    elif launcher == "megatron":
+        if d.engine is not Engine.DEEPSPEED or d.zero > 1:
+            problems.append("sharding beyond Megatron's distributed optimizer (ZeRO-1)")
+        if d.optimizer_offload is not Offload.NONE or d.param_offload is not Offload.NONE:
+            problems.append("offload")
+        if d.lora is not None:
+            problems.append("LoRA")
+    return problems
+
+
+def runnable_by(d: Decisions) -> tuple[str, ...]:
+    from ..space import LAUNCHERS
+
+    return tuple(name for name in LAUNCHERS if not unsupported(name, d))

@@ -1,0 +1,262 @@
+"""The CP-SAT model: one-hot outer configuration, per-layer checkpoint booleans, step time and memory.
+
+Build, solve, decode (OR-Tools sample layout). Memory constraints replay the activation timeline of
+`costmodels.activations.walk` exactly: every node's forward and backward event, for each micro-batch
+timeline, as linear expressions over per-kind prefix counts of checkpointed layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from costmodels.memory import MemoryTerms
+from graphs import Checkpoint
+
+from .tables import Table, tie_weight
+
+_PEAK = {True: "bwd_peak_fresh", False: "bwd_peak"}
+
+
+@dataclass
+class PlanModel:
+    """The CpModel and its variables, keyed like the plan."""
+
+    model: cp_model.CpModel
+    tables: list[Table]
+    kinds: list[int]
+    use_config: dict[int, cp_model.IntVar]
+    full_ckpt: list[cp_model.IntVar | int]
+    selective_ckpt: list[cp_model.IntVar | int]
+    count_full: dict[int, cp_model.LinearExpr]
+    count_selective: dict[int, cp_model.LinearExpr]
+    prefix_full: dict[int, list[cp_model.IntVar]]
+    prefix_selective: dict[int, list[cp_model.IntVar]]
+    step_time: cp_model.IntVar
+    weight: int
+
+
+@dataclass(frozen=True, slots=True)
+class SolveResult:
+    status: str
+    """OPTIMAL, FEASIBLE, INFEASIBLE or UNKNOWN."""
+    objective: int | None
+    bound: int | None
+    wall_seconds: float
+    table: int | None
+    modes: tuple[Checkpoint, ...]
+
+
+def build_model(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...], *, weight: int | None = None,
+                hint: tuple[int, tuple[Checkpoint, ...]] | None = None) -> PlanModel:
+    """The joint model over `tables`; `weight` (`tables.tie_weight` of the whole space) scales time above the
+    tie-break so objectives compare across models."""
+    m = cp_model.CpModel()
+    weight = weight or tie_weight(tables, len(kinds))
+    use = {k: m.new_bool_var(f"use_config[{k}]") for k in range(len(tables))}
+    m.add_exactly_one(use.values())
+    full, selective = _add_layer_modes(m, kinds, modes)
+    count_full, count_sel = _counts(kinds, full), _counts(kinds, selective)
+    prefix_full, prefix_sel = _add_prefix_counts(m, kinds, full, "full"), _add_prefix_counts(m, kinds, selective, "sel")
+    horizon = max(t.time_of(tuple(Checkpoint.NONE for _ in kinds)) + sum(max(v for _, v in o) for o in t.layer_ticks)
+                  for t in tables)
+    step = m.new_int_var(0, horizon, "step_time")
+    pm = PlanModel(m, tables, kinds, use, full, selective, count_full, count_sel, prefix_full, prefix_sel, step,
+                   weight)
+    for k, table in enumerate(tables):
+        add_step_time(pm, k, table)
+        add_memory_limit(pm, k, table)
+    add_bound_cuts(pm)
+    rank_terms = [use[k] * (table.rank * (2 * len(kinds) + 1)) for k, table in enumerate(tables)]
+    m.minimize(step * weight + sum(rank_terms) + 2 * sum(count_full.values()) + sum(count_sel.values()))
+    if hint is not None:
+        _add_hint(pm, *hint)
+    return pm
+
+
+def _add_layer_modes(m: cp_model.CpModel, kinds: list[int], modes: tuple[Checkpoint, ...]
+                     ) -> tuple[list[cp_model.IntVar | int], list[cp_model.IntVar | int]]:
+    """One FULL and one SELECTIVE boolean per layer, at most one true; within a kind the checkpointed layers
+    come first, FULL before SELECTIVE (the canonical order, `space.canonical_modes`)."""
+    full: list[cp_model.IntVar | int] = []
+    selective: list[cp_model.IntVar | int] = []
+    for p in range(len(kinds)):
+        f = m.new_bool_var(f"full_ckpt[{p}]") if Checkpoint.FULL in modes else 0
+        s = m.new_bool_var(f"selective_ckpt[{p}]") if Checkpoint.SELECTIVE in modes else 0
+        m.add(f + s <= 1)
+        if Checkpoint.NONE not in modes:
+            m.add(f + s == 1)
+        full.append(f)
+        selective.append(s)
+    previous: dict[int, int] = {}
+    for p, kind in enumerate(kinds):
+        if kind in previous:
+            q = previous[kind]
+            m.add(full[q] >= full[p])
+            m.add(full[q] + selective[q] >= full[p] + selective[p])
+        previous[kind] = p
+    return full, selective
+
+
+def _counts(kinds: list[int], flags: list[cp_model.IntVar | int]) -> dict[int, cp_model.LinearExpr]:
+    return {kind: sum(f for f, k in zip(flags, kinds, strict=True) if k == kind) for kind in sorted(set(kinds))}
+
+
+def _add_prefix_counts(m: cp_model.CpModel, kinds: list[int], flags: list[cp_model.IntVar | int], name: str
+                       ) -> dict[int, list[cp_model.IntVar]]:
+    """prefix[kind][p]: flagged layers of `kind` among the first p layers (a chain, so each use is O(1))."""
+    prefix = {}
+    for kind in sorted(set(kinds)):
+        chain = [m.new_constant(0)]
+        for p, flag in enumerate(flags):
+            if kinds[p] == kind and not isinstance(flag, int):
+                var = m.new_int_var(0, p + 1, f"{name}_before[{kind},{p + 1}]")
+                m.add(var == chain[-1] + flag)
+                chain.append(var)
+            else:
+                chain.append(chain[-1])
+        prefix[kind] = chain
+    return prefix
+
+
+def add_step_time(pm: PlanModel, k: int, table: Table) -> None:
+    """If configuration k is used, the step takes its fixed ticks plus each layer's ticks in its mode."""
+    expr = table.fixed_ticks
+    for kind, (none, d_full, d_sel) in _kind_deltas(pm.kinds, table.layer_ticks).items():
+        expr += pm.kinds.count(kind) * none + d_full * pm.count_full[kind] + d_sel * pm.count_selective[kind]
+    pm.model.add(pm.step_time >= expr).only_enforce_if(pm.use_config[k])
+
+
+def _kind_deltas(kinds: list[int], per_layer: tuple[tuple[tuple[Checkpoint, int], ...], ...]
+                 ) -> dict[int, tuple[int, int, int]]:
+    """Per kind: (value in NONE, FULL minus NONE, SELECTIVE minus NONE); layers of one kind cost the same."""
+    result = {}
+    for options, kind in zip(per_layer, kinds, strict=True):
+        if kind not in result:
+            values = dict(options)
+            none = values.get(Checkpoint.NONE, 0)
+            result[kind] = (none, values.get(Checkpoint.FULL, none) - none,
+                            values.get(Checkpoint.SELECTIVE, none) - none)
+    return result
+
+
+def add_memory_limit(pm: PlanModel, k: int, table: Table) -> None:
+    """If configuration k is used, every forward and backward event of every micro-batch timeline, plus the
+    persistent states, stays within the configuration's allocated-byte budget."""
+    terms = table.memory
+    for fresh, before in terms.walks:
+        limit = table.budget - terms.states.gpu_total - before
+        for expr in _events(pm, terms, fresh):
+            pm.model.add(expr <= limit).only_enforce_if(pm.use_config[k])
+
+
+class _Sums:
+    """Range sums of one per-node quantity: NONE values from a cumulative array, plus per-kind deltas times
+    the prefix counts of checkpointed layers, so that any range costs O(kinds) terms."""
+
+    def __init__(self, pm: PlanModel, terms: MemoryTerms, attr: str) -> None:
+        self.pm = pm
+        self.cumulative = [0]
+        self.deltas: dict[int, tuple[int, int]] = {}
+        self.position = [0]  # decoder layers before node i
+        for options in terms.nodes:
+            values = {mode: getattr(node, attr) for mode, node in options}
+            none = values[Checkpoint.NONE]
+            self.cumulative.append(self.cumulative[-1] + none)
+            is_decoder = options[0][1].decoder
+            if is_decoder:
+                kind = pm.kinds[self.position[-1]]
+                self.deltas.setdefault(kind, (values.get(Checkpoint.FULL, none) - none,
+                                              values.get(Checkpoint.SELECTIVE, none) - none))
+            self.position.append(self.position[-1] + is_decoder)
+
+    def over(self, start: int, stop: int) -> cp_model.LinearExpr:
+        """Sum over nodes start..stop-1."""
+        total: cp_model.LinearExpr = self.cumulative[stop] - self.cumulative[start]
+        first, last = self.position[start], self.position[stop]
+        for kind, (d_full, d_sel) in self.deltas.items():
+            if d_full:
+                total += d_full * (self.pm.prefix_full[kind][last] - self.pm.prefix_full[kind][first])
+            if d_sel:
+                total += d_sel * (self.pm.prefix_selective[kind][last] - self.pm.prefix_selective[kind][first])
+        return total
+
+    def at(self, i: int) -> cp_model.LinearExpr:
+        """The value of node i in its own mode."""
+        return self.over(i, i + 1)
+
+
+def _events(pm: PlanModel, terms: MemoryTerms, fresh: bool) -> list[cp_model.LinearExpr]:
+    """The walk's events as linear expressions (see costmodels.activations.walk)."""
+    sums = {attr: _Sums(pm, terms, attr) for attr in
+            ("fwd_net", "fwd_peak", "released_after_forward", "bwd_net", _PEAK[fresh], "grads")}
+    n = len(terms.nodes)
+    decoders = [i for i, options in enumerate(terms.nodes) if options[0][1].decoder]
+    last_decoder = decoders[-1] if decoders else -1
+    kept = [0]
+    for extra in terms.extra:
+        kept.append(kept[-1] + extra[1])
+    events = []
+    for i in range(n):
+        drop = terms.forward_only if i > last_decoder >= 0 else 0
+        events.append(terms.start - drop + sums["fwd_net"].over(0, i) + sums["fwd_peak"].at(i)
+                      + terms.extra[i][0] + kept[i])
+    live_end = (terms.start - (terms.forward_only if last_decoder >= 0 else 0) + sums["fwd_net"].over(0, n)
+                - sums["released_after_forward"].over(0, n))
+    for i in reversed(range(n)):
+        later = sums["bwd_net"].over(i + 1, n) + (sums["grads"].over(i + 1, n) if fresh else 0)
+        events.append(live_end + later + sums[_PEAK[fresh]].at(i) + terms.extra[i][2] + kept[i + 1])
+    return events
+
+
+def add_bound_cuts(pm: PlanModel) -> None:
+    """The step takes at least the chosen configuration's time without recompute (feasibility study §6: the
+    cut that lets CP-SAT prove optimality quickly)."""
+    lower = []
+    for k, table in enumerate(pm.tables):
+        base = table.fixed_ticks + sum(min(v for _, v in options) for options in table.layer_ticks)
+        lower.append(pm.use_config[k] * base)
+    pm.model.add(pm.step_time >= sum(lower))
+
+
+def _add_hint(pm: PlanModel, table: int, modes: tuple[Checkpoint, ...]) -> None:
+    for k, var in pm.use_config.items():
+        pm.model.add_hint(var, k == table)
+    for p, mode in enumerate(modes):
+        if not isinstance(pm.full_ckpt[p], int):
+            pm.model.add_hint(pm.full_ckpt[p], mode is Checkpoint.FULL)
+        if not isinstance(pm.selective_ckpt[p], int):
+            pm.model.add_hint(pm.selective_ckpt[p], mode is Checkpoint.SELECTIVE)
+
+
+def solve(pm: PlanModel, *, time_limit: float, workers: int = 2, seed: int = 0) -> SolveResult:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    status = solver.solve(pm.model)
+    name = solver.status_name(status)
+    match status:
+        case cp_model.OPTIMAL | cp_model.FEASIBLE:
+            table, modes = decode(pm, solver)
+            return SolveResult(name, int(solver.objective_value), int(solver.best_objective_bound),
+                               solver.wall_time, table, modes)
+        case cp_model.INFEASIBLE | cp_model.UNKNOWN:
+            return SolveResult(name, None, None, solver.wall_time, None, ())
+        case _:
+            raise RuntimeError(f"CP-SAT rejected the planning model ({name}): a bug in fitplan")
+
+
+def decode(pm: PlanModel, solver: cp_model.CpSolver) -> tuple[int, tuple[Checkpoint, ...]]:
+    """The chosen configuration index and per-layer modes (plain Python values)."""
+    table = next(k for k, var in pm.use_config.items() if solver.boolean_value(var))
+    modes = []
+    for f, s in zip(pm.full_ckpt, pm.selective_ckpt, strict=True):
+        if not isinstance(f, int) and solver.boolean_value(f):
+            modes.append(Checkpoint.FULL)
+        elif not isinstance(s, int) and solver.boolean_value(s):
+            modes.append(Checkpoint.SELECTIVE)
+        else:
+            modes.append(Checkpoint.NONE)
+    return table, tuple(modes)

@@ -1,0 +1,171 @@
+"""`Plan`: the solver's answer — inputs, decisions, estimate, solver statistics and alternatives — and its
+versioned JSON form. The JSON Schema is generated from these dataclasses (never written by hand)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import ConfigDict, TypeAdapter
+
+from costmodels import Engine, Estimate, Offload, Optimizer, Precision
+from graphs import Checkpoint
+
+SCHEMA_VERSION = "1.0"
+_CONFIG = ConfigDict(use_attribute_docstrings=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterInfo:
+    """The hardware the plan is for."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    spec: str
+    """What the user gave, e.g. "8xA100"."""
+    gpu: str
+    """Catalog id of the GPU."""
+    gpu_name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    cpu_ram_per_node_bytes: int
+    inter_node_bytes_per_s: float
+    nvme_bytes_per_s: float
+    assumptions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """What was asked, including every default fitplan assumed."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    model: str
+    model_source: str
+    """catalog, local or hf-cache."""
+    cluster: ClusterInfo
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    tokens_per_step: int
+    headroom: float
+    """Fraction of device memory kept free."""
+    pins: dict[str, Any] = field(default_factory=dict)
+    """Knobs the user fixed."""
+    assumed: tuple[str, ...] = ()
+    """Defaults fitplan chose, in words."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraDecision:
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    rank: int
+    alpha: int
+    targets: tuple[str, ...]
+    dropout: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decisions:
+    """Every knob of the chosen configuration."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    tp: int
+    dp: int
+    engine: Engine
+    zero: int
+    optimizer_offload: Offload
+    param_offload: Offload
+    micro_batch: int
+    grad_accum: int
+    precision: Precision
+    optimizer: Optimizer
+    sequence_parallel: bool
+    checkpoint: tuple[Checkpoint, ...]
+    """Mode of each decoder layer, in order."""
+    lora: LoraDecision | None = None
+    attention: str = "sdpa"
+
+    def summary(self) -> str:
+        ckpt = {m: sum(c is m for c in self.checkpoint) for m in Checkpoint}
+        parts = [f"tp={self.tp}", f"dp={self.dp}", f"{self.engine}" + (f" ZeRO-{self.zero}" if self.engine is
+                                                                          Engine.DEEPSPEED else
+                                                                          f" (zero={self.zero})" if self.engine is
+                                                                          Engine.FSDP2 else ""),
+                 f"mb={self.micro_batch}", f"ga={self.grad_accum}", str(self.precision), str(self.optimizer),
+                 f"ckpt full {ckpt[Checkpoint.FULL]}/sel {ckpt[Checkpoint.SELECTIVE]}/{len(self.checkpoint)}"]
+        if self.optimizer_offload is not Offload.NONE:
+            parts.append(f"opt-offload={self.optimizer_offload}")
+        if self.param_offload is not Offload.NONE:
+            parts.append(f"param-offload={self.param_offload}")
+        if self.lora:
+            parts.append(f"LoRA r={self.lora.rank}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverStats:
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    status: str
+    """OPTIMAL (proved best under the cost model), FEASIBLE (time limit hit) or INFEASIBLE."""
+    objective_seconds: float
+    """Step time the solver optimised (its integer resolution)."""
+    bound_seconds: float | None
+    """Best lower bound on the step time CP-SAT proved."""
+    gap: float | None
+    wall_seconds: float
+    """Total planning time, lowering (cached or not) included."""
+    configurations: int
+    """Outer configurations in the search space."""
+    considered: int
+    """Configurations left after exact pruning, given to CP-SAT."""
+    time_limit_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """A distinct configuration that lost, and why."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    decisions: str
+    step_time: float | None
+    """Seconds, or None when it does not fit."""
+    device_peak: int
+    """Bytes per GPU."""
+    fits: bool
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How to run the job: the answer of `solver.solve`."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    schema_version: str = SCHEMA_VERSION
+    inputs: Inputs
+    decisions: Decisions
+    estimate: Estimate
+    solver: SolverStats
+    alternatives: tuple[Alternative, ...] = ()
+    launchers: tuple[str, ...] = ()
+    """Launchers that can run this plan as emitted."""
+    binding: str = ""
+    """Which constraint binds: memory, or nothing (the fastest configuration already fits)."""
+    advice: tuple[str, ...] = ()
+    """Guide methods and what the plan did with each."""
+
+    def to_json(self) -> dict[str, Any]:
+        return _ADAPTER.dump_python(self, mode="json")
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        return _ADAPTER.validate_python(data)
+
+
+_ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)
+
+
+def json_schema() -> dict[str, Any]:
+    """The plan's JSON Schema (published as solver/schema/plan.schema.json)."""
+    schema = _ADAPTER.json_schema(mode="serialization")
+    schema["$id"] = f"https://fitplan.dev/schema/plan-{SCHEMA_VERSION}.json"
+    schema["title"] = "fitplan Plan"
+    return schema

@@ -1,0 +1,201 @@
+"""The search space: every outer configuration the pins, the hardware and the divisibility rules allow.
+
+Pure Python, no CP-SAT. The per-layer checkpoint modes are the inner decision (see `model.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload
+from graphs import Checkpoint, LayerGraph
+
+# Launchers and what each can express (DESIGN.md: a plan records which launchers can run it).
+LAUNCHERS = ("deepspeed", "hf", "accelerate", "torchrun", "megatron")
+
+# Optimizer implementations that compute the same update: switching among them is not a training change.
+SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pins:
+    """Knobs the user fixed; None leaves a knob to the solver."""
+
+    tp: int | None = None
+    engine: Engine | None = None
+    zero: int | None = None
+    offload: Offload | None = None
+    """Optimizer-state offload."""
+    param_offload: Offload | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    checkpoint: Checkpoint | None = None
+    """All decoder layers in this mode; None lets the solver pick per layer ("auto")."""
+    precisions: tuple[Precision, ...] = ()
+    """Precisions allowed; empty means every default precision the GPU supports."""
+    optimizers: tuple[Optimizer, ...] = (Optimizer.ADAMW,)
+    """Optimizers allowed (the solver never changes the training algorithm on its own)."""
+    sequence_parallel: bool | None = None
+    launcher: str | None = None
+    """Restrict to what one launcher can express."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "micro_batch", "grad_accum"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        if self.launcher is not None and self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={self.launcher!r} must be one of {', '.join(LAUNCHERS)}")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Outer:
+    """One outer configuration: everything but the per-layer checkpoint modes."""
+
+    tp: int
+    dp: int
+    engine: Engine
+    zero: int
+    optimizer_offload: Offload
+    param_offload: Offload
+    micro_batch: int
+    grad_accum: int
+    precision: Precision
+    optimizer: Optimizer
+    sequence_parallel: bool = False
+
+    def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
+        return Config(tp=self.tp, dp=self.dp, engine=self.engine, zero=self.zero,
+                      optimizer_offload=self.optimizer_offload, param_offload=self.param_offload,
+                      micro_batch=self.micro_batch, grad_accum=self.grad_accum, checkpoint=checkpoint,
+                      precision=self.precision, optimizer=self.optimizer, sequence_parallel=self.sequence_parallel)
+
+    @property
+    def family(self) -> tuple[object, ...]:
+        """What makes two configurations distinct alternatives: the parallel, sharding and offload strategy
+        (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
+        return (self.tp, self.engine, self.zero, self.optimizer_offload, self.param_offload)
+
+
+DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32, Precision.FP32)
+
+
+def default_precisions(cluster: Cluster) -> tuple[Precision, ...]:
+    """Mixed and full precisions the GPU runs; pure bf16 and fp8 change numerics and must be asked for."""
+    from costmodels import precision
+
+    return tuple(p for p in DEFAULT_PRECISIONS
+                 if cluster.gpu.peak_flops(precision.matmul_dtype(p)) is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    outers: tuple[Outer, ...]
+    modes: tuple[Checkpoint, ...]
+    """Per-layer modes the solver may use."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def engine_stages(pins: Pins) -> list[tuple[Engine, int]]:
+    """(engine, ZeRO stage) pairs: DDP; DeepSpeed 0-3; FSDP2 as ZeRO-2/3; narrowed by launcher and pins."""
+    pairs = [(Engine.DDP, 0), *((Engine.DEEPSPEED, z) for z in range(4)), (Engine.FSDP2, 2), (Engine.FSDP2, 3)]
+    allowed = {
+        None: pairs,
+        "deepspeed": [(e, z) for e, z in pairs if e is Engine.DEEPSPEED],
+        "hf": pairs, "accelerate": pairs,
+        "torchrun": [(e, z) for e, z in pairs if e in (Engine.DDP, Engine.FSDP2)],
+        "megatron": [(Engine.DEEPSPEED, 0), (Engine.DEEPSPEED, 1)],  # Megatron's (distributed) optimizer
+    }[pins.launcher]
+    return [(e, z) for e, z in allowed
+            if (pins.engine is None or e is pins.engine) and (pins.zero is None or z == pins.zero)]
+
+
+def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tuple[Offload, Offload]]:
+    """(optimizer, parameter) offload pairs the engine supports; NVMe only where the cluster has NVMe."""
+    targets = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if cluster.nvme_bandwidth > 0 else [])
+    pairs = []
+    for opt in targets:
+        for param in targets:
+            try:
+                Config(engine=engine, zero=zero, optimizer_offload=opt, param_offload=param)
+            except ValueError:
+                continue
+            pairs.append((opt, param))
+    return [(o, p) for o, p in pairs
+            if (pins.offload is None or o is pins.offload) and (pins.param_offload is None or p is pins.param_offload)]
+
+
+def tp_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, engine: Engine) -> list[int]:
+    """TP degrees that divide the heads (the graph's list), fit in a node, and the engine can combine with."""
+    degrees = [t for t in graph.tp_degrees if t <= cluster.gpus_per_node and cluster.world_size % t == 0]
+    if engine is Engine.DEEPSPEED and pins.launcher != "megatron":
+        degrees = [1]  # fitplan emits DeepSpeed plans for HF models without AutoTP
+    return [t for t in degrees if pins.tp is None or t == pins.tp]
+
+
+def micro_batches(per_rank: int, pins: Pins) -> list[tuple[int, int]]:
+    """(micro_batch, grad_accum) pairs whose product is the sequences each data-parallel rank processes."""
+    pairs = [(mb, per_rank // mb) for mb in range(1, per_rank + 1) if per_rank % mb == 0]
+    return [(mb, ga) for mb, ga in pairs if (pins.micro_batch is None or mb == pins.micro_batch)
+            and (pins.grad_accum is None or ga == pins.grad_accum)]
+
+
+def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins) -> Space:
+    """Every outer configuration, in a fixed order (the order breaks ties: simpler first)."""
+    precisions = pins.precisions or default_precisions(cluster)
+    optimizers = tuple(dict.fromkeys(o for allowed in pins.optimizers for o in SAME_MATH.get(allowed, (allowed,))))
+    outers = []
+    for engine, zero in engine_stages(pins):
+        for tp in tp_degrees(graph, cluster, pins, engine):
+            dp = cluster.world_size // tp
+            if workload.global_batch % dp:
+                continue
+            for opt_off, param_off in offloads(cluster, engine, zero, pins):
+                for mb, ga in micro_batches(workload.global_batch // dp, pins):
+                    for prec in precisions:
+                        for optimizer in optimizers:
+                            for sp in _sequence_parallel(tp, pins):
+                                outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
+                                                    optimizer, sp))
+    modes = (pins.checkpoint,) if pins.checkpoint else graph.checkpoint_modes()
+    return Space(tuple(outers), modes)
+
+
+def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:
+    if tp == 1:
+        return [False]
+    if pins.sequence_parallel is not None:
+        return [pins.sequence_parallel]
+    return [False]  # HF TP plans do not shard sequences; Megatron/torchtitan users can pin it on
+
+
+def canonical_modes(kinds: list[int], counts: dict[int, tuple[int, int]]) -> tuple[Checkpoint, ...]:
+    """Per-layer modes from per-kind counts: within each kind the first layers are checkpointed, FULL before
+    SELECTIVE. Earlier layers' activations live longest (until their backward, last), so checkpointing them
+    first lowers every later peak; Megatron's "block" recompute and HF's per-layer flags express this order."""
+    seen: dict[int, int] = {}
+    modes = []
+    for kind in kinds:
+        position = seen.get(kind, 0)
+        seen[kind] = position + 1
+        full, selective = counts.get(kind, (0, 0))
+        modes.append(Checkpoint.FULL if position < full else
+                     Checkpoint.SELECTIVE if position < full + selective else Checkpoint.NONE)
+    return tuple(modes)
+
+
+def all_counts(kinds: list[int], modes: tuple[Checkpoint, ...]) -> list[dict[int, tuple[int, int]]]:
+    """Every per-kind (full, selective) count the allowed modes permit (the canonical assignments)."""
+    per_kind: dict[int, list[tuple[int, int]]] = {}
+    for kind in sorted(set(kinds)):
+        n = kinds.count(kind)
+        options = [(f, s) for f in range(n + 1) for s in range(n + 1 - f)
+                   if (f == 0 or Checkpoint.FULL in modes) and (s == 0 or Checkpoint.SELECTIVE in modes)
+                   and (f + s == n or Checkpoint.NONE in modes)]
+        per_kind[kind] = options
+    result: list[dict[int, tuple[int, int]]] = [{}]
+    for kind, options in per_kind.items():
+        result = [{**partial, kind: option} for partial in result for option in options]
+    return result

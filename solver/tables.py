@@ -1,0 +1,93 @@
+"""The only place costs become integers: per outer configuration, time in ticks per layer and mode, and the
+memory terms (already integer bytes) with the allocated-byte budget they must fit.
+
+The CP-SAT model and the enumeration both read these tables, so comparing them is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from costmodels import Cluster, Workload, check
+from costmodels.memory import MemoryTerms, allocated_peak, memory_terms, offload_bytes
+from costmodels.overhead import allocated_budget, runtime_overhead
+from costmodels.states import ModelStates, model_states
+from costmodels.timing import time_terms
+from graphs import Checkpoint, LayerGraph
+
+from .space import Outer
+
+# Time resolution of the solver: 1 microsecond per tick (step times run from milliseconds to minutes).
+TICK_SECONDS = 1e-6
+
+
+def ticks(seconds: float) -> int:
+    return round(seconds / TICK_SECONDS)
+
+
+@dataclass(slots=True)
+class Table:
+    """One outer configuration's integer costs. The memory terms are built on first use: most
+    configurations are pruned on time or persistent states alone."""
+
+    outer: Outer
+    rank: int
+    """Position in the search space: breaks ties (simpler configurations first)."""
+    fixed_ticks: int
+    """Time that does not depend on checkpoint modes."""
+    layer_ticks: tuple[tuple[tuple[Checkpoint, int], ...], ...]
+    """Per decoder layer, its ticks in each mode."""
+    states: ModelStates
+    budget: int
+    """Largest allocated peak that fits the usable device memory after overhead and allocator slack."""
+    host_ok: bool
+    """Offloaded states fit the nodes' CPU RAM and NVMe."""
+    build_memory: Callable[[], MemoryTerms]
+    _memory: MemoryTerms | None = None
+
+    @property
+    def memory(self) -> MemoryTerms:
+        if self._memory is None:
+            self._memory = self.build_memory()
+        return self._memory
+
+    @property
+    def states_fit(self) -> bool:
+        """The persistent states and the optimizer step fit, whatever the activations."""
+        return self.host_ok and self.states.gpu_total + self.states.step_temp <= self.budget
+
+    def time_of(self, modes: tuple[Checkpoint, ...]) -> int:
+        return self.fixed_ticks + sum(dict(options)[m] for options, m in zip(self.layer_ticks, modes, strict=True))
+
+    def peak_of(self, modes: tuple[Checkpoint, ...]) -> int:
+        return allocated_peak(self.memory, modes)[0]
+
+
+def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
+                headroom: float) -> Table:
+    config = outer.config()
+    check(graph, cluster, workload, config)
+    terms = time_terms(graph, cluster, workload, config)
+    fixed = ticks(terms.fixed.step_time)
+    layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options) for options in terms.layers)
+    states = model_states(graph, config)
+    usable = math.floor(cluster.gpu.memory_bytes * (1 - headroom))
+    budget = allocated_budget(usable, runtime_overhead(cluster, config))
+    cpu, nvme = offload_bytes(cluster, config, states)
+    host_ok = cpu <= cluster.cpu_ram_per_node and (nvme == 0 or cluster.nvme_bandwidth > 0)
+    return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
+                 host_ok=host_ok, build_memory=lambda: memory_terms(graph, workload, config))
+
+
+def objective(table: Table, modes: tuple[Checkpoint, ...], *, tie_weight: int) -> int:
+    """Step ticks first; among equal times, the earlier configuration and fewer recomputed layers."""
+    full = sum(m is Checkpoint.FULL for m in modes)
+    selective = sum(m is Checkpoint.SELECTIVE for m in modes)
+    return table.time_of(modes) * tie_weight + table.rank * (2 * len(modes) + 1) + 2 * full + selective
+
+
+def tie_weight(tables: list[Table], layers: int) -> int:
+    """A weight that keeps the tie-break below one tick."""
+    return (max((t.rank for t in tables), default=0) + 1) * (2 * layers + 1) + 1
