@@ -240,7 +240,7 @@ def solve(pm: PlanModel, *, time_limit: float, workers: int = 2, seed: int = 0) 
     match status:
         case cp_model.OPTIMAL | cp_model.FEASIBLE:
             table, modes = decode(pm, solver)
-            return SolveResult(name, int(solver.objective_value), int(solver.best_objective_bound),
+            return SolveResult(name, round(solver.objective_value), round(solver.best_objective_bound),
                                solver.wall_time, table, modes)
         case cp_model.INFEASIBLE | cp_model.UNKNOWN:
             return SolveResult(name, None, None, solver.wall_time, None, ())

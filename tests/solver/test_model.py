@@ -1,0 +1,104 @@
+"""The CP-SAT model against the exhaustive enumeration, on random instances small enough to enumerate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from costmodels import Engine, Offload, Precision, Workload, parse_cluster
+from graphs import Checkpoint, resolve
+from graphs.lower import lower_resolved
+from solver.api import _graph_for
+from solver.reference import enumerate_best
+from solver.search import build_tables, search
+from solver.space import Pins, all_counts, canonical_modes, outer_space
+from solver.tables import TICK_SECONDS, objective, tie_weight
+
+SMALL_MODELS = ["gpt2", "facebook/opt-125m", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B",
+                "EleutherAI/pythia-1b", "google/gemma-2-2b"]
+CLUSTERS = ["1xT4", "1xL4", "2xA10G", "4xL4", "8xA100-40GB", "2x8xH100", "16xA100"]
+
+
+def instance(seed: int) -> dict:
+    rng = random.Random(seed)
+    model = rng.choice(SMALL_MODELS)
+    gpus = rng.choice(CLUSTERS)
+    cluster = parse_cluster(gpus)
+    engine = rng.choice([Engine.DEEPSPEED, Engine.FSDP2, None])
+    modes = rng.choice([None, Checkpoint.FULL, Checkpoint.NONE])
+    batch = cluster.world_size * rng.choice([1, 2, 4])
+    precision = Precision.BF16_MIXED if cluster.gpu.peak_flops("bf16") else Precision.FP16_MIXED
+    return {
+        "model": model, "cluster": cluster,
+        "workload": Workload(seq_len=rng.choice([256, 512, 1024, 2048]), global_batch=batch),
+        "pins": Pins(engine=engine, checkpoint=modes, precisions=(precision,)),
+        # From loose to so tight that nothing may fit.
+        "headroom": rng.choice([0.0, 0.3, 0.6, 0.8, 0.9, 0.95]),
+    }
+
+
+# Enumeration cost: (canonical assignments) x (tables). Models with many layers per kind enumerate with two
+# modes (NONE, FULL) instead of three to keep each instance to a few seconds.
+MAX_ASSIGNMENTS = 300
+
+
+def tables_for(case: dict) -> tuple[list, list[int], tuple[Checkpoint, ...]]:
+    resolved = resolve(case["model"])
+    graph_of = _graph_for(resolved, None, None, {})
+    space = outer_space(lower_resolved(resolved), case["cluster"], case["workload"], case["pins"])
+    tables = build_tables(space, graph_of, case["cluster"], case["workload"], headroom=case["headroom"])
+    kinds = [layer.kind for layer in lower_resolved(resolved).decoder_layers()]
+    modes = space.modes
+    if len(all_counts(kinds, modes)) > MAX_ASSIGNMENTS:
+        modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
+    return tables, kinds, modes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(50))
+def test_cpsat_objective_equals_enumeration_on_random_instances(seed):
+    case = instance(seed)
+    tables, kinds, modes = tables_for(case)
+    best = enumerate_best(tables, kinds, modes)
+    found = search(tables, kinds, modes, time_limit=30.0, configurations=len(tables))
+    if best is None:
+        assert found.result.table is None and found.result.status == "INFEASIBLE"
+        return
+    assert found.result.status == "OPTIMAL"
+    assert found.result.objective == best.objective
+    assert (found.result.table, found.result.modes) == (best.table, best.modes)
+
+
+def test_table_costs_equal_a_fresh_estimate_of_the_same_configuration():
+    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("2xL4"),
+            "workload": Workload(seq_len=1024, global_batch=8), "pins": Pins(precisions=(Precision.BF16_MIXED,)),
+            "headroom": 0.05}
+    tables, kinds, modes = tables_for(case)
+    resolved = resolve(case["model"])
+    graph_of = _graph_for(resolved, None, None, {})
+    from costmodels import estimate
+
+    for table in tables[::7]:
+        assignment = canonical_modes(kinds, {0: (5, 3)})
+        est = estimate(graph_of(table.outer), case["cluster"], case["workload"], table.outer.config(assignment))
+        assert table.peak_of(assignment) == est.memory.allocated_peak
+        # Ticks round each layer's seconds to 1 µs: at most half a tick per term.
+        assert abs(table.time_of(assignment) * TICK_SECONDS - est.time.step_time) <= (len(kinds) + 1) * TICK_SECONDS
+
+
+def test_tight_memory_forces_checkpointing_of_the_earliest_layers():
+    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("1xA100-40GB"),
+            "workload": Workload(seq_len=1024, global_batch=4),
+            "pins": Pins(engine=Engine.DEEPSPEED, zero=0, micro_batch=1, offload=Offload.NONE,
+                         precisions=(Precision.BF16_MIXED,)),
+            "headroom": 0.3}
+    tables, kinds, modes = tables_for(case)
+    found = search(tables, kinds, modes, time_limit=10, configurations=len(tables))
+    chosen = found.result.modes
+    assert found.result.status == "OPTIMAL"
+    checkpointed = [m is not Checkpoint.NONE for m in chosen]
+    assert any(checkpointed) and not all(checkpointed)
+    assert checkpointed == sorted(checkpointed, reverse=True)  # canonical: earliest layers first
+    weight = tie_weight(tables, len(kinds))
+    assert found.result.objective == objective(tables[found.result.table], chosen, tie_weight=weight)
