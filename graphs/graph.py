@@ -40,6 +40,8 @@ class LayerGraph:
     model_type: str
     architecture: str
     """The transformers class, e.g. LlamaForCausalLM."""
+    layer_class: str = ""
+    """The decoder-layer class, e.g. LlamaDecoderLayer (what FSDP wraps and checkpointing flags)."""
     dtype: str
     """Parameter dtype of the traced model (and compute dtype unless `autocast`)."""
     autocast: str | None
@@ -105,7 +107,8 @@ class LayerGraph:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model, "source": self.source, "model_type": self.model_type,
-            "architecture": self.architecture, "dtype": self.dtype, "autocast": self.autocast,
+            "architecture": self.architecture, "layer_class": self.layer_class, "dtype": self.dtype,
+            "autocast": self.autocast,
             "attention": self.attention,
             "lora": self.lora.to_json() if self.lora else None, "dims": _slots_dict(self.dims),
             "inputs": self.inputs.to_json(), "shared": self.shared.to_json(),
@@ -123,7 +126,8 @@ class LayerGraph:
         layers = [_layer_from_json(item, kind_modes) for item in data["nodes"]]
         return cls(
             model=data["model"], source=data["source"], model_type=data["model_type"],
-            architecture=data["architecture"], dtype=data["dtype"], autocast=data["autocast"],
+            architecture=data["architecture"], layer_class=data["layer_class"], dtype=data["dtype"],
+            autocast=data["autocast"],
             attention=data["attention"],
             lora=LoraSpec.from_json(data["lora"]) if data["lora"] else None, dims=ModelDims(**data["dims"]),
             inputs=Poly.from_json(data["inputs"]), shared=Poly.from_json(data["shared"]),

@@ -90,7 +90,8 @@ def assemble(resolved: ResolvedModel, study: Any, *, dtype: str, autocast: str |
     nodes.append(Layer(name="loss", role=Role.LOSS, modes=((Checkpoint.NONE, study.costs["loss"]),)))
     return LayerGraph(
         model=resolved.id, source=resolved.source, model_type=resolved.model_type,
-        architecture=study.architecture, dtype=dtype, autocast=autocast, attention=study.attention, lora=lora,
+        architecture=study.architecture, layer_class=study.layer_class, dtype=dtype, autocast=autocast,
+        attention=study.attention, lora=lora,
         dims=study.dims,
         inputs=study.model_wide["inputs"], shared=study.model_wide["shared"],
         checkpoint_shared=study.model_wide["checkpoint_shared"], forward_shared=study.model_wide["forward_shared"],

@@ -34,6 +34,7 @@ class Study:
     """Everything measured about one model at one dtype / attention / LoRA setting."""
 
     architecture: str
+    layer_class: str
     attention: str
     dims: ModelDims
     itemsize: int
@@ -73,6 +74,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     wide = _parts(config, dtype=dtype, attention=attention, lora=lora, layers=dims.layers)
     kinds = layer_kinds(wide)
+    layer_class = type(wide.layers[0]).__name__
     plan = dict(getattr(wide.model, "_tp_plan", None) or {})
     params = param_tensors(wide.model, _owners(wide), plan)
     rowwise = [_count_rowwise(wide, i, plan) for i in range(dims.layers)]
@@ -94,7 +96,8 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
     slot_scopes = {(slot.kind, slot.mode): f"layers.{j}" for j, slot in enumerate(slots) if slot.kind is not None}
     slot_scopes = {key: scope for key, scope in slot_scopes.items()
                    if key[1] is not Checkpoint.SELECTIVE or costs[scope].recompute.flops}
-    return Study(architecture=type(wide.model).__name__, attention=wide.model.config._attn_implementation,
+    return Study(architecture=type(wide.model).__name__, layer_class=layer_class,
+                 attention=wide.model.config._attn_implementation,
                  dims=dims, itemsize=torch.finfo(next(wide.model.parameters()).dtype).bits // 8, params=params,
                  kinds=kinds, slot_scopes=slot_scopes, costs=costs, rowwise_modules=rowwise, moe=moe,
                  model_wide=model_wide_bytes(probes), widened=probes.widened is not None, tp_degrees=tp_degrees,

@@ -151,7 +151,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     any_graph = graph_of(Outer(1, 1, Engine.DDP, 0, Offload.NONE, Offload.NONE, 1, 1, Precision.BF16_MIXED,
                                Optimizer.ADAMW))
     space = outer_space(any_graph, cluster, workload, pins)
-    inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus)
+    inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, any_graph)
     if not space.outers:
         raise Infeasible(*diagnose(None, inputs, pins, space))
     tables = build_tables(space, graph_of, cluster, workload, headroom=headroom)
@@ -194,7 +194,7 @@ def _decisions(outer: Outer, modes: tuple[Checkpoint, ...], graph: LayerGraph, l
 
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,
-            assumed: list[str], gpus: str | Cluster) -> Inputs:
+            assumed: list[str], gpus: str | Cluster, graph: LayerGraph) -> Inputs:
     pinned = {name: getattr(pins, name) for name in Pins.__dataclass_fields__
               if getattr(pins, name) not in (None, ())}
     if pinned.get("optimizers") == (Optimizer.ADAMW,):
@@ -209,7 +209,9 @@ def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins:
     if not pins.precisions:
         defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
                         "(pure bf16 and fp8 only when allowed)")
-    return Inputs(model=resolved.id, model_source=resolved.source, cluster=info, seq_len=workload.seq_len,
+    return Inputs(model=resolved.id, model_source=resolved.source, architecture=graph.architecture,
+                  layer_class=graph.layer_class, hidden_size=graph.dims.hidden, num_layers=graph.dims.layers,
+                  cluster=info, seq_len=workload.seq_len,
                   global_batch=workload.global_batch, tokens_per_step=workload.tokens_per_step, headroom=headroom,
                   pins={k: (list(v) if isinstance(v, tuple) else v) for k, v in pinned.items()},
                   assumed=tuple(defaults))

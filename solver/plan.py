@@ -41,6 +41,12 @@ class Inputs:
     model: str
     model_source: str
     """catalog, local or hf-cache."""
+    architecture: str = ""
+    """The transformers class, e.g. LlamaForCausalLM."""
+    layer_class: str = ""
+    """The decoder-layer class, e.g. LlamaDecoderLayer."""
+    hidden_size: int = 0
+    num_layers: int = 0
     cluster: ClusterInfo
     seq_len: int
     global_batch: int

@@ -1,1 +1,47 @@
-"""Launcher emitters: one module per target, each a pure `emit(plan)`; `EMITTERS` maps names to them."""
+"""Launcher emitters: one module per target, each a pure `emit(plan)` returning file name -> text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from graphs import FitplanError
+
+from ..plan import Plan
+from . import accelerate, deepspeed, hf, megatron, torchrun
+from .support import unsupported
+
+
+def _deepspeed(plan: Plan) -> dict[str, str]:
+    return deepspeed.emit(plan, hidden=plan.inputs.hidden_size)
+
+
+def _hf(plan: Plan) -> dict[str, str]:
+    files = hf.emit(plan)
+    if plan.decisions.engine.value == "deepspeed":
+        files.update(_deepspeed(plan))  # TrainingArguments(deepspeed="ds_config.json") reads it
+    return files
+
+
+def _accelerate(plan: Plan) -> dict[str, str]:
+    files = accelerate.emit(plan)
+    if plan.decisions.engine.value == "deepspeed":
+        files.update(_deepspeed(plan))
+    return files
+
+
+EMITTERS: dict[str, Callable[[Plan], dict[str, str]]] = {
+    "deepspeed": _deepspeed, "hf": _hf, "accelerate": _accelerate, "torchrun": torchrun.emit,
+    "megatron": megatron.emit,
+}
+
+
+def emit(plan: Plan, launcher: str) -> dict[str, str]:
+    """The files `launcher` needs to run `plan`, or an error naming what it cannot express."""
+    if launcher not in EMITTERS:
+        raise FitplanError(f"Unknown launcher {launcher!r}", f"Choose from: {', '.join(EMITTERS)}.")
+    problems = unsupported(launcher, plan.decisions)
+    if problems:
+        raise FitplanError(f"The {launcher} launcher cannot run this plan as decided: {'; '.join(problems)}.",
+                           f"Launchers that can: {', '.join(plan.launchers) or 'none'}; or re-plan with "
+                           f"--launcher {launcher} to restrict the search to what it expresses.")
+    return EMITTERS[launcher](plan)

@@ -21,6 +21,8 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
         if selective:
             problems.append("selective recompute (HF models checkpoint whole layers)")
     elif launcher in ("hf", "accelerate"):
+        if launcher == "hf" and d.tp > 1:
+            problems.append("tensor parallelism in TrainingArguments (use the accelerate config)")
         if selective:
             problems.append("selective recompute (transformers checkpoints whole layers)")
         if nvme and d.engine is not Engine.DEEPSPEED:
@@ -32,6 +34,10 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
     elif launcher == "torchrun":
         if d.engine is Engine.DEEPSPEED:
             problems.append("DeepSpeed ZeRO (torchrun runs plain PyTorch / FSDP2)")
+        if d.engine is Engine.DDP and d.tp > 1 and d.dp > 1:
+            problems.append("tensor parallelism with DDP data parallelism (use FSDP2)")
+        if nvme:
+            problems.append("NVMe offload")
     elif launcher == "megatron":
         if d.engine is not Engine.DEEPSPEED or d.zero > 1:
             problems.append("sharding beyond Megatron's distributed optimizer (ZeRO-1)")
@@ -39,6 +45,10 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
             problems.append("offload")
         if d.lora is not None:
             problems.append("LoRA")
+        if Checkpoint.SELECTIVE in d.checkpoint and set(d.checkpoint) != {Checkpoint.SELECTIVE}:
+            problems.append("selective recompute on only some layers (Megatron applies it to all)")
+        if Checkpoint.FULL in d.checkpoint and Checkpoint.SELECTIVE in d.checkpoint:
+            problems.append("full and selective recompute mixed")
     return problems
 
 

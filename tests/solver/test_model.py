@@ -74,7 +74,7 @@ def test_table_costs_equal_a_fresh_estimate_of_the_same_configuration():
     case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("2xL4"),
             "workload": Workload(seq_len=1024, global_batch=8), "pins": Pins(precisions=(Precision.BF16_MIXED,)),
             "headroom": 0.05}
-    tables, kinds, modes = tables_for(case)
+    tables, kinds, _ = tables_for(case)
     resolved = resolve(case["model"])
     graph_of = _graph_for(resolved, None, None, {})
     from costmodels import estimate

@@ -1,0 +1,249 @@
+"""The command line: `fitplan solve|estimate|models|gpus|explain` and the `solve` shortcut.
+
+stdout carries only the result (a report, or JSON with --json); progress and errors go to stderr.
+Exit codes: 0 plan found, 1 internal error, 2 bad input, 3 nothing fits (with the diagnosis).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from costmodels import Engine, Offload, Optimizer, Precision
+from graphs import Checkpoint, FitplanError, LoraSpec
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # planning never downloads
+
+app = typer.Typer(help="Plan LLM training on GPUs: what fits, what is fastest, and the launcher configs.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+out = Console()
+err = Console(stderr=True)
+
+Model = Annotated[str, typer.Option("--model", "-m", help="Catalog id (see `fitplan models`), a local "
+                                    "config.json or folder, or a Hub id in the local HF cache.")]
+Gpus = Annotated[str, typer.Option("--gpus", "-g", help="Cluster: 8xA100, 1xA10G, 8xH100-80GB, 16xH100, "
+                                   "2x8xH100, 4xL4, or a JSON/YAML cluster file.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
+
+
+def _fail(error: Exception) -> None:
+    """One place turns user errors into messages and exit codes."""
+    from .diagnose import Infeasible
+
+    if isinstance(error, Infeasible):
+        err.print(f"[bold red]Infeasible:[/] {error.message}")
+        if error.hint:
+            err.print(error.hint)
+        raise typer.Exit(code=3)
+    if isinstance(error, (FitplanError, ValueError)):
+        message = error.message if isinstance(error, FitplanError) else str(error)
+        err.print(f"[bold red]Error:[/] {message}")
+        if isinstance(error, FitplanError) and error.hint:
+            err.print(error.hint)
+        raise typer.Exit(code=2)
+    raise error
+
+
+def _csv(value: str | None, kind: type) -> tuple[Any, ...]:
+    if not value:
+        return ()
+    try:
+        return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
+    except ValueError as error:
+        choices = ", ".join(member.value for member in kind)  # type: ignore[attr-defined]
+        raise FitplanError(f"{value!r} is not valid: {error}", f"Choose from: {choices}.") from error
+
+
+@app.command("solve")
+def solve_command(
+    model: Model, gpus: Gpus,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: min(4096, model limit)).")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")] = None,
+    tokens_per_step: Annotated[int | None, typer.Option(help="Tokens per optimizer step (instead of "
+                                                        "--global-batch).")] = None,
+    tp: Annotated[int | None, typer.Option(help="Pin the tensor-parallel degree.")] = None,
+    engine: Annotated[Engine | None, typer.Option(help="Pin the engine.")] = None,
+    zero: Annotated[int | None, typer.Option(help="Pin the ZeRO stage (FSDP2: 2 or 3).")] = None,
+    offload: Annotated[Offload | None, typer.Option(help="Pin optimizer-state offload.")] = None,
+    offload_params: Annotated[Offload | None, typer.Option(help="Pin parameter offload (ZeRO-3).")] = None,
+    micro_batch: Annotated[int | None, typer.Option(help="Pin the micro-batch.")] = None,
+    grad_accum: Annotated[int | None, typer.Option(help="Pin gradient accumulation.")] = None,
+    checkpoint: Annotated[str, typer.Option(help="none|full|selective pins every layer; auto decides per "
+                                            "layer.")] = "auto",
+    precision: Annotated[str | None, typer.Option(help="Allowed precisions, comma-separated (bf16-mixed, "
+                                                  "fp16-mixed, tf32, fp32, bf16, fp8).")] = None,
+    optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated (adamw, adamw-fused, "
+                                            "adafactor, adamw-8bit, sgd); never changed silently.")] = "adamw",
+    launcher: Annotated[str | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
+    lora_alpha: Annotated[int | None, typer.Option(help="LoRA alpha (default 2 x rank).")] = None,
+    lora_targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated.")] = "all-linear",
+    allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
+    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free.")] = 0.05,
+    time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds.")] = 5.0,
+    attention: Annotated[str | None, typer.Option(help="Attention implementation (sdpa, eager).")] = None,
+    as_json: AsJson = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
+    emit: Annotated[str | None, typer.Option(help="Launcher files to write: deepspeed,hf,accelerate,torchrun,"
+                                             "megatron.")] = None,
+    emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
+) -> None:
+    """Find the fastest configuration that fits, and optionally write launcher configs."""
+    from .api import solve
+    from .commands import emit_files, plot_plan
+
+    try:
+        lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
+                                                     targets=tuple(t.strip() for t in lora_targets.split(",")))
+        pins = {"tp": tp, "engine": engine, "zero": zero, "offload": offload, "param_offload": offload_params,
+                "micro_batch": micro_batch, "grad_accum": grad_accum, "launcher": launcher,
+                "checkpoint": None if checkpoint == "auto" else Checkpoint(checkpoint),
+                "precisions": _csv(precision, Precision), "optimizers": _csv(optimizers, Optimizer)}
+        for name in ("seq_len", "global_batch", "tokens_per_step"):
+            value = locals()[name]
+            if value is not None and value < 1:
+                raise FitplanError(f"--{name.replace('_', '-')} must be a positive integer, got {value}",
+                                   "Pass a positive number.")
+        if not as_json:
+            err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
+        plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
+                     headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
+                     attention=attention, **pins)
+        if output:
+            output.write_text(plan.dumps())
+        if emit:
+            for path in emit_files(plan, emit, emit_dir):
+                err.print(f"wrote {path}")
+        if plot:
+            plot_plan(plan, plot)
+            err.print(f"wrote {plot}")
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(plan.dumps())
+    else:
+        from .render import render_plan
+
+        render_plan(plan, out)
+
+
+@app.command("estimate")
+def estimate_command(
+    model: Model, gpus: Gpus,
+    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields.")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    dp: Annotated[int | None, typer.Option(help="Data-parallel degree (default: the rest of the GPUs).")] = None,
+    engine: Annotated[Engine, typer.Option(help="Engine.")] = Engine.DDP,
+    zero: Annotated[int, typer.Option(help="ZeRO stage.")] = 0,
+    offload: Annotated[Offload, typer.Option(help="Optimizer offload.")] = Offload.NONE,
+    offload_params: Annotated[Offload, typer.Option(help="Parameter offload.")] = Offload.NONE,
+    micro_batch: Annotated[int, typer.Option(help="Micro-batch.")] = 1,
+    grad_accum: Annotated[int, typer.Option(help="Gradient accumulation.")] = 1,
+    checkpoint: Annotated[Checkpoint, typer.Option(help="Checkpoint mode of every layer.")] = Checkpoint.NONE,
+    precision: Annotated[Precision, typer.Option(help="Precision.")] = Precision.BF16_MIXED,
+    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer.")] = Optimizer.ADAMW,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="LoRA rank (all linear layers).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Memory and time of one configuration: will it fit, and where does the memory go?"""
+    from .commands import estimate_report
+
+    try:
+        flags = {"tp": tp, "dp": dp, "engine": engine, "zero": zero, "optimizer_offload": offload,
+                 "param_offload": offload_params, "micro_batch": micro_batch, "grad_accum": grad_accum,
+                 "checkpoint": checkpoint.value, "precision": precision, "optimizer": optimizer}
+        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank)
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        report.render(out)
+
+
+@app.command("models")
+def models_command(filter: Annotated[str, typer.Argument(help="Substring to match (case-insensitive).")] = "",
+                   as_json: AsJson = False) -> None:
+    """List the bundled model catalog."""
+    from .commands import models_rows
+
+    rows = models_rows(filter)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(rows)} catalog models (published config.json values)")
+    for column in ("id", "model_type", "published params"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["id"], row["model_type"], f"{row['published_params']:,}" if row["published_params"] else "-")
+    out.print(table)
+
+
+@app.command("gpus")
+def gpus_command(as_json: AsJson = False) -> None:
+    """List the GPU catalog (dense peak TFLOP/s, memory, links)."""
+    from .commands import gpu_rows
+
+    rows = gpu_rows()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title="GPU catalog (dense figures; memory in GiB)")
+    for column in ("id", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "intra-node"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["id"], ", ".join(r["aliases"]), f"{r['memory_gib']:.0f}", str(r["bf16_tflops"] or "-"),
+                      str(r["fp8_tflops"] or "-"), f"{r['hbm_gbps']:.0f}", r["intra_node"])
+    out.print(table)
+
+
+@app.command("explain")
+def explain_command(plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
+                    as_json: AsJson = False) -> None:
+    """Why this plan: the binding constraint, what the alternatives cost, and each guide method's decision."""
+    from .commands import explain_plan
+
+    try:
+        lines = explain_plan(plan_file)
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps({"explanation": lines}, indent=2))
+    else:
+        for line in lines:
+            out.print(line)
+
+
+def main() -> None:
+    """Entry point of the `fitplan` command."""
+    _run(app)
+
+
+def solve_entry() -> None:
+    """Entry point of the `solve` command: `fitplan solve` under a shorter name."""
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    single.command()(solve_command)
+    _run(single)
+
+
+def _run(application: typer.Typer) -> None:
+    try:
+        application()
+    except SystemExit:
+        raise
+    except Exception as error:  # an internal error: report it as one (exit 1)
+        err.print(f"[bold red]Internal error[/] ({type(error).__name__}): {error}")
+        err.print("This is a bug in fitplan; please report it with the command line.")
+        sys.exit(1)

@@ -1,0 +1,155 @@
+"""The work behind the CLI commands that is not solving: emitting files, plotting, reports, listings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+
+from costmodels import Estimate, load_gpus
+from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
+from graphs.lora import LoraSpec
+
+from .plan import Plan
+
+GIB = 2**30
+
+
+def emit_files(plan: Plan, emit: str, folder: Path) -> list[Path]:
+    from .launchers import emit as emit_launcher
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    files: dict[str, str] = {"plan.json": plan.dumps() + "\n"}
+    for launcher in (name.strip() for name in emit.split(",") if name.strip()):
+        files.update(emit_launcher(plan, launcher))
+    for name, text in files.items():
+        path = folder / name
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def plot_plan(plan: Plan, path: Path) -> None:
+    """Two panels: the memory breakdown per GPU, and step time against device memory for the alternatives."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise FitplanError("--plot needs matplotlib", "pip install 'fitplan[plot]'") from error
+    from .render import memory_parts
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    bottom = 0.0
+    for name, nbytes in memory_parts(plan.estimate):
+        left.bar(["this plan"], [nbytes / GIB], bottom=[bottom], label=name)
+        bottom += nbytes / GIB
+    left.axhline(plan.inputs.cluster.gpu_memory_bytes / GIB, color="black", linestyle="--", label="device memory")
+    left.set_ylabel("GiB per GPU")
+    left.set_title("Memory breakdown (device peak)")
+    left.legend(fontsize=8)
+    points = [(plan.estimate.memory.device_peak / GIB, plan.estimate.time.step_time, "plan")]
+    points += [(a.device_peak / GIB, a.step_time, a.decisions[:40]) for a in plan.alternatives if a.step_time]
+    for memory, seconds, label in points:
+        right.scatter([memory], [seconds], s=60 if label == "plan" else 30)
+        right.annotate(label, (memory, seconds), fontsize=7)
+    right.set_xlabel("device peak, GiB per GPU")
+    right.set_ylabel("step time, s")
+    right.set_title("Time / memory trade-off of the alternatives")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass
+class EstimateReport:
+    estimate: Estimate
+    capacity: int
+    title: str
+
+    def to_json(self) -> dict[str, Any]:
+        from pydantic import TypeAdapter
+
+        data = TypeAdapter(Estimate).dump_python(self.estimate, mode="json")
+        data["fits"] = self.estimate.memory.device_peak <= self.capacity
+        data["device_capacity_bytes"] = self.capacity
+        return data
+
+    def render(self, console: Console) -> None:
+        from .render import render_estimate
+
+        render_estimate(self.estimate, self.capacity, console, title=self.title)
+
+
+def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
+                    lora_rank: int | None) -> EstimateReport:
+    from .api import cluster_from, estimate
+
+    cluster = cluster_from(gpus)
+    values = read_config_file(config_file) if config_file else dict(flags)
+    if values.get("dp") is None:
+        values["dp"] = cluster.world_size // max(1, int(values.get("tp", 1)))
+    lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None
+    result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
+    return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise MalformedConfig(f"Cannot read configuration {path}: {error}",
+                              "Give a JSON or YAML object of Config fields (tp, dp, engine, zero, ...).") from error
+    if not isinstance(data, dict):
+        raise MalformedConfig(f"{path} must hold an object of Config fields", "e.g. {\"tp\": 2, \"zero\": 3}")
+    return data
+
+
+def models_rows(filter_text: str) -> list[dict[str, Any]]:
+    rows = []
+    for model_id in catalog_ids():
+        if filter_text.lower() in model_id.lower():
+            entry = load_entry(model_id)
+            rows.append({"id": model_id, "model_type": entry.config.get("model_type", "?"),
+                         "published_params": entry.published_params})
+    return rows
+
+
+def gpu_rows() -> list[dict[str, Any]]:
+    rows = []
+    for gpu in load_gpus().values():
+        bf16, fp8 = gpu.peak_flops("bf16"), gpu.peak_flops("fp8")
+        rows.append({"id": gpu.id, "name": gpu.name, "aliases": list(gpu.aliases), "memory_gib": gpu.memory_bytes / GIB,
+                     "bf16_tflops": bf16 / 1e12 if bf16 else None, "fp8_tflops": fp8 / 1e12 if fp8 else None,
+                     "hbm_gbps": gpu.hbm_bandwidth / 1e9, "intra_node": gpu.intra_node_kind})
+    return rows
+
+
+def explain_plan(path: Path) -> list[str]:
+    try:
+        plan = Plan.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, ValidationError) as error:
+        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
+                              "Write one with `solve ... -o plan.json`.") from error
+    d, e = plan.decisions, plan.estimate
+    lines = [f"Plan for {plan.inputs.model} on {plan.inputs.cluster.spec}: {d.summary()}",
+             f"Why: fastest configuration under the cost model ({plan.solver.status}; step {e.time.step_time:.3f} s, "
+             f"{e.tokens_per_second:,.0f} tokens/s, MFU {e.mfu:.1%}).",
+             f"Binding constraint: {plan.binding}.",
+             f"Memory per GPU: device peak {e.memory.device_peak / GIB:.2f} GiB of "
+             f"{plan.inputs.cluster.gpu_memory_bytes / GIB:.0f} GiB (allocated {e.memory.allocated_peak / GIB:.2f} GiB "
+             f"at {e.memory.peak_at}).", "Alternatives:"]
+    lines += [f"  - {a.decisions}: {a.why}" for a in plan.alternatives] or ["  (none)"]
+    if plan.advice:
+        lines.append("Guide methods:")
+        lines += [f"  - {item}" for item in plan.advice]
+    lines.append("Assumed: " + "; ".join(plan.inputs.assumed))
+    return lines

@@ -1,0 +1,82 @@
+"""Hugging Face `TrainingArguments` keyword arguments (transformers 5.x names), plus the per-layer
+checkpointing snippet when only some layers are checkpointed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from costmodels import Engine, Offload, Optimizer
+
+from ..plan import Plan
+from .common import (
+    BETAS,
+    EPS,
+    LEARNING_RATE,
+    MAX_GRAD_NORM,
+    WEIGHT_DECAY,
+    all_checkpointed,
+    checkpointed_layers,
+    layer_class,
+    precision_flags,
+)
+
+# transformers 5.24 `OptimizerNames`; `adamw_hf` no longer exists (removed in 5.x).
+OPTIM = {Optimizer.ADAMW: "adamw_torch", Optimizer.ADAMW_FUSED: "adamw_torch_fused",
+         Optimizer.ADAFACTOR: "adafactor", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit", Optimizer.SGD: "sgd"}
+
+
+def training_arguments(plan: Plan) -> dict[str, Any]:
+    d = plan.decisions
+    kwargs: dict[str, Any] = {
+        "output_dir": "fitplan-run",
+        "per_device_train_batch_size": d.micro_batch,
+        "gradient_accumulation_steps": d.grad_accum,
+        "learning_rate": LEARNING_RATE, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_epsilon": EPS,
+        "weight_decay": WEIGHT_DECAY, "max_grad_norm": MAX_GRAD_NORM,
+        "optim": OPTIM[d.optimizer],
+        **precision_flags(plan),
+    }
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated
+    # alias until v6). With FSDP, checkpointing goes through fsdp_config instead (the Trainer flag adds a
+    # redundant all-gather: transformers #30404).
+    if checkpointed_layers(plan) and d.engine is not Engine.FSDP2:
+        kwargs["activation_checkpointing"] = True
+        kwargs["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+    if d.engine is Engine.DEEPSPEED:
+        kwargs["deepspeed"] = "ds_config.json"
+    elif d.engine is Engine.FSDP2:
+        kwargs["fsdp"] = "full_shard" if d.zero == 3 else "shard_grad_op"
+        kwargs["fsdp_config"] = {
+            "version": 2, "reshard_after_forward": d.zero == 3, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": [layer_class(plan)], "cpu_offload": d.param_offload is not Offload.NONE,
+            "activation_checkpointing": bool(checkpointed_layers(plan)), "cpu_ram_efficient_loading": True,
+            "state_dict_type": "SHARDED_STATE_DICT"}
+        if d.param_offload is not Offload.NONE:
+            kwargs["fsdp"] += " offload"
+    return kwargs
+
+
+def checkpoint_snippet(plan: Plan) -> str:
+    """Python that keeps only the planned layers checkpointed (HF flags are per layer since transformers 4.57)."""
+    layers = checkpointed_layers(plan)
+    return (
+        "# Emitted by fitplan: checkpoint exactly the planned decoder layers (the first ones, whose activations\n"
+        "# live longest). Call after building the model and before training.\n"
+        "def apply_fitplan_checkpointing(model):\n"
+        "    model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})\n"
+        f"    keep = set(range({len(plan.decisions.checkpoint)})) - {set(layers) or 'set()'}\n"
+        "    for index, layer in enumerate(model.model.layers):\n"
+        "        if index in keep:\n"
+        "            layer.gradient_checkpointing = False\n"
+    )
+
+
+def emit(plan: Plan) -> dict[str, str]:
+    files = {"training_args.yaml": yaml.safe_dump(training_arguments(plan), sort_keys=False),
+             "training_args.json": json.dumps(training_arguments(plan), indent=2) + "\n"}
+    if checkpointed_layers(plan) and not all_checkpointed(plan):
+        files["fitplan_checkpointing.py"] = checkpoint_snippet(plan)
+    return files

@@ -1,0 +1,212 @@
+"""torchrun: a launch line and a training script that applies the plan with plain PyTorch (FSDP2, DTensor TP,
+DDP, per-layer checkpointing). It runs as emitted; replace `batches()` with your data."""
+
+from __future__ import annotations
+
+import json
+
+from ..plan import Plan
+
+SCRIPT = r'''"""Training script emitted by fitplan for: __SUMMARY__
+
+Run: torchrun --nproc_per_node N train_fitplan.py --model PATH_OR_ID [--from-config] [--steps S]
+Replace `batches()` with your data loader; everything else follows the plan.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+PLAN = json.loads(__PLAN__)
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, help="local folder / config.json, or a Hub id")
+    p.add_argument("--from-config", action="store_true", help="random weights from the config (smoke tests)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=PLAN["seq_len"])
+    p.add_argument("--report", default=None, help="folder for a per-rank JSON report of state bytes")
+    return p.parse_args()
+
+
+def build(args, device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = PLAN["decisions"]
+    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32  # masters stay fp32 when mixed
+    kwargs = {"dtype": weights, "attn_implementation": d["attention"]}
+    if args.from_config:
+        path = args.model if not args.model.endswith(".json") else os.path.dirname(args.model) or "."
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    if d["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        lora = d["lora"]
+        targets = "all-linear" if lora["targets"] == ["all-linear"] else lora["targets"]
+        model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
+                                                 lora_dropout=lora["dropout"], task_type="CAUSAL_LM"))
+    return model.to(device)
+
+
+def decoder_layers(model):
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(
+        PLAN["decisions"]["checkpoint"]))
+
+
+def apply_checkpointing(model):
+    """FULL layers are checkpointed whole; SELECTIVE layers recompute only the attention core."""
+    modes = PLAN["decisions"]["checkpoint"]
+    if "full" in modes:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer, mode in zip(decoder_layers(model), modes):
+        layer.gradient_checkpointing = mode == "full"
+        for module in layer.modules():
+            module._fitplan_selective = mode == "selective"
+    if "selective" in modes:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        original = type(ALL_ATTENTION_FUNCTIONS).get_interface
+
+        def get_interface(self, name, default):
+            attention = original(self, name, default)
+
+            def wrapped(module, q, k, v, mask, **kw):
+                if getattr(module, "_fitplan_selective", False) and torch.is_grad_enabled():
+                    return checkpoint(lambda a, b, c, m: attention(module, a, b, c, m, **kw), q, k, v, mask,
+                                      use_reentrant=False)
+                return attention(module, q, k, v, mask, **kw)
+            return wrapped
+
+        type(ALL_ATTENTION_FUNCTIONS).get_interface = get_interface
+
+
+def apply_tensor_parallel(model, mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+              "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+              "colwise_gather_output": ColwiseParallel(output_layouts=Replicate())}
+    plan = {}
+    for pattern, style in (getattr(model, "_tp_plan", None) or {}).items():
+        for name, _ in model.named_modules():
+            parts, names = pattern.split("."), name.split(".")
+            if len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names)) and style in styles:
+                plan[name] = styles[style]
+    parallelize_module(model, mesh, plan)
+    tied = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and tied is not None:
+        tied.weight = model.get_input_embeddings().weight  # keep tied weights one tensor
+
+
+def apply_fsdp(model, mesh):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    d = PLAN["decisions"]
+    half = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "fp16-mixed": torch.float16}.get(d["precision"])
+    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if d["param_offload"] != "none" else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=d["zero"] == 3, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=d["zero"] == 3, mp_policy=policy, offload_policy=offload)
+
+
+def optimizer_for(model):
+    d = PLAN["decisions"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    if d["optimizer"] == "adafactor":
+        return torch.optim.Adafactor(params, lr=2e-5)
+    if d["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=2e-5, momentum=0.9)
+    if d["optimizer"] == "adamw-8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=2e-5)
+    fused = d["optimizer"] == "adamw-fused" and torch.cuda.is_available()
+    return torch.optim.AdamW(params, lr=2e-5, fused=fused or None)
+
+
+def batches(model, args, device):
+    """Random tokens: replace with your data (micro-batches of input ids and labels)."""
+    vocab = model.config.vocab_size
+    while True:
+        ids = torch.randint(0, vocab, (PLAN["decisions"]["micro_batch"], args.seq_len), device=device)
+        yield ids, ids
+
+
+def local_bytes(tensor):
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def main():
+    args = parse()
+    d = PLAN["decisions"]
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = d["precision"] == "tf32"
+        torch.backends.cudnn.allow_tf32 = d["precision"] == "tf32"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (d["dp"], d["tp"]), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = build(args, device)
+    apply_checkpointing(model)
+    if d["tp"] > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if d["engine"] == "fsdp2":
+        apply_fsdp(model, mesh["dp"])
+    elif d["dp"] > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    model.train()
+    optimizer = optimizer_for(model)
+    half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
+    autocast = half is not None and d["engine"] == "ddp"
+    data = batches(model, args, device)
+    for step in range(args.steps):
+        for _ in range(d["grad_accum"]):
+            ids, labels = next(data)
+            context = torch.autocast(device.type, dtype=half) if autocast else contextlib.nullcontext()
+            with context:
+                loss = model(input_ids=ids, labels=labels, use_cache=False).loss / d["grad_accum"]
+            loss.backward()
+        params = sum(local_bytes(p) for p in model.parameters())
+        grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"step {step + 1}: loss {loss.item() * d['grad_accum']:.4f}", flush=True)
+    states = sum(local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
+                 if torch.is_tensor(v) and k != "step")
+    if args.report:
+        os.makedirs(args.report, exist_ok=True)
+        with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
+            json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states}, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def emit(plan: Plan) -> dict[str, str]:
+    decisions = plan.to_json()["decisions"]
+    payload = json.dumps(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len}))
+    script = SCRIPT.replace("__PLAN__", payload).replace("__SUMMARY__", plan.decisions.summary())
+    cluster = plan.inputs.cluster
+    launch = (f"torchrun --nnodes {cluster.nodes} --nproc_per_node {cluster.gpus_per_node} "
+              f"train_fitplan.py --model {plan.inputs.model}\n")
+    return {"train_fitplan.py": script, "torchrun_launch.sh": launch}

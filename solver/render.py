@@ -1,0 +1,138 @@
+"""Human output: rich tables, a memory bar per GPU, the time breakdown and the alternatives.
+
+Rendering only; every number comes from the plan or estimate it is given.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from costmodels import Estimate
+
+from .plan import Plan
+
+GIB = 2**30
+_COLORS = {"parameters": "cyan", "gradients": "magenta", "optimizer states": "yellow", "activations": "green",
+           "temporary": "red", "allocator + overhead": "grey50", "free": "grey23"}
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def memory_parts(estimate: Estimate) -> list[tuple[str, int]]:
+    m = estimate.memory
+    return [("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
+            ("activations", m.activations), ("temporary", m.temporary),
+            ("allocator + overhead", m.device_peak - m.allocated_peak)]
+
+
+def memory_bar(estimate: Estimate, capacity: int, width: int = 60) -> Text:
+    """One bar per GPU: each category's share of the device memory, then what is left free."""
+    bar = Text()
+    used = 0
+    for name, nbytes in memory_parts(estimate):
+        cells = round(width * nbytes / capacity) if capacity else 0
+        bar.append("█" * cells, style=_COLORS[name])
+        used += cells
+    bar.append("░" * max(0, width - used), style=_COLORS["free"])
+    return bar
+
+
+def memory_table(estimate: Estimate, capacity: int) -> Table:
+    table = Table(title="Memory per GPU (binary GiB)", show_edge=False)
+    table.add_column("category")
+    table.add_column("GiB", justify="right")
+    for name, nbytes in memory_parts(estimate):
+        table.add_row(Text(name, style=_COLORS[name]), f"{nbytes / GIB:.2f}")
+    m = estimate.memory
+    table.add_row("allocated peak", f"{m.allocated_peak / GIB:.2f}", style="bold")
+    table.add_row("device peak (reserved + context/NCCL)", f"{m.device_peak / GIB:.2f}", style="bold")
+    table.add_row("device capacity", f"{capacity / GIB:.2f}")
+    if m.cpu_bytes_per_node:
+        table.add_row("host RAM per node (offload)", f"{m.cpu_bytes_per_node / GIB:.2f}")
+    if m.nvme_bytes_per_node:
+        table.add_row("NVMe per node (offload)", f"{m.nvme_bytes_per_node / GIB:.2f}")
+    return table
+
+
+def time_table(estimate: Estimate) -> Table:
+    t = estimate.time
+    table = Table(title="Time per optimizer step", show_edge=False)
+    table.add_column("part")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for name, seconds in (("compute", t.compute), ("recompute", t.recompute),
+                          ("communication (exposed)", t.communication), ("offload", t.offload),
+                          ("optimizer step", t.optimizer)):
+        table.add_row(name, f"{seconds:.3f}", f"{seconds / t.step_time:.0%}" if t.step_time else "-")
+    table.add_row("step", f"{t.step_time:.3f}", "100%", style="bold")
+    table.add_row("communication (total, incl. hidden)", f"{t.communication_total:.3f}", "")
+    table.add_row("tokens/s (cluster)", f"{estimate.tokens_per_second:,.0f}", "")
+    table.add_row("MFU", f"{estimate.mfu:.1%}", "")
+    return table
+
+
+def decisions_table(plan: Plan) -> Table:
+    d = plan.decisions
+    table = Table(title="Plan", show_header=False, show_edge=False)
+    table.add_column("knob", style="bold")
+    table.add_column("value")
+    modes = {m: sum(c.value == m for c in d.checkpoint) for m in ("none", "selective", "full")}
+    rows = [
+        ("model", f"{plan.inputs.model} ({plan.inputs.model_source})"),
+        ("cluster", f"{plan.inputs.cluster.nodes}x{plan.inputs.cluster.gpus_per_node} {plan.inputs.cluster.gpu_name}"),
+        ("workload", f"seq {plan.inputs.seq_len}, {plan.inputs.global_batch} sequences/step "
+                     f"({plan.inputs.tokens_per_step:,} tokens)"),
+        ("parallelism", f"tp={d.tp} dp={d.dp}" + (" +sequence-parallel" if d.sequence_parallel else "")),
+        ("engine", f"{d.engine}" + (f" ZeRO-{d.zero}" if d.engine.value == "deepspeed" else
+                                    f" reshard_after_forward={d.zero == 3}" if d.engine.value == "fsdp2" else "")),
+        ("offload", f"optimizer={d.optimizer_offload} params={d.param_offload}"),
+        ("batch", f"micro-batch {d.micro_batch} x grad-accum {d.grad_accum} x dp {d.dp}"),
+        ("checkpointing", f"full {modes['full']}, selective {modes['selective']}, none {modes['none']} "
+                          f"of {len(d.checkpoint)} layers (first layers first)"),
+        ("precision / optimizer", f"{d.precision} / {d.optimizer}"),
+        ("LoRA", f"r={d.lora.rank} alpha={d.lora.alpha} targets={','.join(d.lora.targets)}" if d.lora else "no"),
+        ("launchers", ", ".join(plan.launchers) or "none as emitted"),
+        ("solver", f"{plan.solver.status} in {plan.solver.wall_seconds:.2f} s, {plan.solver.considered} of "
+                   f"{plan.solver.configurations} configurations in CP-SAT"),
+    ]
+    for knob, value in rows:
+        table.add_row(knob, value)
+    return table
+
+
+def alternatives_table(plan: Plan) -> Table:
+    table = Table(title="Next-best alternatives", show_edge=False)
+    table.add_column("configuration")
+    table.add_column("step s", justify="right")
+    table.add_column("device GiB", justify="right")
+    table.add_column("why it loses")
+    for alt in plan.alternatives:
+        table.add_row(alt.decisions, f"{alt.step_time:.3f}" if alt.step_time else "-",
+                      f"{alt.device_peak / GIB:.1f}", alt.why)
+    return table
+
+
+def render_plan(plan: Plan, console: Console) -> None:
+    capacity = plan.inputs.cluster.gpu_memory_bytes
+    parts = [decisions_table(plan), Text(""), Text("Memory bar per GPU (of device memory):"),
+             memory_bar(plan.estimate, capacity), memory_table(plan.estimate, capacity), Text(""),
+             time_table(plan.estimate), Text(""), alternatives_table(plan), Text(f"Binding: {plan.binding}")]
+    if plan.advice:
+        parts.append(Text("Guide methods: " + " | ".join(plan.advice)))
+    parts.append(Text("Assumed: " + "; ".join(plan.inputs.assumed + plan.inputs.cluster.assumptions), style="dim"))
+    console.print(Panel(Group(*parts), title="fitplan"))
+
+
+def render_estimate(estimate: Estimate, capacity: int, console: Console, *, title: str) -> None:
+    fits = estimate.memory.device_peak <= capacity
+    verdict = Text(f"{'Fits' if fits else 'Does NOT fit'}: device peak {gib(estimate.memory.device_peak)} of "
+                   f"{gib(capacity)} (allocated peak {gib(estimate.memory.allocated_peak)}, at "
+                   f"{estimate.memory.peak_at})", style="bold green" if fits else "bold red")
+    console.print(Panel(Group(verdict, memory_bar(estimate, capacity), memory_table(estimate, capacity), Text(""),
+                              time_table(estimate), Text("Notes: " + "; ".join(estimate.notes), style="dim")),
+                        title=title))
