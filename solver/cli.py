@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from costmodels import Engine, Offload, Optimizer, Precision
+from costmodels import Config, Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError, LoraSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # planning never downloads
@@ -36,12 +36,13 @@ def _fail(error: Exception) -> None:
     """One place turns user errors into messages and exit codes."""
     from .diagnose import Infeasible
 
-    if isinstance(error, Infeasible):
+    # Pins or divisibility that leave no configuration at all are bad input (2), not a memory diagnosis (3).
+    if isinstance(error, Infeasible) and error.diagnosis.get("binding") != "pins":
         err.print(f"[bold red]Infeasible:[/] {error.message}")
         if error.hint:
             err.print(error.hint)
         raise typer.Exit(code=3)
-    if isinstance(error, (FitplanError, ValueError)):
+    if isinstance(error, (FitplanError, ValueError, OSError)):  # OSError: e.g. -o into a missing folder
         message = error.message if isinstance(error, FitplanError) else str(error)
         err.print(f"[bold red]Error:[/] {message}")
         if isinstance(error, FitplanError) and error.hint:
@@ -111,6 +112,8 @@ def solve_command(
             if value is not None and value < 1:
                 raise FitplanError(f"--{name.replace('_', '-')} must be a positive integer, got {value}",
                                    "Pass a positive number.")
+        if engine is not None and zero is not None:
+            Config(engine=engine, zero=zero)  # "engine=ddp has no ZeRO stage" is a ValueError: exit 2
         if not as_json:
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,

@@ -33,7 +33,7 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
         return message, hint, {"binding": "pins", "pins": inputs.pins}
     lean = tuple(Checkpoint.FULL if Checkpoint.FULL in space.modes else space.modes[0]
                  for _ in found.tables[0].layer_ticks)
-    need = min((t.peak_of(lean), t) for t in found.tables if True)[1]
+    need = min(found.tables, key=lambda t: (t.peak_of(lean) - t.budget, t.rank))
     least = need.peak_of(lean)
     budget = need.budget
     host_only = all(not t.host_ok for t in found.tables if t.peak_of(lean) <= t.budget)

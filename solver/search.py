@@ -36,9 +36,14 @@ class SearchResult:
 
 
 def build_tables(space: Space, graphs: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload, *,
-                 headroom: float) -> list[Table]:
-    return [build_table(graphs(outer), cluster, workload, outer, rank=rank, headroom=headroom)
-            for rank, outer in enumerate(space.outers)]
+                 headroom: float, deadline: float | None = None) -> list[Table]:
+    """Tables in space order; stops early at `deadline` (perf_counter seconds), so the time limit holds."""
+    tables = []
+    for rank, outer in enumerate(space.outers):
+        if deadline is not None and tables and time.perf_counter() > deadline:
+            break
+        tables.append(build_table(graphs(outer), cluster, workload, outer, rank=rank, headroom=headroom))
+    return tables
 
 
 def fastest_modes(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
@@ -123,7 +128,8 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
     pm = build_model(chosen, kinds, modes, weight=weight, hint=hint)
     result = solve(pm, time_limit=remaining)
     if result.table is not None:
-        result = SolveResult(result.status, result.objective, result.bound, result.wall_seconds,
+        status = result.status if len(tables) == configurations else "FEASIBLE"  # part of the space unexplored
+        result = SolveResult(status, result.objective, result.bound, result.wall_seconds,
                              candidates[result.table], result.modes)
     elif incumbent is not None:  # time limit hit before CP-SAT found anything: keep the quick plan
         result = SolveResult("FEASIBLE", incumbent[0], None, result.wall_seconds, incumbent[1], incumbent[2])
