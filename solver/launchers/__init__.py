@@ -8,6 +8,7 @@ from graphs import FitplanError
 
 from ..plan import Plan
 from . import accelerate, deepspeed, hf, megatron, torchrun
+from .common import checkpointed_layers
 from .support import unsupported
 
 
@@ -24,6 +25,9 @@ def _hf(plan: Plan) -> dict[str, str]:
 
 def _accelerate(plan: Plan) -> dict[str, str]:
     files = accelerate.emit(plan)
+    if checkpointed_layers(plan) and not accelerate.expresses_checkpointing(plan):
+        # accelerate's config has no checkpointing key outside FSDP: the training script applies the plan's layers.
+        files["fitplan_checkpointing.py"] = hf.checkpoint_snippet(plan)
     if plan.decisions.engine.value == "deepspeed":
         files.update(_deepspeed(plan))
     return files

@@ -9,7 +9,7 @@ import yaml
 from costmodels import Engine, Offload
 
 from ..plan import Plan
-from .common import checkpointed_layers, layer_class
+from .common import all_checkpointed, checkpointed_layers, layer_class
 
 
 def config(plan: Plan) -> dict[str, Any]:
@@ -29,7 +29,8 @@ def config(plan: Plan) -> dict[str, Any]:
             "fsdp_version": 2, "fsdp_reshard_after_forward": d.zero == 3,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": layer_class(plan),
             "fsdp_offload_params": d.param_offload is not Offload.NONE,
-            "fsdp_activation_checkpointing": bool(checkpointed_layers(plan)),
+            # FSDP's own checkpointing wraps every layer; a partial plan uses the per-layer snippet instead.
+            "fsdp_activation_checkpointing": expresses_checkpointing(plan),
             "fsdp_cpu_ram_efficient_loading": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
     elif d.engine is Engine.DEEPSPEED:
         result["distributed_type"] = "DEEPSPEED"
@@ -44,6 +45,11 @@ def config(plan: Plan) -> dict[str, Any]:
             "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": d.dp,
             "parallelism_config_tp_size": d.tp, "parallelism_config_cp_size": 1}
     return result
+
+
+def expresses_checkpointing(plan: Plan) -> bool:
+    """Whether the config itself checkpoints the planned layers (only FSDP's all-layer switch exists)."""
+    return plan.decisions.engine is Engine.FSDP2 and bool(checkpointed_layers(plan)) and all_checkpointed(plan)
 
 
 def emit(plan: Plan) -> dict[str, str]:

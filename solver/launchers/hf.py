@@ -41,21 +41,22 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
     }
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated
     # alias until v6). With FSDP, checkpointing goes through fsdp_config instead (the Trainer flag adds a
-    # redundant all-gather: transformers #30404).
-    if checkpointed_layers(plan) and d.engine is not Engine.FSDP2:
+    # redundant all-gather: transformers #30404). Only when every layer is checkpointed: Trainer.train() (5.24)
+    # turns checkpointing on for every layer when the flag is set, undoing the per-layer snippet.
+    every_layer = bool(checkpointed_layers(plan)) and all_checkpointed(plan)
+    if every_layer and d.engine is not Engine.FSDP2:
         kwargs["activation_checkpointing"] = True
         kwargs["activation_checkpointing_kwargs"] = {"use_reentrant": False}
     if d.engine is Engine.DEEPSPEED:
         kwargs["deepspeed"] = "ds_config.json"
     elif d.engine is Engine.FSDP2:
-        kwargs["fsdp"] = "full_shard" if d.zero == 3 else "shard_grad_op"
+        # transformers 5.x: `fsdp=True` with everything in fsdp_config (the string form is deprecated).
+        kwargs["fsdp"] = True
         kwargs["fsdp_config"] = {
             "version": 2, "reshard_after_forward": d.zero == 3, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": [layer_class(plan)], "cpu_offload": d.param_offload is not Offload.NONE,
-            "activation_checkpointing": bool(checkpointed_layers(plan)), "cpu_ram_efficient_loading": True,
+            "activation_checkpointing": every_layer, "cpu_ram_efficient_loading": True,
             "state_dict_type": "SHARDED_STATE_DICT"}
-        if d.param_offload is not Offload.NONE:
-            kwargs["fsdp"] += " offload"
     return kwargs
 
 
@@ -64,11 +65,16 @@ def checkpoint_snippet(plan: Plan) -> str:
     layers = checkpointed_layers(plan)
     return (
         "# Emitted by fitplan: checkpoint exactly the planned decoder layers (the first ones, whose activations\n"
-        "# live longest). Call after building the model and before training.\n"
+        "# live longest). Call after building the model and before training; the emitted configs leave the\n"
+        "# launcher's all-layer checkpointing off, so this mask is what runs.\n"
+        "from transformers.modeling_layers import GradientCheckpointingLayer\n"
+        "\n"
+        "\n"
         "def apply_fitplan_checkpointing(model):\n"
         "    model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})\n"
         f"    keep = set(range({len(plan.decisions.checkpoint)})) - {set(layers) or 'set()'}\n"
-        "    for index, layer in enumerate(model.model.layers):\n"
+        "    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]\n"
+        "    for index, layer in enumerate(layers):\n"
         "        if index in keep:\n"
         "            layer.gradient_checkpointing = False\n"
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from costmodels import Engine, Offload
+from costmodels import Engine, Offload, Precision
 from graphs import Checkpoint
 
 from ..plan import Decisions
@@ -13,6 +13,9 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
     problems = []
     selective = Checkpoint.SELECTIVE in d.checkpoint
     nvme = Offload.NVME in (d.optimizer_offload, d.param_offload)
+    # DeepSpeed 0.19 keeps bf16 master weights only under ZeRO 1-3 (runtime/config.py rejects
+    # bf16_master_weights_and_grads at stage 0); at stage 0 its bf16 optimizers keep an fp32 copy.
+    pure_bf16_zero0 = d.engine is Engine.DEEPSPEED and d.zero == 0 and d.precision is Precision.BF16
     if launcher == "deepspeed":
         if d.engine is not Engine.DEEPSPEED:
             problems.append(f"engine {d.engine} (the deepspeed launcher runs DeepSpeed ZeRO)")
@@ -20,6 +23,8 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
             problems.append("tensor parallelism (fitplan emits DeepSpeed plans without AutoTP)")
         if selective:
             problems.append("selective recompute (HF models checkpoint whole layers)")
+        if pure_bf16_zero0:
+            problems.append("pure bf16 without ZeRO (DeepSpeed keeps fp32 master weights at stage 0)")
     elif launcher in ("hf", "accelerate"):
         if launcher == "hf" and d.tp > 1:
             problems.append("tensor parallelism in TrainingArguments (use the accelerate config)")
@@ -29,6 +34,8 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
             problems.append("NVMe offload outside DeepSpeed")
         if d.tp > 1 and d.engine is Engine.DEEPSPEED:
             problems.append("tensor parallelism with DeepSpeed")
+        if pure_bf16_zero0:
+            problems.append("pure bf16 without ZeRO (DeepSpeed keeps fp32 master weights at stage 0)")
         if d.sequence_parallel:
             problems.append("sequence parallelism")
     elif launcher == "torchrun":

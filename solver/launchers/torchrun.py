@@ -134,9 +134,8 @@ def optimizer_for(model):
     return torch.optim.AdamW(params, lr=2e-5, fused=fused or None)
 
 
-def batches(model, args, device):
+def batches(vocab, args, device):
     """Random tokens: replace with your data (micro-batches of input ids and labels)."""
-    vocab = model.config.vocab_size
     while True:
         ids = torch.randint(0, vocab, (PLAN["decisions"]["micro_batch"], args.seq_len), device=device)
         yield ids, ids
@@ -163,6 +162,7 @@ def main():
     mesh = init_device_mesh("cuda" if cuda else "cpu", (d["dp"], d["tp"]), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = build(args, device)
+    vocab = model.config.vocab_size  # read before DDP wraps the model (the wrapper has no .config)
     apply_checkpointing(model)
     if d["tp"] > 1:
         apply_tensor_parallel(model, mesh["tp"])
@@ -174,7 +174,7 @@ def main():
     optimizer = optimizer_for(model)
     half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
-    data = batches(model, args, device)
+    data = batches(vocab, args, device)
     for step in range(args.steps):
         for _ in range(d["grad_accum"]):
             ids, labels = next(data)
