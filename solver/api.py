@@ -38,7 +38,7 @@ from .tables import TICK_SECONDS
 DEFAULT_SEQ_LEN = 4096
 DEFAULT_GLOBAL_BATCH = 64
 DEFAULT_HEADROOM = 0.05
-DEFAULT_TIME_LIMIT = 5.0
+DEFAULT_TIME_LIMIT = 10.0
 # fp16 and bf16 tensors have the same sizes, so one 16-bit lowering serves both.
 SIXTEEN = {"float16": "bfloat16"}
 

@@ -87,7 +87,7 @@ def solve_command(
     lora_targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated.")] = "all-linear",
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free.")] = 0.05,
-    time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds.")] = 5.0,
+    time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds (lowering excluded).")] = 10.0,
     attention: Annotated[str | None, typer.Option(help="Attention implementation (sdpa, eager).")] = None,
     as_json: AsJson = False,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload
-from graphs import Checkpoint, LayerGraph
+from graphs import Checkpoint, FitplanError, LayerGraph
 
 # Launchers and what each can express (DESIGN.md: a plan records which launchers can run it).
 LAUNCHERS = ("deepspeed", "hf", "accelerate", "torchrun", "megatron")
@@ -143,7 +143,8 @@ def micro_batches(per_rank: int, pins: Pins) -> list[tuple[int, int]]:
 
 
 def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins) -> Space:
-    """Every outer configuration, in a fixed order (the order breaks ties: simpler first)."""
+    """Every outer configuration, in a fixed order (the order breaks ties: simpler first); with a launcher
+    pinned, only what it can express (`launchers.support.unsupported`)."""
     precisions = pins.precisions or default_precisions(cluster)
     optimizers = tuple(dict.fromkeys(o for allowed in pins.optimizers for o in SAME_MATH.get(allowed, (allowed,))))
     outers = []
@@ -160,7 +161,30 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                                 outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
                                                     optimizer, sp))
     modes = (pins.checkpoint,) if pins.checkpoint else graph.checkpoint_modes()
+    if pins.launcher is not None:
+        outers = [o for o in outers if _expressible(o, pins.launcher, lora=graph.lora is not None)]
+        whole_layers = pins.launcher in ("hf", "accelerate", "deepspeed")  # HF models checkpoint whole layers
+        if whole_layers and pins.checkpoint is Checkpoint.SELECTIVE:
+            raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (transformers "
+                               "checkpoints whole layers).", "Use --checkpoint full or auto, or --launcher megatron "
+                               "or torchrun.")
+        if whole_layers or (pins.launcher == "megatron" and pins.checkpoint is None):
+            # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
+            # to: without a pin it plans with none/full only.
+            modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
     return Space(tuple(outers), modes)
+
+
+def _expressible(outer: Outer, launcher: str, *, lora: bool) -> bool:
+    from .launchers.support import unsupported
+    from .plan import Decisions, LoraDecision
+
+    decisions = Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
+                          optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
+                          micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
+                          optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=(),
+                          lora=LoraDecision(rank=1, alpha=1, targets=(), dropout=0.0) if lora else None)
+    return not unsupported(launcher, decisions)
 
 
 def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:

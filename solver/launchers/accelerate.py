@@ -54,4 +54,9 @@ def expresses_checkpointing(plan: Plan) -> bool:
 
 def emit(plan: Plan) -> dict[str, str]:
     launch = "accelerate launch --config_file accelerate_config.yaml train.py\n"
-    return {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}
+    files = {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}
+    if plan.decisions.lora:
+        from .hf import adapter_config
+
+        files["adapter_config.json"] = adapter_config(plan)
+    return files

@@ -80,9 +80,22 @@ def checkpoint_snippet(plan: Plan) -> str:
     )
 
 
+def adapter_config(plan: Plan) -> str:
+    """PEFT's adapter_config.json for the plan's LoRA decision (`LoraConfig.to_dict()`)."""
+    from graphs import LoraSpec
+
+    lora = plan.decisions.lora
+    spec = LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
+    values = spec.peft_config().to_dict()
+    return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in values.items()}, indent=2,
+                      default=str) + "\n"
+
+
 def emit(plan: Plan) -> dict[str, str]:
     files = {"training_args.yaml": yaml.safe_dump(training_arguments(plan), sort_keys=False),
              "training_args.json": json.dumps(training_arguments(plan), indent=2) + "\n"}
+    if plan.decisions.lora:  # load with peft.LoraConfig.from_pretrained(folder) and get_peft_model
+        files["adapter_config.json"] = adapter_config(plan)
     if checkpointed_layers(plan) and not all_checkpointed(plan):
         files["fitplan_checkpointing.py"] = checkpoint_snippet(plan)
     return files

@@ -36,6 +36,8 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
             problems.append("tensor parallelism with DeepSpeed")
         if pure_bf16_zero0:
             problems.append("pure bf16 without ZeRO (DeepSpeed keeps fp32 master weights at stage 0)")
+        if d.precision is Precision.BF16 and d.engine is not Engine.DEEPSPEED:
+            problems.append("pure bf16 training (TrainingArguments/accelerate bf16 means mixed precision)")
         if d.sequence_parallel:
             problems.append("sequence parallelism")
     elif launcher == "torchrun":
@@ -52,6 +54,8 @@ def unsupported(launcher: str, d: Decisions) -> list[str]:
             problems.append("offload")
         if d.lora is not None:
             problems.append("LoRA")
+        if d.precision is Precision.BF16:
+            problems.append("pure bf16 (Megatron's --bf16 keeps fp32 main parameters)")
         if Checkpoint.SELECTIVE in d.checkpoint and set(d.checkpoint) != {Checkpoint.SELECTIVE}:
             problems.append("selective recompute on only some layers (Megatron applies it to all)")
         if Checkpoint.FULL in d.checkpoint and Checkpoint.SELECTIVE in d.checkpoint:
