@@ -47,7 +47,9 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
         if mode not in layer.checkpoint_modes:
             raise InvalidConfig(f"{layer.name} cannot use checkpoint mode {mode} ({graph.architecture} "
                                 "does not route attention through transformers' attention interface)", hint)
-    for dtype in {precision.matmul_dtype(config.precision), precision.attention_dtype(config.precision)}:
+    dtypes = {precision.matmul_dtype_on(config.precision, cluster.gpu),
+              precision.attention_dtype_on(config.precision, cluster.gpu)}
+    for dtype in dtypes:
         if cluster.gpu.peak_flops(dtype) is None:
             raise InvalidConfig(f"{cluster.gpu.name} has no {dtype} support for precision {config.precision}",
                                 "Pick a precision the GPU supports (e.g. fp16-mixed on V100/T4, no fp8 before Hopper).")

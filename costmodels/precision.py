@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .config import Engine, Precision
+from .hardware import GPU
 
 _COMPUTE = {Precision.FP32: "float32", Precision.TF32: "float32", Precision.FP16_MIXED: "float16",
             Precision.BF16_MIXED: "bfloat16", Precision.BF16: "bfloat16", Precision.FP8: "bfloat16"}
@@ -21,9 +22,16 @@ def matmul_dtype(precision: Precision) -> str:
     return _MATMUL[precision]
 
 
-def attention_dtype(precision: Precision) -> str:
-    """Attention kernels run in the compute dtype even when linears run in fp8."""
-    return "bf16" if precision is Precision.FP8 else _MATMUL[precision]
+def matmul_dtype_on(precision: Precision, gpu: GPU) -> str:
+    """The format matmuls really run in on `gpu`: TF32 without TF32 tensor cores (Volta, Turing) is a no-op,
+    PyTorch's allow_tf32 flag changes nothing and matmuls run in fp32."""
+    dtype = _MATMUL[precision]
+    return "fp32" if dtype == "tf32" and gpu.peak_flops("tf32") is None else dtype
+
+
+def attention_dtype_on(precision: Precision, gpu: GPU) -> str:
+    """Attention kernels run in the compute dtype even when linears run in fp8 (TF32 as for matmuls)."""
+    return "bf16" if precision is Precision.FP8 else matmul_dtype_on(precision, gpu)
 
 
 def is_mixed(precision: Precision) -> bool:

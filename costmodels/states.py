@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from graphs import LayerGraph, ParamTensor
 
 from . import optimizers, precision
-from .config import Config, Engine, Offload
+from .config import Config, Engine, Offload, Precision
 from .zero import local_elements, local_shape, persistence_threshold, sharding
 
 Group = tuple[ParamTensor, int]
@@ -71,13 +71,30 @@ def model_states(graph: LayerGraph, config: Config) -> ModelStates:
     # DeepSpeed keeps its persistent (small, unpartitioned) parameters on the GPU under parameter offload
     # (partition_parameters.py: `if param.ds_persist: device = self.local_device`).
     gpu_params, cpu_params, nvme_params = _offloaded(config.param_offload, sharded_params)
-    gpu_params += persistent_params
+    gpu_params += persistent_params + fp8_weight_cache(graph, config)
     local = [shape for shape, n in _optimizer_shapes(config, trainable) for _ in range(n)]
     temp = 0 if offloaded else _step_temp(config, local, precision.state_itemsize(prec))
     return ModelStates(params=gpu_params, grads=gpu_grads, accumulating_grads=accumulating,
                        master=master if gpu_master else 0, optimizer=opt if gpu_master else 0, step_temp=temp,
                        cpu=cpu_opt + cpu_params + (host_grads if config.optimizer_offload is Offload.CPU else 0),
                        nvme=nvme_opt + nvme_params + (host_grads if config.optimizer_offload is Offload.NVME else 0))
+
+
+# FP8 training (Transformer Engine / torchao float8) keeps an fp8 copy of each linear weight (1 byte per
+# element) and an amax history per scaled tensor: input, weight and gradient of every linear, each
+# `amax_history_len` fp32 values (1024 in accelerate's and Megatron's defaults).
+FP8_AMAX_HISTORY = 1024
+FP8_SCALED_TENSORS_PER_LINEAR = 3
+
+
+def fp8_weight_cache(graph: LayerGraph, config: Config) -> int:
+    """Bytes of fp8 weight copies and amax histories of the decoder layers' linear weights (fp8 only)."""
+    if config.precision is not Precision.FP8:
+        return 0
+    linears = [(t, n) for t, n in graph.tensor_groups() if len(t.shape) >= 2 and t.node.startswith("layers.")]
+    weights = local_elements(linears, tp=config.tp, dp=config.dp, engine=config.engine,
+                             sharded=sharding(config).params > 1)
+    return weights + sum(n for _, n in linears) * FP8_SCALED_TENSORS_PER_LINEAR * FP8_AMAX_HISTORY * 4
 
 
 def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tuple[int, ...], int]]:

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
 from . import precision
+from .alignment import alignment_factor
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
 from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
+from .compilation import memory_bound_speedup
 from .compute import KernelSpeed, kernel_speed, work_seconds
 from .config import Config, Engine, Offload, Workload
 from .offload import offload_seconds
@@ -48,10 +50,16 @@ class TimeTerms:
 
 
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
-              alignment: float = 1.0) -> KernelSpeed:
-    return kernel_speed(cluster.gpu, matmul_dtype=precision.matmul_dtype(config.precision),
-                        attention_dtype=precision.attention_dtype(config.precision), tokens=b * s,
-                        width=max(1, graph.dims.hidden // config.tp), alignment=alignment)
+              head: bool = False) -> KernelSpeed:
+    """Kernel rates for decoder layers (or, with `head`, for the LM head, whose GEMM spans the vocabulary)."""
+    dtype = precision.matmul_dtype_on(config.precision, cluster.gpu)
+    dims = graph.dims
+    widths = (dims.hidden, dims.vocab // config.tp) if head else \
+        (dims.hidden, dims.intermediate // config.tp, dims.heads * dims.head_dim // config.tp)
+    factor = alignment_factor(cluster.gpu, dtype, (b * s, *widths))
+    attention = precision.attention_dtype_on(config.precision, cluster.gpu)
+    return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention,
+                        tokens=b * s, width=max(1, dims.hidden // config.tp), alignment=factor)
 
 
 def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
@@ -66,15 +74,16 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
                     tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s))
 
 
-def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
-               alignment: float = 1.0, memory_speedup: float = 1.0) -> TimeTerms:
+def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeTerms:
     """The step time of `config` for every choice of per-layer checkpoint modes.
 
     Data-parallel collectives overlap the forward and backward compute of the layers without counting
     recompute, so that the step time is a sum over layers (what makes the solver's model linear).
     """
     b, s, ga = config.micro_batch, workload.seq_len, config.grad_accum
-    speed = speed_for(graph, cluster, config, b=b, s=s, alignment=alignment)
+    speed = speed_for(graph, cluster, config, b=b, s=s)
+    head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
+    memory_speedup = memory_bound_speedup(config)
     fwd = bwd = 0.0
     fixed = NodeTime(0.0, 0.0, 0.0)
     layers = []
@@ -92,9 +101,10 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
             layers.append(options)
             fwd, bwd = fwd + layer_fwd, bwd + layer_bwd
         else:
-            fwd += work_seconds(layer.cost().forward, speed, **kwargs)
-            bwd += work_seconds(layer.cost().backward, speed, **kwargs)
-            t = node_time(graph, cluster, config, layer, Checkpoint.NONE, speed, b=b, s=s,
+            node_speed = head_speed if layer.role is Role.HEAD else speed
+            fwd += work_seconds(layer.cost().forward, node_speed, **kwargs)
+            bwd += work_seconds(layer.cost().backward, node_speed, **kwargs)
+            t = node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
                           memory_speedup=memory_speedup)
             fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
     dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
@@ -114,10 +124,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
         layers=tuple(layers))
 
 
-def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
-                   alignment: float = 1.0, memory_speedup: float = 1.0) -> TimeBreakdown:
+def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeBreakdown:
     """Seconds per optimizer step for `config` (gradient accumulation included)."""
-    terms = time_terms(graph, cluster, workload, config, alignment=alignment, memory_speedup=memory_speedup)
+    terms = time_terms(graph, cluster, workload, config)
     compute, recompute, tp = terms.fixed.compute, terms.fixed.recompute, 0.0
     for options, mode in zip(terms.layers, config.layer_modes(len(terms.layers)), strict=True):
         chosen = dict(options)[mode]

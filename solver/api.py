@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
 from graphs.lower import lower_resolved
 from graphs.sources import ResolvedModel
 
+from .advice import advise
 from .alternatives import alternatives
 from .diagnose import Infeasible, diagnose
 from .launchers.support import runnable_by
@@ -96,11 +97,13 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
 def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global_batch: int | None = None,
           tokens_per_step: int | None = None, headroom: float = DEFAULT_HEADROOM,
           time_limit: float = DEFAULT_TIME_LIMIT, lora: LoraSpec | None = None, allow_lora: bool = False,
-          attention: str | None = None, alternatives_count: int = 3, **pins: Any) -> Plan:
+          attention: str | None = None, alternatives_count: int = 3, input_tokens_per_s: float | None = None,
+          **pins: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: tp, engine, zero, offload, param_offload, micro_batch, grad_accum, checkpoint, precisions,
-    optimizers, sequence_parallel, launcher (see `space.Pins`).
+    optimizers, sequence_parallel, compile, launcher (see `space.Pins`). `input_tokens_per_s` is the rate one
+    data-loading worker supplies (for the input-pipeline check).
     """
     started = time.perf_counter()
     if not 0 <= headroom < 1:
@@ -112,7 +115,7 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     try:
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=lora,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
-                      gpus=gpus)
+                      gpus=gpus, input_rate=input_tokens_per_s)
     except Infeasible:
         if not allow_lora or lora is not None:
             raise
@@ -120,7 +123,7 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
         assumed = [*assumed, f"full fine-tuning does not fit; LoRA fallback r={fallback.rank} on all linear layers"]
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
-                      gpus=gpus)
+                      gpus=gpus, input_rate=input_tokens_per_s)
 
 
 def _pins(pins: dict[str, Any]) -> Pins:
@@ -145,7 +148,7 @@ def _pins(pins: dict[str, Any]) -> Pins:
 
 def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, *, headroom: float,
            time_limit: float, lora: LoraSpec | None, attention: str | None, assumed: list[str], started: float,
-           alternatives_count: int, gpus: str | Cluster) -> Plan:
+           alternatives_count: int, gpus: str | Cluster, input_rate: float | None) -> Plan:
     cache: dict = {}
     graph_of = _graph_for(resolved, lora, attention, cache)
     any_graph = graph_of(Outer(1, 1, Engine.DDP, 0, Offload.NONE, Offload.NONE, 1, 1, Precision.BF16_MIXED,
@@ -170,7 +173,13 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     graph = graph_of(outer)
     config = outer.config(result.modes)
     estimate = estimate_config(graph, cluster, workload, config)
-    decisions = _decisions(outer, result.modes, graph, lora)
+    guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.compile,
+                   input_tokens_per_s=input_rate, allowed_optimizers=pins.optimizers, lora=lora is not None)
+    if guide.compile != config.compile:  # "auto" judged the saving too small
+        config = replace(config, compile=guide.compile)
+        estimate = estimate_config(graph, cluster, workload, config)
+    decisions = replace(_decisions(outer, result.modes, graph, lora), compile=guide.compile,
+                        dataloader_num_workers=guide.workers)
     objective = result.objective // found.weight * TICK_SECONDS if result.objective is not None else \
         estimate.time.step_time
     bound = result.bound // found.weight * TICK_SECONDS if result.bound is not None else None
@@ -185,7 +194,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
     return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
-                launchers=runnable_by(decisions), binding=binding)
+                launchers=runnable_by(decisions), binding=binding, advice=guide.lines)
 
 
 def _decisions(outer: Outer, modes: tuple[Checkpoint, ...], graph: LayerGraph, lora: LoraSpec | None) -> Decisions:

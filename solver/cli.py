@@ -89,6 +89,9 @@ def solve_command(
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free.")] = 0.05,
     time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds (lowering excluded).")] = 10.0,
     attention: Annotated[str | None, typer.Option(help="Attention implementation (sdpa, eager).")] = None,
+    compile: Annotated[str, typer.Option(help="torch.compile: auto (when it saves >= 3%), on or off.")] = "auto",
+    input_tokens_per_s: Annotated[float | None, typer.Option(help="Tokens/s one data-loading worker supplies "
+                                                             "(default 1M, a fast tokenizer).")] = None,
     as_json: AsJson = False,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
     emit: Annotated[str | None, typer.Option(help="Launcher files to write: deepspeed,hf,accelerate,torchrun,"
@@ -106,7 +109,8 @@ def solve_command(
         pins = {"tp": tp, "engine": engine, "zero": zero, "offload": offload, "param_offload": offload_params,
                 "micro_batch": micro_batch, "grad_accum": grad_accum, "launcher": launcher,
                 "checkpoint": None if checkpoint == "auto" else Checkpoint(checkpoint),
-                "precisions": _csv(precision, Precision), "optimizers": _csv(optimizers, Optimizer)}
+                "precisions": _csv(precision, Precision), "compile": compile,
+                "optimizers": _csv(optimizers.replace("_", "-"), Optimizer)}
         for name in ("seq_len", "global_batch", "tokens_per_step"):
             value = locals()[name]
             if value is not None and value < 1:
@@ -118,7 +122,7 @@ def solve_command(
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
                      headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
-                     attention=attention, **pins)
+                     attention=attention, input_tokens_per_s=input_tokens_per_s, **pins)
         if output:
             output.write_text(plan.dumps())
         if emit:

@@ -88,6 +88,11 @@ class Decisions:
     """Mode of each decoder layer, in order."""
     lora: LoraDecision | None = None
     attention: str = "sdpa"
+    compile: bool = False
+    """torch.compile the model."""
+    dataloader_num_workers: int = 2
+    """Data-loading worker processes per GPU (sized from the node's CPU cores)."""
+    dataloader_pin_memory: bool = True
 
     def summary(self) -> str:
         ckpt = {m: sum(c is m for c in self.checkpoint) for m in Checkpoint}

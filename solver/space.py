@@ -36,6 +36,8 @@ class Pins:
     optimizers: tuple[Optimizer, ...] = (Optimizer.ADAMW,)
     """Optimizers allowed (the solver never changes the training algorithm on its own)."""
     sequence_parallel: bool | None = None
+    compile: str = "auto"
+    """torch.compile: "on", "off" or "auto" (on when it saves enough, see `advice.COMPILE_MIN_SAVING`)."""
     launcher: str | None = None
     """Restrict to what one launcher can express."""
 
@@ -46,6 +48,8 @@ class Pins:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile={self.compile!r} must be auto, on or off")
         if self.launcher is not None and self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher={self.launcher!r} must be one of {', '.join(LAUNCHERS)}")
 
@@ -65,12 +69,14 @@ class Outer:
     precision: Precision
     optimizer: Optimizer
     sequence_parallel: bool = False
+    compile: bool = False
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
         return Config(tp=self.tp, dp=self.dp, engine=self.engine, zero=self.zero,
                       optimizer_offload=self.optimizer_offload, param_offload=self.param_offload,
                       micro_batch=self.micro_batch, grad_accum=self.grad_accum, checkpoint=checkpoint,
-                      precision=self.precision, optimizer=self.optimizer, sequence_parallel=self.sequence_parallel)
+                      precision=self.precision, optimizer=self.optimizer, sequence_parallel=self.sequence_parallel,
+                      compile=self.compile)
 
     @property
     def family(self) -> tuple[object, ...]:
@@ -88,6 +94,20 @@ def default_precisions(cluster: Cluster) -> tuple[Precision, ...]:
 
     return tuple(p for p in DEFAULT_PRECISIONS
                  if cluster.gpu.peak_flops(precision.matmul_dtype(p)) is not None)
+
+
+def supported_precisions(cluster: Cluster, allowed: tuple[Precision, ...]) -> tuple[Precision, ...]:
+    """The allowed precisions the GPU runs (fp8 only on GPUs with fp8 tensor cores); an error if none."""
+    from costmodels import precision
+
+    kept = tuple(p for p in allowed if cluster.gpu.peak_flops(precision.matmul_dtype_on(p, cluster.gpu))
+                 is not None)
+    if not kept:
+        raise FitplanError(f"{cluster.gpu.name} supports none of the allowed precisions "
+                           f"({', '.join(p.value for p in allowed)})",
+                           "Allow a precision it runs: fp16-mixed on V100/T4, bf16-mixed from Ampere on, fp8 on "
+                           "Hopper/Ada/Blackwell/MI300X.")
+    return kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +165,8 @@ def micro_batches(per_rank: int, pins: Pins) -> list[tuple[int, int]]:
 def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins) -> Space:
     """Every outer configuration, in a fixed order (the order breaks ties: simpler first); with a launcher
     pinned, only what it can express (`launchers.support.unsupported`)."""
-    precisions = pins.precisions or default_precisions(cluster)
+    precisions = supported_precisions(cluster, pins.precisions or default_precisions(cluster))
+    compiled = pins.compile != "off"  # compile only saves time in the model; "auto" may turn it off afterwards
     optimizers = tuple(dict.fromkeys(o for allowed in pins.optimizers for o in SAME_MATH.get(allowed, (allowed,))))
     outers = []
     for engine, zero in engine_stages(pins):
@@ -159,7 +180,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                         for optimizer in optimizers:
                             for sp in _sequence_parallel(tp, pins):
                                 outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
-                                                    optimizer, sp))
+                                                    optimizer, sp, compiled))
     modes = (pins.checkpoint,) if pins.checkpoint else graph.checkpoint_modes()
     if pins.launcher is not None:
         outers = [o for o in outers if _expressible(o, pins.launcher, lora=graph.lora is not None)]

@@ -40,6 +40,8 @@ def config(plan: Plan) -> dict[str, Any]:
     else:
         result["distributed_type"] = "MULTI_CPU" if cpu and d.tp * d.dp > 1 else \
             "MULTI_GPU" if d.tp * d.dp > 1 else "NO"
+    if d.compile:
+        result["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     if d.tp > 1:
         result["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": d.dp,

@@ -38,6 +38,8 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         "weight_decay": WEIGHT_DECAY, "max_grad_norm": MAX_GRAD_NORM,
         "optim": OPTIM[d.optimizer],
         **precision_flags(plan),
+        "torch_compile": d.compile,
+        "dataloader_num_workers": d.dataloader_num_workers, "dataloader_pin_memory": d.dataloader_pin_memory,
     }
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated
     # alias until v6). With FSDP, checkpointing goes through fsdp_config instead (the Trainer flag adds a

@@ -171,6 +171,9 @@ def main():
     elif d["dp"] > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     model.train()
+    if d["compile"]:
+        for layer in decoder_layers(model):  # per block, as torchtitan compiles
+            layer.compile()
     optimizer = optimizer_for(model)
     half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
