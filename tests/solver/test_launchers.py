@@ -485,3 +485,27 @@ def test_solve_for_a_launcher_returns_a_plan_it_can_emit(launcher, gpus, pins):
     except FitplanError:
         return  # refusing pins the launcher cannot express is also correct
     assert launcher in plan.launchers
+
+
+# --- guide methods carried by the emitted configs (tf32, torch.compile, data loading) ---------------------------
+
+
+def test_tf32_compile_and_dataloader_settings_reach_trainingarguments_and_accelerate(monkeypatch, tmp_path):
+    import transformers.training_args
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    plan = solve("gpt2", "8xA100", seq_len=512, global_batch=64, precisions=("tf32",), compile="on", time_limit=5)
+    assert plan.decisions.precision.value == "tf32" and plan.decisions.compile
+    # tf32 needs an Ampere GPU at construction time; this machine has none, so the probe is stood in for.
+    monkeypatch.setattr(transformers.training_args, "is_torch_tf32_available", lambda: True)
+    args = training_arguments(plan, tmp_path, monkeypatch)
+    assert args.tf32 is True and args.torch_compile is True
+    assert args.dataloader_num_workers == plan.decisions.dataloader_num_workers >= 1
+    assert args.dataloader_pin_memory is True
+    folder = write(emit(plan, "accelerate"), tmp_path / "acc")
+    loaded = load_config_from_file(str(folder / "accelerate_config.yaml"))
+    assert str(loaded.dynamo_config.get("dynamo_backend", "")).upper().endswith("INDUCTOR")
+    fsdp = solve("gpt2", "8xA100", seq_len=512, global_batch=64, precisions=("tf32",), compile="on", time_limit=5,
+                 launcher="torchrun")
+    script = emit(fsdp, "torchrun")["train_fitplan.py"]
+    assert "allow_tf32 = d[\"precision\"] == \"tf32\"" in script and "layer.compile()" in script
