@@ -19,11 +19,12 @@ HOST_MEMORY_BANDWIDTH = 200e9
 TORCH_CPU_ADAM_SLOWDOWN = 6.0
 
 
-def offload_seconds(cluster: Cluster, config: Config, *, partition: int, grad_bytes: int) -> float:
+def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params: int, grad_bytes: int) -> float:
     """Exposed seconds per step of offload traffic and the host optimizer step.
 
-    `partition` is the number of parameter elements this rank's optimizer owns; `grad_bytes` the bytes of one
-    16-bit element (gradients and parameters cross PCIe in the compute dtype).
+    `partition` is the number of trainable elements this rank's optimizer owns and `params` the elements of
+    its parameter shard (frozen ones included); `grad_bytes` the bytes of one 16-bit element (DeepSpeed moves
+    gradients and parameters in the compute dtype, FSDP2 its fp32 shards).
     """
     ranks = min(cluster.gpus_per_node, config.world_size)
     pcie = cluster.gpu.host_bandwidth * PCIE_EFFICIENCY
@@ -37,7 +38,7 @@ def offload_seconds(cluster: Cluster, config: Config, *, partition: int, grad_by
             seconds += 2 * 12 * partition * ranks / max(cluster.nvme_bandwidth, 1.0)
     if config.param_offload is not Offload.NONE:
         # Each micro-batch fetches the rank's parameter shard for forward and again for backward.
-        fetched = 2 * partition * grad_bytes * config.grad_accum
+        fetched = 2 * params * (4 if config.engine is Engine.FSDP2 else grad_bytes) * config.grad_accum
         seconds += fetched / pcie
         if config.param_offload is Offload.NVME:
             seconds += fetched * ranks / max(cluster.nvme_bandwidth, 1.0)

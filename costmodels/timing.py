@@ -110,7 +110,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
     partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=config.dp,
                                engine=config.engine, sharded=sharding(config).optimizer > 1)
-    offload = offload_seconds(cluster, config, partition=partition,
+    shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=config.dp, engine=config.engine,
+                           sharded=sharding(config).params > 1)
+    offload = offload_seconds(cluster, config, partition=partition, params=shard,
                               grad_bytes=precision.compute_itemsize(config.precision))
     optimizer = 0.0 if config.optimizer_offload is not Offload.NONE else \
         partition * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth
