@@ -1,0 +1,101 @@
+"""The library call: pins are respected, the time limit holds, infeasible requests get a diagnosis, the same
+input gives the same plan, and the plan's numbers are a fresh estimate of its own decisions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from costmodels import Engine, Offload, Optimizer, Precision, estimate, parse_cluster
+from graphs import Checkpoint, FitplanError
+from solver import Infeasible, solve
+from solver.api import config_from, lowering_for
+
+MODEL = "meta-llama/Llama-3.2-1B"
+
+
+@pytest.mark.parametrize("pins", [
+    {"tp": 2}, {"engine": "fsdp2", "zero": 2}, {"engine": "deepspeed", "zero": 1}, {"micro_batch": 2},
+    {"grad_accum": 4}, {"checkpoint": "full"}, {"offload": "cpu", "engine": "deepspeed"},
+    {"precisions": ("fp16-mixed",)},
+])
+def test_every_pin_is_respected(pins):
+    plan = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, **pins)
+    d = plan.decisions
+    expected = {"tp": d.tp, "engine": d.engine.value, "zero": d.zero, "micro_batch": d.micro_batch,
+                "grad_accum": d.grad_accum, "offload": d.optimizer_offload.value}
+    for name, value in pins.items():
+        if name == "checkpoint":
+            assert set(d.checkpoint) == {Checkpoint(value)}
+        elif name == "precisions":
+            assert d.precision in {Precision(p) for p in value}
+        else:
+            assert expected[name] == value
+    assert d.micro_batch * d.grad_accum * d.dp == 64
+
+
+def test_same_input_gives_the_same_plan():
+    first = solve(MODEL, "4xL4", seq_len=2048, global_batch=32)
+    second = solve(MODEL, "4xL4", seq_len=2048, global_batch=32)
+    assert first.to_json()["decisions"] == second.to_json()["decisions"]
+
+
+def test_time_limit_is_honoured_and_a_plan_still_comes_back():
+    solve(MODEL, "64xH100", seq_len=2048, global_batch=512)  # lowering (outside the limit) is cached first
+    start = time.perf_counter()
+    plan = solve(MODEL, "64xH100", seq_len=2048, global_batch=512, time_limit=0.3)
+    assert time.perf_counter() - start < 0.3 + 2.0  # the limit plus building the final estimate and report
+    assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
+
+
+def test_infeasible_request_explains_the_least_memory_and_ways_out():
+    with pytest.raises(Infeasible) as error:
+        solve("meta-llama/Llama-3.1-70B", "1xT4", seq_len=4096, global_batch=8, offload="none")
+    diagnosis = error.value.diagnosis
+    assert diagnosis["least_allocated_bytes"] > diagnosis["budget_bytes"]
+    assert diagnosis["binding"] == "GPU memory"
+    assert any("more GPUs" in way for way in diagnosis["ways_out"])
+    assert any("LoRA" in way for way in diagnosis["ways_out"])
+
+
+def test_lora_fallback_only_when_allowed_and_needed():
+    with pytest.raises(Infeasible):
+        solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none")
+    plan = solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none", allow_lora=True)
+    assert plan.decisions.lora is not None
+    assert any("LoRA fallback" in line for line in plan.inputs.assumed)
+
+
+def test_optimizer_never_changes_unless_allowed():
+    plan = solve(MODEL, "1xL4", seq_len=2048, global_batch=16)
+    assert plan.decisions.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)
+
+
+def test_plan_estimate_is_a_fresh_estimate_of_its_decisions():
+    plan = solve(MODEL, "2xL4", seq_len=1024, global_batch=16)
+    d = plan.decisions
+    config = config_from({"tp": d.tp, "dp": d.dp, "engine": d.engine, "zero": d.zero,
+                          "optimizer_offload": d.optimizer_offload, "param_offload": d.param_offload,
+                          "micro_batch": d.micro_batch, "grad_accum": d.grad_accum,
+                          "checkpoint": [m.value for m in d.checkpoint], "precision": d.precision,
+                          "optimizer": d.optimizer, "compile": d.compile}, layers=len(d.checkpoint))
+    from graphs import lower
+
+    dtype, autocast = lowering_for(config)
+    graph = lower(MODEL, dtype="bfloat16" if dtype == "float16" else dtype, autocast=autocast)
+    from costmodels import Workload
+
+    again = estimate(graph, parse_cluster("2xL4"), Workload(seq_len=1024, global_batch=16), config)
+    assert again.memory.allocated_peak == plan.estimate.memory.allocated_peak
+    assert again.time.step_time == pytest.approx(plan.estimate.time.step_time, rel=1e-12)
+    assert plan.estimate.memory.device_peak <= parse_cluster("2xL4").gpu.memory_bytes
+
+
+def test_bad_pins_are_user_errors():
+    with pytest.raises(FitplanError):
+        solve(MODEL, "8xA100", seq_len=1024, global_batch=64, zero=7)
+    with pytest.raises(FitplanError):
+        solve(MODEL, "8xA100", seq_len=1024, global_batch=64, bogus=1)
+    with pytest.raises(FitplanError):
+        solve(MODEL, "8xA100", seq_len=1024, global_batch=64, engine=Engine.DDP, offload=Offload.NVME)
