@@ -209,10 +209,9 @@ def _decisions(outer: Outer, modes: tuple[Checkpoint, ...], graph: LayerGraph, l
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,
             assumed: list[str], gpus: str | Cluster, graph: LayerGraph) -> Inputs:
+    unpinned = Pins()
     pinned = {name: getattr(pins, name) for name in Pins.__dataclass_fields__
-              if getattr(pins, name) not in (None, ())}
-    if pinned.get("optimizers") == (Optimizer.ADAMW,):
-        pinned.pop("optimizers")
+              if getattr(pins, name) != getattr(unpinned, name)}
     info = ClusterInfo(spec=gpus if isinstance(gpus, str) else f"{cluster.world_size}x{cluster.gpu.id}",
                        gpu=cluster.gpu.id, gpu_name=cluster.gpu.name, nodes=cluster.nodes,
                        gpus_per_node=cluster.gpus_per_node, gpu_memory_bytes=cluster.gpu.memory_bytes,
