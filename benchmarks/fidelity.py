@@ -157,16 +157,19 @@ def _memory_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Median and max absolute error per source, and over all rows."""
     by_source: dict[str, list[float]] = {}
     for r in rows:
         by_source.setdefault(r["source"], []).append(abs(r["error"]))
-    summary = {s: {"n": len(e), "median_abs_error": statistics.median(e), "max_abs_error": max(e)}
-               for s, e in by_source.items()}
-    errors = [abs(r["error"]) for r in rows]
-    if errors:
-        summary["all"] = {"n": len(errors), "median_abs_error": statistics.median(errors),
-                          "max_abs_error": max(errors)}
-    return summary
+    if rows:
+        by_source["all"] = [abs(r["error"]) for r in rows]
+    return {s: {"n": len(e), "median_abs_error": statistics.median(e), "max_abs_error": max(e)}
+            for s, e in by_source.items()}
+
+
+def print_summary(rows: list[dict]) -> None:
+    for source, s in summarize(rows).items():
+        print(f"  {source:22} n={s['n']:3} median |error| {s['median_abs_error']:.1%} max {s['max_abs_error']:.1%}")
 
 
 def main() -> None:
@@ -181,16 +184,14 @@ def main() -> None:
     for r in time_rows:
         print(f"  {r['id'][:46]:46} {r['source']:8} measured {r['measured']:9.0f} predicted {r['predicted']:9.0f} "
               f"error {r['error']:+6.1%}")
-    for source, s in summarize(time_rows).items():
-        print(f"  {source:22} n={s['n']:3} median |error| {s['median_abs_error']:.1%} max {s['max_abs_error']:.1%}")
+    print_summary(time_rows)
     print(f"  not modelled: {len(time_skipped)} rows (" + "; ".join(sorted({s['reason'] for s in time_skipped}))
           + ")")
     print("Memory model: predicted vs measured peak")
     for r in memory_rows:
         print(f"  {r['id']:30} measured {r['measured'] / 2**30:7.2f} GiB predicted {r['predicted'] / 2**30:7.2f} GiB "
               f"error {r['error']:+6.1%}")
-    for source, s in summarize(memory_rows).items():
-        print(f"  {source:22} n={s['n']:3} median |error| {s['median_abs_error']:.1%} max {s['max_abs_error']:.1%}")
+    print_summary(memory_rows)
     reasons = "; ".join(sorted({s["reason"][:60] for s in memory_skipped}))
     print(f"  not modelled: {len(memory_skipped)} rows ({reasons})")
     result = {"time": {"rows": time_rows, "summary": summarize(time_rows), "skipped": time_skipped},

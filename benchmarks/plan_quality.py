@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, estimate, lowering_for, parse_cluster
+from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster, shared_lowering
 from graphs import Checkpoint, LoraSpec, resolve
 from graphs.lower import lower_resolved
 from solver import Infeasible, solve
@@ -50,24 +50,17 @@ SCENARIOS = [
 def _seconds(model: str, gpus: str, config: Config, lora: LoraSpec | None) -> float | None:
     """Step time if `config` fits, else None."""
     cluster = parse_cluster(gpus)
-    dtype, autocast = lowering_for(config, lora=lora is not None)
-    graph = lower_resolved(resolve(model), dtype="bfloat16" if dtype == "float16" else dtype, autocast=autocast,
-                           lora=lora)
+    dtype, autocast = shared_lowering(config, lora=lora is not None)
+    graph = lower_resolved(resolve(model), dtype=dtype, autocast=autocast, lora=lora)
     modes = config.checkpoint or ()
     if modes and len(modes) != len(graph.decoder_layers()):
-        config = _with(config, checkpoint=(modes[0],) * len(graph.decoder_layers()))
+        config = replace(config, checkpoint=(modes[0],) * len(graph.decoder_layers()))
     try:
         est = estimate(graph, cluster, Workload(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH), config)
     except Exception:
         return None
     usable = cluster.gpu.memory_bytes * (1 - HEADROOM)
     return est.time.step_time if est.memory.device_peak <= usable else None
-
-
-def _with(config: Config, **changes: object) -> Config:
-    from dataclasses import replace
-
-    return replace(config, **changes)
 
 
 def _batches(dp: int) -> list[int]:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/ and benchmarks/
+
+from benchmarks.lowering import measure
 from graphs import LoraSpec
 
 REFERENCE = [  # issue 4: targets 1 s for 70B on 64 GPUs and 5 s for 405B on 1024 GPUs (OPTIMAL)
@@ -52,14 +54,10 @@ def timed(model: str, gpus: str, runs: int, **kwargs: object) -> dict:
 def cold_lowering(model: str) -> float:
     """Seconds to lower a model in a fresh process with an empty cache."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "FITPLAN_CACHE_DIR": cache}
-        code = f"import time, graphs; t=time.perf_counter(); graphs.lower({model!r}); print(time.perf_counter()-t)"
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+        return measure(model, cache)["lower_s"]
 
 
 def cpsat_vs_enumeration(seeds: range) -> list[dict]:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from solver.reference import enumerate_best
     from solver.search import search
     from tests.solver.test_model import instance, tables_for

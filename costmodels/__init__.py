@@ -6,11 +6,12 @@ Pure functions; knows nothing of search. `estimate(graph, cluster, workload, con
 from .breakdown import Estimate, MemoryBreakdown, TimeBreakdown
 from .cluster import Cluster, InvalidCluster, describe_cluster, load_cluster_file, parse_cluster
 from .config import Config, Engine, Offload, Optimizer, Precision, Workload
-from .estimate import InvalidConfig, check, estimate, lowering_for, model_flops
+from .estimate import InvalidConfig, check, estimate, lowering_for, model_flops, shared_lowering
 from .hardware import GPU, UnknownGPU, find_gpu, load_gpus
 
 __all__ = [
     "GPU", "Cluster", "Config", "Engine", "Estimate", "InvalidCluster", "InvalidConfig", "MemoryBreakdown",
     "Offload", "Optimizer", "Precision", "TimeBreakdown", "UnknownGPU", "Workload", "check", "describe_cluster",
     "estimate", "find_gpu", "load_cluster_file", "load_gpus", "lowering_for", "model_flops", "parse_cluster",
+    "shared_lowering",
 ]

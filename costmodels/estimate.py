@@ -29,10 +29,21 @@ def lowering_for(config: Config, *, lora: bool = False) -> tuple[str, str | None
     return compute, None
 
 
+# fp16 and bf16 tensors have the same sizes (2 bytes), so one 16-bit lowering serves both.
+_SHARED: dict[str | None, str] = {"float16": "bfloat16"}
+
+
+def shared_lowering(config: Config, *, lora: bool = False) -> tuple[str, str | None]:
+    """`lowering_for(config)` with fp16 mapped to bf16: the lowering to build (or reuse) for `config`."""
+    dtype, autocast = lowering_for(config, lora=lora)
+    return _SHARED.get(dtype, dtype), _SHARED.get(autocast, autocast)
+
+
 def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> None:
     """Raise `InvalidConfig` (with a way out) when `config` cannot run as given."""
     wanted = lowering_for(config, lora=graph.lora is not None)
-    if (_sixteen(graph.dtype), _sixteen(graph.autocast)) != (_sixteen(wanted[0]), _sixteen(wanted[1])):
+    lowered = (_SHARED.get(graph.dtype, graph.dtype), _SHARED.get(graph.autocast, graph.autocast))
+    if lowered != shared_lowering(config, lora=graph.lora is not None):
         raise ValueError(f"graph lowered as {graph.dtype}/autocast={graph.autocast}, but {config.engine} with "
                          f"{config.precision} needs {wanted[0]}/autocast={wanted[1]}")
     hint = "Choose a configuration the hardware and model allow (see `fitplan explain`)."
@@ -57,11 +68,6 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
     if per_step != workload.global_batch:
         raise InvalidConfig(f"micro_batch {config.micro_batch} x grad_accum {config.grad_accum} x dp {config.dp} = "
                             f"{per_step}, not the global batch {workload.global_batch}", hint)
-
-
-def _sixteen(dtype: str | None) -> str | None:
-    """fp16 and bf16 lowerings are interchangeable: every tensor has the same size (2 bytes)."""
-    return "16-bit" if dtype in ("float16", "bfloat16") else dtype
 
 
 def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> Estimate:

@@ -17,8 +17,8 @@ from costmodels import (
     Precision,
     Workload,
     load_cluster_file,
-    lowering_for,
     parse_cluster,
+    shared_lowering,
 )
 from costmodels import estimate as estimate_config
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
@@ -40,8 +40,6 @@ DEFAULT_SEQ_LEN = 4096
 DEFAULT_GLOBAL_BATCH = 64
 DEFAULT_HEADROOM = 0.05
 DEFAULT_TIME_LIMIT = 10.0
-# fp16 and bf16 tensors have the same sizes, so one 16-bit lowering serves both.
-SIXTEEN = {"float16": "bfloat16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +84,7 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
 
 def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict) -> Any:
     def graph(outer: Outer) -> LayerGraph:
-        dtype, autocast = (SIXTEEN.get(d, d) for d in lowering_for(outer.config(), lora=lora is not None))
+        dtype, autocast = shared_lowering(outer.config(), lora=lora is not None)
         key = (dtype, autocast)
         if key not in cache:
             cache[key] = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
@@ -240,7 +238,7 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     resolved = resolve(model)
     cluster = cluster_from(gpus)
     cfg = config_from(config, layers=None)
-    dtype, autocast = lowering_for(cfg, lora=lora is not None)
+    dtype, autocast = shared_lowering(cfg, lora=lora is not None)
     graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from costmodels import Engine, Offload, Optimizer, Precision, estimate, parse_cluster
-from graphs import Checkpoint, FitplanError
+from costmodels import Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster, shared_lowering
+from graphs import Checkpoint, FitplanError, lower
 from solver import Infeasible, solve
-from solver.api import config_from, lowering_for
+from solver.api import config_from
 
 MODEL = "meta-llama/Llama-3.2-1B"
 
@@ -80,12 +80,8 @@ def test_plan_estimate_is_a_fresh_estimate_of_its_decisions():
                           "micro_batch": d.micro_batch, "grad_accum": d.grad_accum,
                           "checkpoint": [m.value for m in d.checkpoint], "precision": d.precision,
                           "optimizer": d.optimizer, "compile": d.compile}, layers=len(d.checkpoint))
-    from graphs import lower
-
-    dtype, autocast = lowering_for(config)
-    graph = lower(MODEL, dtype="bfloat16" if dtype == "float16" else dtype, autocast=autocast)
-    from costmodels import Workload
-
+    dtype, autocast = shared_lowering(config)
+    graph = lower(MODEL, dtype=dtype, autocast=autocast)
     again = estimate(graph, parse_cluster("2xL4"), Workload(seq_len=1024, global_batch=16), config)
     assert again.memory.allocated_peak == plan.estimate.memory.allocated_peak
     assert again.time.step_time == pytest.approx(plan.estimate.time.step_time, rel=1e-12)
