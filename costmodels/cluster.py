@@ -15,6 +15,7 @@ from typing import ClassVar
 import yaml
 from pydantic import ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, ValidationError
 
+from costmodels.config import require_positive_int
 from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, gpu_from_record, load_gpus
 from graphs.errors import FitplanError
 
@@ -51,9 +52,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "cpu_ram_per_node", "cpu_cores_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            require_positive_int(name, getattr(self, name))
         for name in ("inter_node_bandwidth", "nvme_bandwidth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:

@@ -12,6 +12,12 @@ from enum import Enum
 from graphs import Checkpoint
 
 
+def require_positive_int(name: str, value: object) -> None:
+    """Raise ValueError unless `value` is an int >= 1 (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
 class _Choice(str, Enum):
     def __str__(self) -> str:
         return self.value
@@ -61,9 +67,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            require_positive_int(name, getattr(self, name))
 
     @property
     def tokens_per_step(self) -> int:
@@ -100,9 +104,7 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "micro_batch", "grad_accum"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            require_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
         if self.engine is Engine.DDP and self.zero:

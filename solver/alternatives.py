@@ -7,9 +7,9 @@ from collections.abc import Callable
 from costmodels import Cluster, Workload, estimate
 from graphs import Checkpoint, LayerGraph
 
-from .plan import Alternative, Decisions
+from .plan import Alternative, decisions_of
 from .search import SearchResult
-from .space import Outer
+from .space import Outer, leanest_modes
 from .tables import TICK_SECONDS, objective
 
 GIB = 2**30
@@ -39,7 +39,7 @@ def alternatives(found: SearchResult, kinds: list[int], modes: tuple[Checkpoint,
         table = found.tables[k]
         est = estimate(graph_of(table.outer), cluster, workload, table.outer.config(plan))
         slower = est.time.step_time / winner_time - 1 if winner_time else 0.0
-        result.append(Alternative(decisions=_describe(table.outer, plan), step_time=est.time.step_time,
+        result.append(Alternative(decisions=decisions_of(table.outer, plan).summary(), step_time=est.time.step_time,
                                   device_peak=est.memory.device_peak, fits=True,
                                   why=f"{slower:+.1%} step time ({est.time.step_time:.3g} s vs {winner_time:.3g} s)"))
     if len(result) < count:
@@ -57,7 +57,7 @@ def _misfits(found: SearchResult, kinds: list[int], modes: tuple[Checkpoint, ...
              ) -> list[Alternative]:
     """Families with no fitting plan, by how far their smallest footprint is over budget."""
     smallest: dict[tuple[object, ...], tuple[int, int]] = {}
-    lean = tuple(Checkpoint.FULL if Checkpoint.FULL in modes else modes[0] for _ in kinds)
+    lean = leanest_modes(modes, len(kinds))
     for k, table in enumerate(found.tables):
         if table.outer.family in fitting or found.result.table == k:
             continue
@@ -69,13 +69,6 @@ def _misfits(found: SearchResult, kinds: list[int], modes: tuple[Checkpoint, ...
         table = found.tables[k]
         why = (f"does not fit: even with every layer checkpointed it needs {over / GIB:.1f} GiB more per GPU "
                "(allocated) than the budget" if over > 0 else "offloaded states exceed the host RAM")
-        result.append(Alternative(decisions=_describe(table.outer, lean), step_time=None,
+        result.append(Alternative(decisions=decisions_of(table.outer, lean).summary(), step_time=None,
                                   device_peak=table.peak_of(lean), fits=False, why=why))
     return result
-
-
-def _describe(outer: Outer, modes: tuple[Checkpoint, ...]) -> str:
-    return Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
-                     optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
-                     micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
-                     optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=modes).summary()

@@ -29,7 +29,7 @@ from .advice import advise
 from .alternatives import alternatives
 from .diagnose import Infeasible, diagnose
 from .launchers.support import runnable_by
-from .plan import ClusterInfo, Decisions, Inputs, LoraDecision, Plan, SolverStats
+from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from .search import build_tables, search
 from .space import Outer, Pins, outer_space
 from .tables import TICK_SECONDS
@@ -76,10 +76,10 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
     if global_batch is None:
         global_batch = max(DEFAULT_GLOBAL_BATCH, cluster.world_size)
         assumed.append(f"global batch {global_batch} sequences per step (none given)")
-    for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
-        if value < 1:
-            raise FitplanError(f"{name}={value} must be a positive integer", "Pass a positive number.")
-    return Workload(seq_len=seq_len, global_batch=global_batch), assumed
+    try:
+        return Workload(seq_len=seq_len, global_batch=global_batch), assumed
+    except ValueError as err:
+        raise FitplanError(str(err), "Pass a positive number.") from err
 
 
 def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict) -> Any:
@@ -176,8 +176,10 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     if guide.compile != config.compile:  # "auto" judged the saving too small
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)
-    decisions = replace(_decisions(outer, result.modes, graph, lora), compile=guide.compile,
-                        dataloader_num_workers=guide.workers)
+    adapters = None if lora is None else LoraDecision(rank=lora.rank, alpha=lora.alpha, targets=lora.targets,
+                                                      dropout=lora.dropout)
+    decisions = replace(decisions_of(outer, result.modes, lora=adapters, attention=graph.attention),
+                        compile=guide.compile, dataloader_num_workers=guide.workers)
     objective = result.objective // found.weight * TICK_SECONDS if result.objective is not None else \
         estimate.time.step_time
     bound = result.bound // found.weight * TICK_SECONDS if result.bound is not None else None
@@ -193,16 +195,6 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
     return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
                 launchers=runnable_by(decisions), binding=binding, advice=guide.lines)
-
-
-def _decisions(outer: Outer, modes: tuple[Checkpoint, ...], graph: LayerGraph, lora: LoraSpec | None) -> Decisions:
-    return Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
-                     optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
-                     micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
-                     optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=modes,
-                     lora=None if lora is None else LoraDecision(rank=lora.rank, alpha=lora.alpha,
-                                                                 targets=lora.targets, dropout=lora.dropout),
-                     attention=graph.attention)
 
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from costmodels import Offload, load_gpus
-from graphs import Checkpoint, FitplanError
+from graphs import FitplanError
 
 from .plan import Inputs
 from .search import SearchResult
-from .space import Pins, Space
+from .space import Pins, Space, leanest_modes
 
 GIB = 2**30
 
@@ -31,13 +31,12 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
                    "degrees that divide the heads and fit a node).")
         hint = "Relax the pins, or pick a global batch divisible by the number of GPUs / TP degree."
         return message, hint, {"binding": "pins", "pins": inputs.pins}
-    lean = tuple(Checkpoint.FULL if Checkpoint.FULL in space.modes else space.modes[0]
-                 for _ in found.tables[0].layer_ticks)
-    need = min(found.tables, key=lambda t: (t.peak_of(lean) - t.budget, t.rank))
-    least = need.peak_of(lean)
+    lean = leanest_modes(space.modes, len(found.tables[0].layer_ticks))
+    peaks = [t.peak_of(lean) for t in found.tables]
+    need, least = min(zip(found.tables, peaks, strict=True), key=lambda pair: (pair[1] - pair[0].budget, pair[0].rank))
     budget = need.budget
-    host_only = all(not t.host_ok for t in found.tables if t.peak_of(lean) <= t.budget)
-    binding = "host RAM for offloaded states" if host_only and any(t.peak_of(lean) <= t.budget for t in found.tables) \
+    device_fits = [t for t, peak in zip(found.tables, peaks, strict=True) if peak <= t.budget]
+    binding = "host RAM for offloaded states" if device_fits and not any(t.host_ok for t in device_fits) \
         else "GPU memory"
     ways = _ways_out(inputs, pins, least, budget)
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter
 
 from costmodels import Engine, Estimate, Offload, Optimizer, Precision
 from graphs import Checkpoint
+
+if TYPE_CHECKING:
+    from .space import Outer
 
 SCHEMA_VERSION = "1.0"
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
@@ -109,6 +112,16 @@ class Decisions:
         if self.lora:
             parts.append(f"LoRA r={self.lora.rank}")
         return " ".join(parts)
+
+
+def decisions_of(outer: Outer, checkpoint: tuple[Checkpoint, ...], *, lora: LoraDecision | None = None,
+                 attention: str = "sdpa") -> Decisions:
+    """The decisions of one outer configuration with its per-layer checkpoint modes."""
+    return Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
+                     optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
+                     micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
+                     optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=checkpoint,
+                     lora=lora, attention=attention, compile=outer.compile)
 
 
 @dataclass(frozen=True, kw_only=True)

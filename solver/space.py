@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload
+from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
+from costmodels.config import require_positive_int
 from graphs import Checkpoint, FitplanError, LayerGraph
 
 # Launchers and what each can express (DESIGN.md: a plan records which launchers can run it).
@@ -43,9 +44,8 @@ class Pins:
 
     def __post_init__(self) -> None:
         for name in ("tp", "micro_batch", "grad_accum"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            if getattr(self, name) is not None:
+                require_positive_int(name, getattr(self, name))
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
         if self.compile not in ("auto", "on", "off"):
@@ -90,16 +90,12 @@ DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32
 
 def default_precisions(cluster: Cluster) -> tuple[Precision, ...]:
     """Mixed and full precisions the GPU runs; pure bf16 and fp8 change numerics and must be asked for."""
-    from costmodels import precision
-
     return tuple(p for p in DEFAULT_PRECISIONS
                  if cluster.gpu.peak_flops(precision.matmul_dtype(p)) is not None)
 
 
 def supported_precisions(cluster: Cluster, allowed: tuple[Precision, ...]) -> tuple[Precision, ...]:
     """The allowed precisions the GPU runs (fp8 only on GPUs with fp8 tensor cores); an error if none."""
-    from costmodels import precision
-
     kept = tuple(p for p in allowed if cluster.gpu.peak_flops(precision.matmul_dtype_on(p, cluster.gpu))
                  is not None)
     if not kept:
@@ -198,14 +194,10 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
 
 def _expressible(outer: Outer, launcher: str, *, lora: bool) -> bool:
     from .launchers.support import unsupported
-    from .plan import Decisions, LoraDecision
+    from .plan import LoraDecision, decisions_of
 
-    decisions = Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
-                          optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
-                          micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
-                          optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=(),
-                          lora=LoraDecision(rank=1, alpha=1, targets=(), dropout=0.0) if lora else None)
-    return not unsupported(launcher, decisions)
+    adapters = LoraDecision(rank=1, alpha=1, targets=(), dropout=0.0) if lora else None
+    return not unsupported(launcher, decisions_of(outer, (), lora=adapters))
 
 
 def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:
@@ -229,6 +221,12 @@ def canonical_modes(kinds: list[int], counts: dict[int, tuple[int, int]]) -> tup
         modes.append(Checkpoint.FULL if position < full else
                      Checkpoint.SELECTIVE if position < full + selective else Checkpoint.NONE)
     return tuple(modes)
+
+
+def leanest_modes(modes: tuple[Checkpoint, ...], layers: int) -> tuple[Checkpoint, ...]:
+    """Every layer in the allowed mode that keeps the least activation memory (FULL when allowed)."""
+    lean = Checkpoint.FULL if Checkpoint.FULL in modes else modes[0]
+    return (lean,) * layers
 
 
 def all_counts(kinds: list[int], modes: tuple[Checkpoint, ...]) -> list[dict[int, tuple[int, int]]]:
