@@ -135,13 +135,13 @@ def engine_buffers(graph: LayerGraph, config: Config) -> list[tuple[int, int, in
         return [(0, 0, bucket)] * len(layers)
     if not sharded_params:
         return zeros
+    keys = [layer.kind if layer.kind is not None else layer.name for layer in layers]
     per_kind: dict[object, tuple[int, int]] = {}  # layers of one kind gather the same bytes
-    for layer in layers:
-        key = layer.kind if layer.kind is not None else layer.name
+    for layer, key in zip(layers, keys, strict=True):
         if key not in per_kind:
             per_kind[key] = (_gathered(graph, config, layer), _unsharded_grads(config, layer))
-    gathered = [per_kind[layer.kind if layer.kind is not None else layer.name][0] for layer in layers]
-    grads = [per_kind[layer.kind if layer.kind is not None else layer.name][1] for layer in layers]
+    gathered = [per_kind[key][0] for key in keys]
+    grads = [per_kind[key][1] for key in keys]
     bucket = _bucket_bytes(graph, config)
     prefetch = precision.compute_itemsize(config.precision) * prefetch_bucket_elements(graph.dims.hidden)
     result = []
