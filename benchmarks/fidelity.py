@@ -1,5 +1,5 @@
 """Fidelity: the time model against published measured throughputs, and the memory model against published
-peak-memory measurements (shared/data/calibration/*.json). Prints median and max |error| per source.
+peak-memory measurements (benchmarks/data/calibration/*.json). Prints median and max |error| per source.
 
 Rows fitplan cannot model are listed with the reason (pipeline parallelism, encoder-only models, optimizer
 settings it does not have). Usage: python benchmarks/fidelity.py [--data DIR]
@@ -17,7 +17,7 @@ from typing import Any
 from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, lowering_for, parse_cluster
 from graphs import Checkpoint, LoraSpec, lower
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "calibration"
+DATA = Path(__file__).resolve().parent / "data" / "calibration"  # a copy of shared/data/calibration
 CATALOG = {"llama3-8b": "meta-llama/Meta-Llama-3-8B", "llama3-70b": "meta-llama/Meta-Llama-3-70B",
            "llama2-13b": "meta-llama/Llama-2-13b-hf", "llama2-70b": "meta-llama/Llama-2-70b-hf",
            "Llama 3.1 8B": "meta-llama/Llama-3.1-8B", "Llama 3.1 70B": "meta-llama/Llama-3.1-70B",

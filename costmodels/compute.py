@@ -19,7 +19,7 @@ DEFAULT_MAMF = 0.75
 # Matmuls reach MAMF only when large: efficiency = MAMF * m / (m + GEMM_HALF_TOKENS) over the tokens per
 # micro-batch on one rank, and * k / (k + GEMM_HALF_WIDTH) over the layer width each rank multiplies.
 # The four constants below are fitted together, globally (never per row), by benchmarks/calibrate.py on
-# shared/data/calibration/throughput_published.json (torchtitan, MosaicML, Mist/Megatron rows): median |error|
+# benchmarks/data/calibration/throughput_published.json (torchtitan, MosaicML, Mist/Megatron rows): median |error|
 # of tokens/s fell from 23% (first-principles values 256, 512, 0.8, 0.6) to 11.5% (benchmarks/fidelity.py).
 # GEMM_HALF_TOKENS is kept within what GEMM benchmarks show (<= 512 rows for half efficiency): a larger value
 # fits the data slightly better (10%) but would make a 2048-token micro-batch run matmuls at half speed.

@@ -11,7 +11,7 @@ from .config import Config
 MIB = 2**20
 
 # CUDA context and kernel images: the Hugging Face "Model training anatomy" guide measures 1343 MiB on a
-# V100 before any tensor exists ("kernels alone take up 1.3GB"; shared/data/calibration memory_published.json
+# V100 before any tensor exists ("kernels alone take up 1.3GB"; benchmarks/data/calibration/memory_published.json
 # row hf-ctx). Lazy module loading (CUDA >= 11.7) loads fewer kernels; fitplan keeps the measured figure.
 CUDA_CONTEXT_BYTES = 1343 * MIB
 

@@ -59,11 +59,12 @@ def resolve(name: str) -> ResolvedModel:
     except UnknownModel:
         cached = _hf_cache_config(name)
         if cached is None:
+            closest = closest_ids(name)
             raise UnknownModel(
                 f"Unknown model '{name}': not a local path, not in fitplan's catalog, not in the local "
                 "Hugging Face cache (fitplan never downloads).",
-                "Closest catalog ids: " + ", ".join(closest_ids(name))
-                + ". List them with `fitplan models`, or pass a local config.json path.") from None
+                (f"Closest catalog ids: {', '.join(closest)}. " if closest else "")
+                + "List the catalog with `fitplan models`, or pass a local config.json path.") from None
         return _from_values(name, read_config_file(cached), "hf-cache", str(cached))
     return _from_values(entry.id, dict(entry.config), "catalog", entry.id)
 

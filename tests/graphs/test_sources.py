@@ -41,6 +41,12 @@ def test_unknown_model_lists_closest_catalog_ids():
     assert "meta-llama/Llama-3.1-8B" in err.value.hint
 
 
+def test_unknown_model_without_close_ids_points_to_the_catalog():
+    with pytest.raises(UnknownModel) as err:
+        resolve("nope/model")
+    assert "Closest" not in err.value.hint and "fitplan models" in err.value.hint
+
+
 def test_malformed_json_names_the_file(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
