@@ -9,7 +9,8 @@ import yaml
 from costmodels import Engine, Offload
 
 from ..plan import Plan
-from .common import all_checkpointed, checkpointed_layers, layer_class
+from .common import about, all_checkpointed, checkpointed_layers, layer_class
+from .shell import launch_script
 
 
 def config(plan: Plan) -> dict[str, Any]:
@@ -55,7 +56,8 @@ def expresses_checkpointing(plan: Plan) -> bool:
 
 
 def emit(plan: Plan) -> dict[str, str]:
-    launch = "accelerate launch --config_file accelerate_config.yaml train.py\n"
+    argv = ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "train.py"]
+    launch = launch_script(argv, about=about(plan))
     files = {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}
     if plan.decisions.lora:
         from .hf import adapter_config

@@ -33,6 +33,11 @@ class CannotExpress(Exception):
     """A launcher cannot run the plan as decided; the message lists what it cannot express."""
 
 
+def about(plan: Plan) -> str:
+    """Which plan an emitted file belongs to, in words (user text: emitters write it only as a comment)."""
+    return f"fitplan plan for {plan.inputs.model} on {plan.inputs.cluster.spec}: {plan.decisions.summary()}"
+
+
 def layer_class(plan: Plan) -> str:
     """The decoder-layer class name (what FSDP wraps), e.g. LlamaDecoderLayer."""
     return plan.inputs.layer_class or "DecoderLayer"

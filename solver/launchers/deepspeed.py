@@ -9,7 +9,8 @@ from costmodels import Engine, Offload, Optimizer
 from costmodels.zero import persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
 
 from ..plan import Plan
-from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY
+from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about
+from .shell import launch_script
 
 NVME_PATH = "/local_nvme"
 
@@ -85,7 +86,8 @@ def _optimizer(optimizer: Optimizer) -> dict[str, Any] | None:
 def emit(plan: Plan, *, hidden: int) -> dict[str, str]:
     if plan.decisions.engine is not Engine.DEEPSPEED:
         return {}
-    d = plan.decisions
-    launch = (f"deepspeed --num_nodes {plan.inputs.cluster.nodes} --num_gpus {plan.inputs.cluster.gpus_per_node} "
-              f"train.py --deepspeed ds_config.json  # {d.summary()}\n")
+    cluster = plan.inputs.cluster
+    argv = ["deepspeed", "--num_nodes", str(cluster.nodes), "--num_gpus", str(cluster.gpus_per_node), "train.py",
+            "--deepspeed", "ds_config.json"]
+    launch = launch_script(argv, about=about(plan))
     return {"ds_config.json": json.dumps(config(plan, hidden=hidden), indent=2) + "\n", "deepspeed_launch.sh": launch}

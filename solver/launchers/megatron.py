@@ -5,6 +5,8 @@ from __future__ import annotations
 from graphs import Checkpoint
 
 from ..plan import Plan
+from .common import about
+from .shell import command_line, comment, launch_script
 
 # Every flag fitplan may emit, as Megatron-LM defines it (HEAD d98e8a6, 2026-08; shared notes §2.7). The tests
 # fail on any emitted flag outside this list.
@@ -44,9 +46,9 @@ def arguments(plan: Plan) -> list[str]:
 
 
 def emit(plan: Plan) -> dict[str, str]:
-    d = plan.decisions
-    flags = " ".join(arguments(plan))
-    launch = (f"torchrun --nproc_per_node {plan.inputs.cluster.gpus_per_node} --nnodes {plan.inputs.cluster.nodes} "
-              f"pretrain_gpt.py {flags}\n")
-    return {"megatron_args.txt": flags + "\n", "megatron_launch.sh": launch,
-            "megatron_note.txt": f"# {d.summary()}\n# Megatron needs its own checkpoint format of the model.\n"}
+    cluster, flags = plan.inputs.cluster, arguments(plan)
+    argv = ["torchrun", "--nproc_per_node", str(cluster.gpus_per_node), "--nnodes", str(cluster.nodes),
+            "pretrain_gpt.py", *flags]
+    return {"megatron_args.txt": command_line(flags) + "\n",
+            "megatron_launch.sh": launch_script(argv, about=about(plan)),
+            "megatron_note.txt": comment(about(plan)) + "# Megatron needs its own checkpoint format of the model.\n"}

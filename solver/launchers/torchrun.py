@@ -4,12 +4,15 @@ DDP, per-layer checkpointing). It runs as emitted; replace `batches()` with your
 from __future__ import annotations
 
 import json
+import re
 
 from ..plan import Plan
+from .common import about
+from .shell import launch_script, option
 
 SCRIPT = r'''"""Training script emitted by fitplan for: __SUMMARY__
 
-Run: torchrun --nproc_per_node N train_fitplan.py --model PATH_OR_ID [--from-config] [--steps S]
+Run: torchrun --nproc_per_node N train_fitplan.py [--model PATH_OR_ID] [--from-config] [--steps S]
 Replace `batches()` with your data loader; everything else follows the plan.
 """
 
@@ -23,11 +26,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 PLAN = json.loads(__PLAN__)
+MODEL = __MODEL__  # the model the plan is for
 
 
 def parse():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True, help="local folder / config.json, or a Hub id")
+    p.add_argument("--model", default=MODEL, help="local folder / config.json, or a Hub id (default: the plan's)")
     p.add_argument("--from-config", action="store_true", help="random weights from the config (smoke tests)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=PLAN["seq_len"])
@@ -207,9 +211,13 @@ if __name__ == "__main__":
 
 def emit(plan: Plan) -> dict[str, str]:
     decisions = plan.to_json()["decisions"]
-    payload = json.dumps(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len}))
-    script = SCRIPT.replace("__PLAN__", payload).replace("__SUMMARY__", plan.decisions.summary())
+    # repr() of a str is always a valid Python literal of that str, so user text never becomes code; one pass, so
+    # a placeholder inside user text is never substituted.
+    values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len})),
+              "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary()}
+    script = re.sub(r"__(PLAN|MODEL|SUMMARY)__", lambda match: values[match.group(1)], SCRIPT)
     cluster = plan.inputs.cluster
-    launch = (f"torchrun --nnodes {cluster.nodes} --nproc_per_node {cluster.gpus_per_node} "
-              f"train_fitplan.py --model {plan.inputs.model}\n")
+    argv = ["torchrun", "--nnodes", str(cluster.nodes), "--nproc_per_node", str(cluster.gpus_per_node),
+            "train_fitplan.py", *option("--model", plan.inputs.model)]
+    launch = launch_script(argv, about=about(plan))
     return {"train_fitplan.py": script, "torchrun_launch.sh": launch}
