@@ -1,7 +1,8 @@
 """The command line: `fitplan solve|estimate|models|gpus|explain` and the `solve` shortcut.
 
 stdout carries only the result (a report, or JSON with --json); progress and errors go to stderr.
-Exit codes: 0 plan found, 1 internal error, 2 bad input, 3 nothing fits (with the diagnosis).
+Exit codes: 0 plan found, 1 internal error, 2 bad input, 3 nothing fits (with the diagnosis), 4 no plan found
+within the time limit (nothing proven; raise --time-limit).
 """
 
 from __future__ import annotations
@@ -32,15 +33,25 @@ Gpus = Annotated[str, typer.Option("--gpus", "-g", help="Cluster: 8xA100, 1xA10G
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 
 
-def _fail(error: Exception) -> None:
+def _fail(error: Exception, *, as_json: bool = False) -> None:
     """One place turns user errors into messages and exit codes."""
-    from .diagnose import Infeasible
+    from .diagnose import Infeasible, NoPlanInTime
 
+    if isinstance(error, NoPlanInTime):  # nothing proven: not a diagnosis of memory, not bad input
+        err.print(f"[bold yellow]No plan within the time limit:[/] {error.message}")
+        err.print(error.hint)
+        if as_json:
+            print(json.dumps({"status": "UNKNOWN", "message": error.message, "hint": error.hint,
+                              "diagnosis": error.diagnosis}, indent=2))
+        raise typer.Exit(code=4)
     # Pins or divisibility that leave no configuration at all are bad input (2), not a memory diagnosis (3).
     if isinstance(error, Infeasible) and error.diagnosis.get("binding") != "pins":
         err.print(f"[bold red]Infeasible:[/] {error.message}")
         if error.hint:
             err.print(error.hint)
+        if as_json:  # --json promises JSON on stdout: the diagnosis is the result
+            print(json.dumps({"status": "INFEASIBLE", "message": error.message, "hint": error.hint,
+                              "diagnosis": error.diagnosis}, indent=2, default=str))
         raise typer.Exit(code=3)
     if isinstance(error, (FitplanError, ValueError, OSError)):  # OSError: e.g. -o into a missing folder
         message = error.message if isinstance(error, FitplanError) else str(error)
@@ -98,10 +109,11 @@ def solve_command(
                                              "megatron.")] = None,
     emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from .api import solve
-    from .commands import emit_files, plot_plan
+    from .outputs import Targets, launcher_names, refuse_overwrite, write_outputs
 
     try:
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
@@ -118,21 +130,17 @@ def solve_command(
                                    "Pass a positive number.")
         if engine is not None and zero is not None:
             Config(engine=engine, zero=zero)  # "engine=ddp has no ZeRO stage" is a ValueError: exit 2
+        targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
+        refuse_overwrite(targets.known_paths(), force=force)  # fail before solving; the full check follows
         if not as_json:
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
                      headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
                      attention=attention, input_tokens_per_s=input_tokens_per_s, **pins)
-        if output:
-            output.write_text(plan.dumps())
-        if emit:
-            for path in emit_files(plan, emit, emit_dir):
-                err.print(f"wrote {path}")
-        if plot:
-            plot_plan(plan, plot)
-            err.print(f"wrote {plot}")
+        for line in write_outputs(plan, targets, force=force).lines():
+            err.print(line, markup=False, highlight=False)
     except Exception as error:
-        _fail(error)
+        _fail(error, as_json=as_json)
     if as_json:
         print(plan.dumps())
     else:

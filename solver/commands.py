@@ -20,19 +20,11 @@ from .plan import Plan
 GIB = 2**30
 
 
-def emit_files(plan: Plan, emit: str, folder: Path) -> list[Path]:
-    from .launchers import emit as emit_launcher
+def emit_files(plan: Plan, emit: str, folder: Path, *, force: bool = False) -> list[Path]:
+    """Write plan.json and the files of each launcher in `emit` that can run the plan into `folder`."""
+    from .outputs import Targets, launcher_names, write_outputs
 
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    files: dict[str, str] = {"plan.json": plan.dumps() + "\n"}
-    for launcher in (name.strip() for name in emit.split(",") if name.strip()):
-        files.update(emit_launcher(plan, launcher))
-    for name, text in files.items():
-        path = folder / name
-        path.write_text(text)
-        written.append(path)
-    return written
+    return write_outputs(plan, Targets(launchers=launcher_names(emit), emit_dir=folder), force=force).paths
 
 
 def plot_plan(plan: Plan, path: Path) -> None:
@@ -94,10 +86,42 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
 
     cluster = cluster_from(gpus)
     values = read_config_file(config_file) if config_file else dict(flags)
+    plan = _as_plan(values, config_file)
+    if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
+        return _plan_report(plan, model, gpus, seq_len=seq_len, lora_rank=lora_rank)
     if values.get("dp") is None:
         values["dp"] = cluster.world_size // max(1, int(values.get("tp", 1)))
     lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
+    return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
+
+
+def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
+    """The plan in a config file written by `solve -o`, or None for a file of Config fields."""
+    if not {"schema_version", "decisions"} <= set(values):
+        return None
+    try:
+        return Plan.from_json(values)
+    except ValidationError as error:
+        raise MalformedConfig(f"{path} looks like a fitplan plan but is not valid: {str(error).splitlines()[0]}",
+                              "Write a plan with `solve ... -o plan.json`, or give a file of Config fields.") from error
+
+
+def _plan_report(plan: Plan, model: str, gpus: str, *, seq_len: int | None, lora_rank: int | None) -> EstimateReport:
+    """The estimate of a plan's decisions on `model`/`gpus`; seq_len and LoRA rank given as flags override it."""
+    from .api import cluster_from, estimate
+
+    d = plan.decisions
+    config = {name: getattr(d, name) for name in ("tp", "dp", "engine", "zero", "optimizer_offload", "param_offload",
+                                                  "micro_batch", "grad_accum", "checkpoint", "precision", "optimizer",
+                                                  "sequence_parallel", "compile")}
+    lora = None if d.lora is None else LoraSpec(rank=d.lora.rank, alpha=d.lora.alpha, targets=d.lora.targets,
+                                                dropout=d.lora.dropout)
+    if lora_rank:
+        lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
+    cluster = cluster_from(gpus)
+    result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
+                      global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention)
     return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
 
 

@@ -145,7 +145,8 @@ def test_explain_reads_plan_written_with_output(solved):
 
 def test_solve_emit_and_plot_write_launcher_files_and_png(tmp_path):
     folder, png = tmp_path / "out", tmp_path / "mem.png"
-    result = invoke([*SOLVE_GPT2, "--emit", "deepspeed,hf", "--emit-dir", str(folder), "--plot", str(png)])
+    result = invoke([*SOLVE_GPT2, "--engine", "deepspeed", "--emit", "deepspeed,hf", "--emit-dir", str(folder),
+                     "--plot", str(png)])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert json.loads((folder / "plan.json").read_text()) == plan
