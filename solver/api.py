@@ -27,7 +27,7 @@ from graphs.sources import ResolvedModel
 
 from .advice import advise
 from .alternatives import alternatives
-from .diagnose import Infeasible, diagnose
+from .diagnose import Infeasible, NoPlanInTime, diagnose
 from .launchers.support import runnable_by
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from .search import build_tables, search
@@ -51,13 +51,24 @@ class Request:
 
 
 def cluster_from(gpus: str | Cluster, **options: Any) -> Cluster:
-    """A cluster from a spec string ("8xA100"), a JSON/YAML file path, or a ready `Cluster`."""
+    """A cluster from a spec string ("8xA100"), a JSON/YAML file path, or a ready `Cluster`; `options` override
+    what a spec string assumes (see `parse_cluster`)."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if given and (isinstance(gpus, Cluster) or _is_cluster_file(gpus)):
+        names = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise FitplanError(f"{names} apply to a cluster string, not to a cluster file or object.",
+                           "Put these values in the cluster file (cpu_ram_gib, cpu_cores, ...), or give --gpus as "
+                           "a string such as 8xA100.")
     if isinstance(gpus, Cluster):
         return gpus
+    if _is_cluster_file(gpus):
+        return load_cluster_file(Path(gpus))
+    return parse_cluster(gpus, **given)
+
+
+def _is_cluster_file(gpus: str) -> bool:
     path = Path(gpus)
-    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file():
-        return load_cluster_file(path)
-    return parse_cluster(gpus, **{k: v for k, v in options.items() if v is not None})
+    return path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file()
 
 
 def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, global_batch: int | None,
@@ -96,18 +107,19 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
           tokens_per_step: int | None = None, headroom: float = DEFAULT_HEADROOM,
           time_limit: float = DEFAULT_TIME_LIMIT, lora: LoraSpec | None = None, allow_lora: bool = False,
           attention: str | None = None, alternatives_count: int = 3, input_tokens_per_s: float | None = None,
-          **pins: Any) -> Plan:
+          cluster_options: dict[str, Any] | None = None, **pins: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: tp, engine, zero, offload, param_offload, micro_batch, grad_accum, checkpoint, precisions,
     optimizers, sequence_parallel, compile, launcher (see `space.Pins`). `input_tokens_per_s` is the rate one
-    data-loading worker supplies (for the input-pipeline check).
+    data-loading worker supplies (for the input-pipeline check). `cluster_options` override what a cluster
+    string assumes (cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps, inter_node_gbps; see `parse_cluster`).
     """
     started = time.perf_counter()
     if not 0 <= headroom < 1:
         raise FitplanError(f"headroom={headroom} must be in [0, 1)", "e.g. --headroom 0.1 keeps 10% free.")
     resolved = resolve(model)
-    cluster = cluster_from(gpus)
+    cluster = cluster_from(gpus, **(cluster_options or {}))
     workload, assumed = _workload(resolved, cluster, seq_len, global_batch, tokens_per_step)
     pin = _pins(pins)
     try:
@@ -155,17 +167,22 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, any_graph)
     if not space.outers:
         raise Infeasible(*diagnose(None, inputs, pins, space))
-    # Lowering (cached on disk after the first run) is not counted; table building gets 60% of the limit.
+    # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,
+    # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
     for outer in space.outers:  # lower every needed variant first: lowering is outside the time limit
         graph_of(outer)
     begin = time.perf_counter()
-    tables = build_tables(space, graph_of, cluster, workload, headroom=headroom, deadline=begin + 0.6 * time_limit)
+    deadline = begin + time_limit
+    tables = build_tables(space, graph_of, cluster, workload, headroom=headroom, deadline=begin + 0.5 * time_limit)
     kinds = [layer.kind for layer in any_graph.decoder_layers()]
-    remaining = max(0.1, time_limit - (time.perf_counter() - begin))
-    found = search(tables, kinds, space.modes, time_limit=remaining, configurations=len(space.outers))
+    search_limit = max(0.01, begin + 0.85 * time_limit - time.perf_counter())
+    found = search(tables, kinds, space.modes, time_limit=search_limit, configurations=len(space.outers))
     result = found.result
+    if result.table is None and result.status == "INFEASIBLE":  # proven over the whole space
+        message, hint, diagnosis = diagnose(found, inputs, pins, space, lora=lora is not None)
+        raise Infeasible(message, hint, {**diagnosis, "explored": len(tables), "configurations": len(space.outers)})
     if result.table is None:
-        raise Infeasible(*diagnose(found, inputs, pins, space))
+        raise NoPlanInTime(time_limit, len(tables), len(space.outers))
     table = tables[result.table]
     outer = table.outer
     graph = graph_of(outer)
@@ -185,10 +202,11 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     bound = result.bound // found.weight * TICK_SECONDS if result.bound is not None else None
     stats = SolverStats(status=result.status, objective_seconds=objective, bound_seconds=bound,
                         gap=None if bound is None or objective == 0 else max(0.0, (objective - bound) / objective),
-                        wall_seconds=time.perf_counter() - started, configurations=found.configurations,
-                        considered=len(found.candidates), time_limit_seconds=time_limit)
+                        wall_seconds=0.0, configurations=found.configurations,
+                        considered=len(found.candidates), time_limit_seconds=time_limit, explored=len(tables))
     alts = alternatives(found, kinds, space.modes, graph_of, cluster, workload, chosen=result.table,
-                        count=alternatives_count)
+                        count=alternatives_count, deadline=deadline)
+    stats = replace(stats, wall_seconds=time.perf_counter() - started)
     fastest_fits = all(m is Checkpoint.NONE for m in result.modes) and outer.optimizer_offload is Offload.NONE \
         and outer.param_offload is Offload.NONE
     binding = "none: the fastest settings already fit" if fastest_fits else \

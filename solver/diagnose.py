@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from costmodels import Offload, load_gpus
-from graphs import FitplanError
+from costmodels import Offload, load_gpus, precision
+from graphs import Checkpoint, FitplanError
 
 from .plan import Inputs
 from .search import SearchResult
-from .space import Pins, Space, leanest_modes
+from .space import DEFAULT_PRECISIONS, Pins, Space, leanest_modes
 
 GIB = 2**30
 
@@ -22,8 +22,21 @@ class Infeasible(FitplanError):
         self.diagnosis = diagnosis or {}
 
 
-def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Space) -> tuple[str, str, dict[str, Any]]:
-    """(message, hint, diagnosis) for a request with no feasible configuration."""
+class NoPlanInTime(FitplanError):
+    """The time limit ended the search before any plan was found; nothing was proven infeasible."""
+
+    def __init__(self, time_limit: float, explored: int, configurations: int) -> None:
+        super().__init__(f"No plan found within the time limit of {time_limit:g} s ({explored} of {configurations} "
+                         "configurations explored); this does not mean nothing fits.",
+                         "Raise --time-limit (e.g. --time-limit 60), or pin knobs (--engine, --zero, --micro-batch, "
+                         "--tp) to shrink the search.")
+        self.diagnosis = {"binding": "time limit", "time_limit_seconds": time_limit, "explored": explored,
+                          "configurations": configurations}
+
+
+def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Space, *, lora: bool = False
+             ) -> tuple[str, str, dict[str, Any]]:
+    """(message, hint, diagnosis) for a request with no feasible configuration (the whole space searched)."""
     cluster = inputs.cluster
     if found is None or not found.tables:
         message = (f"No configuration is possible for {inputs.model} on {cluster.spec}: the pins and divisibility "
@@ -36,34 +49,49 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     need, least = min(zip(found.tables, peaks, strict=True), key=lambda pair: (pair[1] - pair[0].budget, pair[0].rank))
     budget = need.budget
     device_fits = [t for t, peak in zip(found.tables, peaks, strict=True) if peak <= t.budget]
-    binding = "host RAM for offloaded states" if device_fits and not any(t.host_ok for t in device_fits) \
-        else "GPU memory"
-    ways = _ways_out(inputs, pins, least, budget)
+    host_binds = bool(device_fits) and not any(t.host_ok for t in device_fits)
+    binding = "host RAM for offloaded states" if host_binds else "GPU memory"
+    ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds)
+    checkpointed = "every layer checkpointed" if lean[0] is Checkpoint.FULL else f"checkpointing pinned to {lean[0]}"
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "
                f"({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
-               f"{need.outer.micro_batch}, every layer checkpointed) needs {least / GIB:.1f} GiB allocated per GPU; "
+               f"{need.outer.micro_batch}, {checkpointed}) needs {least / GIB:.1f} GiB allocated per GPU; "
                f"{budget / GIB:.1f} GiB is available after overhead and {inputs.headroom:.0%} headroom. "
                f"Binding resource: {binding}.")
+    if host_binds:
+        host = min(t.host_bytes for t in device_fits)
+        message += (f" The configurations that fit the GPUs offload states to host RAM and need at least "
+                    f"{host / GIB:.0f} GiB of it per node; the node has "
+                    f"{cluster.cpu_ram_per_node_bytes / GIB:.0f} GiB.")
+    binding_assumptions = [a for a in cluster.assumptions if "host" in a] if host_binds else []
     hint = "Ways out: " + "; ".join(ways)
     return message, hint, {"binding": binding, "least_allocated_bytes": least, "budget_bytes": budget,
-                           "ways_out": ways}
+                           "ways_out": ways, "assumptions": binding_assumptions}
 
 
-def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int) -> list[str]:
+def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool) -> list[str]:
     ways = []
+    cluster = inputs.cluster
+    if host_binds:
+        ways.append("more host RAM: if the node has more than assumed, pass its real RAM with --cpu-ram-gib")
+    allowed = pins.precisions or DEFAULT_PRECISIONS
     bigger = sorted((g.memory_bytes, g.name) for g in load_gpus().values()
-                    if g.vendor != "cpu" and g.memory_bytes > inputs.cluster.gpu_memory_bytes)
-    enough = [name for memory, name in bigger if memory * (budget / max(1, inputs.cluster.gpu_memory_bytes)) >= least]
+                    if g.vendor != "cpu" and g.memory_bytes > cluster.gpu_memory_bytes
+                    and any(g.peak_flops(precision.matmul_dtype_on(p, g)) is not None for p in allowed))
+    enough = [name for memory, name in bigger if memory * (budget / max(1, cluster.gpu_memory_bytes)) >= least]
     if enough:
         ways.append(f"larger GPUs: {', '.join(enough[:3])} would hold {least / GIB:.1f} GiB")
     ratio = least / max(1, budget)
-    gpus = inputs.cluster.nodes * inputs.cluster.gpus_per_node
+    gpus = cluster.nodes * cluster.gpus_per_node
     ways.append(f"more GPUs: model states shard with ZeRO-3/FSDP; try about {max(2 * gpus, int(gpus * ratio) + 1)} "
                 "GPUs of this kind")
-    if pins.offload in (None, Offload.NONE) or pins.param_offload in (None, Offload.NONE):
-        ways.append("offload: allow --offload cpu (and parameter offload with ZeRO-3) if it was pinned off")
-    ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
-                "optimizer memory")
+    if pins.offload is Offload.NONE or pins.param_offload is Offload.NONE:
+        ways.append("offload: --offload cpu / --offload-params cpu (ZeRO-3) were pinned off")
+    if not lora:
+        ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
+                    "optimizer memory")
+    if pins.checkpoint is not None and pins.checkpoint is not Checkpoint.FULL:
+        ways.append(f"activation checkpointing: --checkpoint auto or full (pinned to {pins.checkpoint})")
     ways.append(f"shorter sequences: --seq-len {max(128, inputs.seq_len // 2)} halves activation memory")
     if pins.micro_batch and pins.micro_batch > 1:
         ways.append(f"a smaller micro-batch: --micro-batch {pins.micro_batch // 2}")

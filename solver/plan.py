@@ -15,7 +15,7 @@ from graphs import Checkpoint
 if TYPE_CHECKING:
     from .space import Outer
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -141,6 +141,20 @@ class SolverStats:
     considered: int
     """Configurations left after exact pruning, given to CP-SAT."""
     time_limit_seconds: float
+    explored: int | None = None
+    """Configurations whose costs were built before the time limit (all of them unless the limit cut the search;
+    absent in 1.0 plans)."""
+
+    def summary(self) -> str:
+        """One line: the status, and when the time limit cut the search, how much was explored and the way on."""
+        text = (f"{self.status} in {self.wall_seconds:.2f} s, {self.considered} of {self.configurations} "
+                "configurations in CP-SAT")
+        explored = self.configurations if self.explored is None else self.explored
+        if self.status != "OPTIMAL":
+            gap = "" if self.gap is None else f", gap {self.gap:.1%} within them"
+            text += (f"; time limit {self.time_limit_seconds:g} s reached: {explored} of {self.configurations} "
+                     f"configurations explored{gap}; not proven best: raise --time-limit")
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)

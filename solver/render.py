@@ -97,8 +97,7 @@ def decisions_table(plan: Plan) -> Table:
         ("precision / optimizer", f"{d.precision} / {d.optimizer}"),
         ("LoRA", f"r={d.lora.rank} alpha={d.lora.alpha} targets={','.join(d.lora.targets)}" if d.lora else "no"),
         ("launchers", ", ".join(plan.launchers) or "none as emitted"),
-        ("solver", f"{plan.solver.status} in {plan.solver.wall_seconds:.2f} s, {plan.solver.considered} of "
-                   f"{plan.solver.configurations} configurations in CP-SAT"),
+        ("solver", plan.solver.summary()),
     ]
     for knob, value in rows:
         table.add_row(knob, value)

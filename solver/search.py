@@ -3,6 +3,11 @@
 Pruning is exact: a configuration is dropped only when it cannot fit (its persistent states or its smallest
 possible timeline exceed the budget) or when even its fastest possible step is slower than a plan already
 found. Everything left goes into one CP-SAT model.
+
+Under a time limit, tables are built leanest first (smallest micro-batch, most sharded and offloaded), so a
+plan that fits is found before the limit whenever one exists among the leanest configurations. The search
+says INFEASIBLE only when every configuration was built and none fits; a search cut short by the limit
+reports FEASIBLE (a plan, not proven best) or UNKNOWN (no plan yet, nothing proven).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from costmodels import Cluster, Workload
+from costmodels import Cluster, Offload, Workload, precision
 from graphs import Checkpoint, LayerGraph
 
 from .model import SolveResult, build_model, solve
@@ -35,15 +40,36 @@ class SearchResult:
     """The quick search's feasible assignment per table (tables where it found none are absent)."""
 
 
+def build_order(outers: tuple[Outer, ...]) -> list[int]:
+    """Indices of `outers`, leanest first: the configurations most likely to fit come before the rest, so a
+    search cut short by its time limit has a plan whenever the leanest configurations hold one."""
+    def leanness(index: int) -> tuple[object, ...]:
+        o = outers[index]
+        return (o.micro_batch, -o.zero, o.param_offload is Offload.NONE, o.optimizer_offload is Offload.NONE,
+                -o.tp, precision.compute_itemsize(o.precision), index)
+    return sorted(range(len(outers)), key=leanness)
+
+
 def build_tables(space: Space, graphs: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload, *,
                  headroom: float, deadline: float | None = None) -> list[Table]:
-    """Tables in space order; stops early at `deadline` (perf_counter seconds), so the time limit holds."""
+    """Tables built leanest first (`build_order`), stopping at `deadline` (perf_counter seconds) so the time
+    limit holds; returned in tie-break order with `rank` set (see `tie_break_ranks`)."""
     tables = []
-    for rank, outer in enumerate(space.outers):
+    for index in build_order(space.outers):
         if deadline is not None and tables and time.perf_counter() > deadline:
             break
-        tables.append(build_table(graphs(outer), cluster, workload, outer, rank=rank, headroom=headroom))
-    return tables
+        tables.append(build_table(graphs(space.outers[index]), cluster, workload, space.outers[index], rank=index,
+                                  headroom=headroom))
+    return tie_break_ranks(tables)
+
+
+def tie_break_ranks(tables: list[Table]) -> list[Table]:
+    """Among equal step times the solver prefers the lower rank: the configuration with the least persistent
+    memory per GPU (more headroom), then the earlier one in space order (simpler)."""
+    ordered = sorted(tables, key=lambda t: (t.states.gpu_total + t.states.step_temp, t.rank))
+    for rank, table in enumerate(ordered):
+        table.rank = rank
+    return ordered
 
 
 def fastest_modes(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
@@ -100,7 +126,11 @@ def _bisect(table: Table, kinds: list[int], mode: Checkpoint, modes: tuple[Check
 
 def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...], *, time_limit: float,
            configurations: int) -> SearchResult:
+    """The best plan among `tables` within `time_limit` seconds (model building included). The status is
+    OPTIMAL or INFEASIBLE only when `tables` covers all `configurations` and the search finished."""
     start = time.perf_counter()
+    deadline = start + time_limit
+    complete = len(tables) == configurations
     weight = tie_weight(tables, len(kinds))
     incumbent: tuple[int, int, tuple[Checkpoint, ...]] | None = None
     quick: dict[int, tuple[Checkpoint, ...]] = {}
@@ -108,7 +138,7 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
              if t.states_fit}
     viable = sorted(lower, key=lambda k: lower[k])
     for k in viable:  # fastest first: once a plan is found, slower configurations need no memory terms
-        if incumbent is not None and lower[k] > incumbent[0]:
+        if incumbent is not None and (lower[k] > incumbent[0] or time.perf_counter() > deadline):
             break
         plan = quick_plan(tables[k], kinds, modes)
         if plan is not None:
@@ -120,17 +150,19 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
     # Without a quick plan, CP-SAT still gets every viable table to prove infeasibility or find one.
     candidates = viable if incumbent is None else [k for k in viable if lower[k] <= incumbent[0]]
     if not candidates:
-        empty = SolveResult("INFEASIBLE", None, None, time.perf_counter() - start, None, ())
+        status = "INFEASIBLE" if complete else "UNKNOWN"  # unbuilt configurations might fit
+        empty = SolveResult(status, None, None, time.perf_counter() - start, None, ())
         return SearchResult(empty, tables, [], configurations, weight, quick)
     chosen = [tables[k] for k in candidates]
     hint = None if incumbent is None else (candidates.index(incumbent[1]), incumbent[2])
-    remaining = max(0.05, time_limit - (time.perf_counter() - start))
     pm = build_model(chosen, kinds, modes, weight=weight, hint=hint)
-    result = solve(pm, time_limit=remaining)
+    result = solve(pm, time_limit=max(0.01, deadline - time.perf_counter()))
     if result.table is not None:
-        status = result.status if len(tables) == configurations else "FEASIBLE"  # part of the space unexplored
+        status = result.status if complete else "FEASIBLE"  # part of the space unexplored
         result = SolveResult(status, result.objective, result.bound, result.wall_seconds,
                              candidates[result.table], result.modes)
     elif incumbent is not None:  # time limit hit before CP-SAT found anything: keep the quick plan
         result = SolveResult("FEASIBLE", incumbent[0], None, result.wall_seconds, incumbent[1], incumbent[2])
+    elif result.status == "INFEASIBLE" and not complete:
+        result = SolveResult("UNKNOWN", None, None, result.wall_seconds, None, ())
     return SearchResult(result, tables, candidates, configurations, weight, quick)

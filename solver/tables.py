@@ -44,6 +44,8 @@ class Table:
     """Largest allocated peak that fits the usable device memory after overhead and allocator slack."""
     host_ok: bool
     """Offloaded states fit the nodes' CPU RAM and NVMe."""
+    host_bytes: int
+    """Host RAM per node the offloaded states need."""
     build_memory: Callable[[], MemoryTerms]
     _memory: MemoryTerms | None = None
 
@@ -78,7 +80,7 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     cpu, nvme = offload_bytes(cluster, config, states)
     host_ok = cpu <= cluster.cpu_ram_per_node and (nvme == 0 or cluster.nvme_bandwidth > 0)
     return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
-                 host_ok=host_ok, build_memory=lambda: memory_terms(graph, workload, config))
+                 host_ok=host_ok, host_bytes=cpu, build_memory=lambda: memory_terms(graph, workload, config))
 
 
 def objective(table: Table, modes: tuple[Checkpoint, ...], *, tie_weight: int) -> int:

@@ -17,6 +17,7 @@ from solver import estimate, solve
 from solver.cli import app
 from solver.commands import models_rows
 from solver.diagnose import Infeasible
+from solver.plan import SCHEMA_VERSION
 from solver.schema_file import SCHEMA_PATH, schema_text
 
 GIB = 2**30
@@ -68,7 +69,7 @@ def test_solve_json_validates_against_published_schema(solved):
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     validator.check_schema(schema)
     validator(schema).validate(plan)
-    assert plan["schema_version"] == "1.0"
+    assert plan["schema_version"] == SCHEMA_VERSION
     assert json.loads(path.read_text()) == plan
 
 
