@@ -17,6 +17,7 @@ from pydantic import ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, T
 
 from costmodels.config import require_positive_int
 from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, gpu_from_record, load_gpus
+from costmodels.profile import InvalidProfile, Profile
 from graphs.errors import FitplanError
 
 # COUNTxGPU, NODESxPER_NODExGPU or GPU. A name starts with a letter, so "8xA100" never reads as a name.
@@ -49,6 +50,8 @@ class Cluster:
     """NVMe read bytes/s per node; 0 means no NVMe offload."""
     assumptions: tuple[str, ...] = ()
     """Defaults the parser chose, in words, for display and the plan's JSON."""
+    profile: Profile | None = None
+    """Rates measured on this machine by `fitplan measure`; they replace datasheet constants (see profile.py)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "cpu_ram_per_node", "cpu_cores_per_node"):
@@ -123,6 +126,16 @@ def load_cluster_file(path: str | Path) -> Cluster:
         return _from_spec(content.gpus or str(content.gpu), content)
     except FitplanError as err:
         raise type(err)(f"In cluster file {path}: {err.message}", err.hint) from err
+
+
+def with_profile(cluster: Cluster, profile: Profile, *, origin: str) -> Cluster:
+    """`cluster` timed with `profile`'s measurements; the profile must describe the cluster's GPU."""
+    if profile.gpu != cluster.gpu.id:
+        raise InvalidProfile(f"Profile {origin} was measured on {profile.gpu} ({profile.device_name}), "
+                             f"not on the cluster's {cluster.gpu.id}.",
+                             "Use a profile measured on this GPU, or drop --profile.")
+    note = f"timing from profile {origin} ({profile.device_name} x{profile.devices}, {profile.created[:10]})"
+    return replace(cluster, profile=profile, assumptions=(*cluster.assumptions, note))
 
 
 def describe_cluster(cluster: Cluster) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from graphs import Work
 
 from .activations import evaluate
+from .alignment import alignment_factor
 from .hardware import GPU
+from .profile import Profile
 
 # Achievable dense matmul throughput as a fraction of peak ("MAMF", stas00/ml-engineering
 # compute/accelerator, commit 744d01e): A100 SXM 271/312, A100 PCIe 253/312, H100 SXM 794.5/989 (H200 "the
@@ -51,17 +54,38 @@ class KernelSpeed:
 
 
 def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: int, width: int,
-                 alignment: float = 1.0) -> KernelSpeed:
-    """Rates for matmuls over `tokens` rows and a per-rank width of `width` (with a shape-alignment factor)."""
+                 alignment: float = 1.0, profile: Profile | None = None) -> KernelSpeed:
+    """Rates for matmuls over `tokens` rows and a per-rank width of `width` (with a shape-alignment factor).
+
+    A `profile` replaces each datasheet rate it measured: the matmul ceiling (peak x MAMF), the attention
+    kernels' rate and the memory-bound kernels' bandwidth.
+    """
     peak = gpu.peak_flops(matmul_dtype)
     attention_peak = gpu.peak_flops(attention_dtype)
     if peak is None or attention_peak is None:
         raise ValueError(f"{gpu.name} has no {matmul_dtype} tensor cores")
-    size = tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
-    mamf = MAMF.get(gpu.id, DEFAULT_MAMF)
-    return KernelSpeed(matmul_flops=peak * mamf * size * alignment,
-                       attention_flops=attention_peak * ATTENTION_EFFICIENCY / CAUSAL_FRACTION,
-                       memory_bandwidth=gpu.hbm_bandwidth * MEMORY_EFFICIENCY)
+    ceiling = peak * MAMF.get(gpu.id, DEFAULT_MAMF)
+    attention = attention_peak * ATTENTION_EFFICIENCY / CAUSAL_FRACTION
+    memory = gpu.hbm_bandwidth * MEMORY_EFFICIENCY
+    if profile is not None:
+        ceiling = measured_matmul_ceiling(gpu, profile, matmul_dtype) or ceiling
+        attention = profile.attention_rate(attention_dtype) or attention
+        memory = profile.rate("device_copy") or memory
+    return KernelSpeed(matmul_flops=ceiling * _size_factor(tokens, width) * alignment, attention_flops=attention,
+                       memory_bandwidth=memory)
+
+
+def _size_factor(tokens: int, width: int) -> float:
+    """The fraction of the ceiling a matmul of `tokens` rows and `width` reduction width reaches."""
+    return tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
+
+
+def measured_matmul_ceiling(gpu: GPU, profile: Profile, dtype: str) -> float | None:
+    """FLOP/s the profile's matmuls in `dtype` imply for a large aligned GEMM (median over the shapes measured):
+    each measurement divided by the size and alignment factors the model applies at its shape."""
+    implied = [p.flops_per_s / (_size_factor(p.m, p.k) * alignment_factor(gpu, dtype, (p.m, p.n, p.k)))
+               for p in profile.gemm if p.dtype == dtype]
+    return statistics.median(implied) if implied else None
 
 
 def work_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, sequence_parallel: bool = False,

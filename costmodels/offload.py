@@ -27,13 +27,12 @@ def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params:
     gradients and parameters in the compute dtype, FSDP2 its fp32 shards).
     """
     ranks = min(cluster.gpus_per_node, config.world_size)
-    pcie = cluster.gpu.host_bandwidth * PCIE_EFFICIENCY
+    pcie = _host_link(cluster)
     seconds = 0.0
     if config.optimizer_offload is not Offload.NONE:
         moved = 2 * partition * (4 if config.engine is Engine.FSDP2 else grad_bytes)  # grads down, params up
         seconds += moved / pcie
-        step = partition * CPU_ADAM_BYTES_PER_PARAM * ranks / HOST_MEMORY_BANDWIDTH
-        seconds += step * (TORCH_CPU_ADAM_SLOWDOWN if config.engine is Engine.FSDP2 else 1.0)
+        seconds += _cpu_step_seconds(cluster, config, partition * ranks)
         if config.optimizer_offload is Offload.NVME:
             seconds += 2 * 12 * partition * ranks / max(cluster.nvme_bandwidth, 1.0)
     if config.param_offload is not Offload.NONE:
@@ -43,3 +42,24 @@ def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params:
         if config.param_offload is Offload.NVME:
             seconds += fetched * ranks / max(cluster.nvme_bandwidth, 1.0)
     return seconds
+
+
+def _host_link(cluster: Cluster) -> float:
+    """Host-to-device bytes/s: the profile's pinned copies, else the datasheet link at PCIE_EFFICIENCY."""
+    measured = cluster.profile.rate("h2d_pinned") if cluster.profile is not None else None
+    return measured or cluster.gpu.host_bandwidth * PCIE_EFFICIENCY
+
+
+def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
+    """Seconds of the host optimizer step over `params` parameters (all ranks of a node share the host).
+
+    FSDP2 runs torch's AdamW on the host and DeepSpeed its CPUAdam; a profile's rate for the one that runs
+    replaces the bandwidth model.
+    """
+    fsdp = config.engine is Engine.FSDP2
+    if cluster.profile is not None:
+        measured = cluster.profile.rate("adamw_torch" if fsdp else "adam_deepspeed")
+        if measured:
+            return params / measured
+    step = params * CPU_ADAM_BYTES_PER_PARAM / HOST_MEMORY_BANDWIDTH
+    return step * (TORCH_CPU_ADAM_SLOWDOWN if fsdp else 1.0)

@@ -36,7 +36,9 @@ def runtime_overhead(cluster: Cluster, config: Config) -> int:
     if cluster.gpu.vendor == "cpu":
         return 0
     communicators = (config.tp > 1) + (config.dp > 1)
-    return CUDA_CONTEXT_BYTES + communicators * NCCL_BYTES_PER_COMMUNICATOR + CUBLAS_WORKSPACE_BYTES
+    measured = cluster.profile.context_bytes if cluster.profile is not None else None
+    context = CUDA_CONTEXT_BYTES if measured is None else math.ceil(measured)  # a profile measured this node's
+    return context + communicators * NCCL_BYTES_PER_COMMUNICATOR + CUBLAS_WORKSPACE_BYTES
 
 
 def reserved_bytes(allocated: int) -> int:

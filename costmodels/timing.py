@@ -59,7 +59,8 @@ def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s:
     factor = alignment_factor(cluster.gpu, dtype, (b * s, *widths))
     attention = precision.attention_dtype_on(config.precision, cluster.gpu)
     return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention,
-                        tokens=b * s, width=max(1, dims.hidden // config.tp), alignment=factor)
+                        tokens=b * s, width=max(1, dims.hidden // config.tp), alignment=factor,
+                        profile=cluster.profile)
 
 
 def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
