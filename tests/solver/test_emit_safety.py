@@ -1,0 +1,222 @@
+"""Emitted files are safe to run whatever the model is called (issue 17 item 2): a tiny Llama saved under a folder
+named with shell metacharacters is planned for every launcher, and each emitted shell script is run by bash with
+fake `deepspeed`/`torchrun`/`accelerate` first on PATH that only record their argv. No injected command may run,
+and each command must receive exactly the words fitplan meant, the model path intact as one argument. Emitted
+Python must parse, and hold the model as a string literal equal to the input.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from solver.cli import app
+from solver.launchers import emit
+from solver.plan import Plan
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
+
+# Every payload would create a PWNED* file in the working directory if the shell ran it. Also: quotes, a space,
+# $VAR and a glob (which would change the argv if expanded). The CLI refuses non-printable model names, so the
+# newline (which would start a new command) is tried on plans handed to the emitters directly.
+HOSTILE = ("x;touch PWNED1 && touch PWNED2 | touch PWNED3 $(touch PWNED4) `touch PWNED5` 'single' \"double\" "
+           "$HOME * \\ #")
+NEWLINE = "\ntouch PWNED6 # \r\n$(touch PWNED7)"
+LAUNCHERS = ["deepspeed", "hf", "accelerate", "torchrun", "megatron"]
+# HF Trainer's own files are YAML/JSON; under DeepSpeed it also gets the DeepSpeed launch script, tested here too.
+PINS = {"hf": ["--engine", "deepspeed"]}
+PROGRAMS = ["deepspeed", "torchrun", "accelerate", "python", "python3"]
+# The argv fitplan means each launch script to run, word for word; {model} is the plan's model path.
+EXPECTED_ARGV = {
+    "deepspeed_launch.sh": ["deepspeed", "--num_nodes", "1", "--num_gpus", "8", "train.py", "--deepspeed",
+                            "ds_config.json"],
+    "accelerate_launch.sh": ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "train.py"],
+    "torchrun_launch.sh": ["torchrun", "--nnodes", "1", "--nproc_per_node", "8", "train_fitplan.py", "--model",
+                           "{model}"],
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_dir(tmp_path_factory) -> Path:
+    """A tiny Llama config.json, and a cluster file, in a folder whose name is the hostile string."""
+    folder = write_config(tmp_path_factory.mktemp("models") / HOSTILE, tiny_values("llama"))
+    (folder / "cluster.json").write_text(json.dumps({"gpus": "8xA100"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def emitted(hostile_dir, tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """launcher -> (plan JSON, folder of its emitted files), planned with `--launcher L --emit L` through the CLI."""
+    result = {}
+    for launcher in LAUNCHERS:
+        folder = tmp_path_factory.mktemp(f"emit-{launcher}")
+        args = ["solve", "--model", str(hostile_dir), "--gpus", str(hostile_dir / "cluster.json"), "--seq-len", "256",
+                "--global-batch", "16", "--time-limit", "5", "--launcher", launcher, "--emit", launcher,
+                "--emit-dir", str(folder / "out"), "--json", *PINS.get(launcher, [])]
+        run = CliRunner().invoke(app, args)
+        assert run.exit_code == 0, run.output
+        result[launcher] = json.loads(run.stdout), folder / "out"
+    return result
+
+
+def fake_programs(folder: Path) -> Path:
+    """Executables that write their name and argv, NUL-terminated, to a new file in $ARGV_DIR and do nothing else."""
+    folder.mkdir()
+    for name in PROGRAMS:
+        path = folder / name
+        path.write_text(f"#!/bin/sh\nprintf '%s\\0' {name} \"$@\" > \"$(mktemp \"$ARGV_DIR/call.XXXXXX\")\"\n")
+        path.chmod(0o755)
+    return folder
+
+
+def run_script(script: Path, tmp_path: Path) -> tuple[list[list[str]], Path]:
+    """Run `script` with bash in a scratch folder holding the emitted files; the argv of each fake program call."""
+    work, calls = tmp_path / "work", tmp_path / "calls"
+    work.mkdir(parents=True)
+    calls.mkdir()
+    for file in script.parent.iterdir():
+        (work / file.name).write_bytes(file.read_bytes())
+    env = {"PATH": f"{fake_programs(tmp_path / 'bin')}:/usr/bin:/bin", "ARGV_DIR": str(calls), "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", script.name], cwd=work, env=env, capture_output=True, text=True, timeout=30,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    return [call.read_bytes().decode().split("\0")[:-1] for call in sorted(calls.iterdir())], work
+
+
+def shell_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.sh"))
+
+
+def check_scripts(folder: Path, model: str, tmp_path: Path) -> None:
+    """Run every shell script in `folder`: no payload runs, and the one command gets exactly the intended argv."""
+    scripts = shell_files(folder)
+    assert scripts, f"no launch script in {sorted(p.name for p in folder.iterdir())}"
+    for index, script in enumerate(scripts):
+        calls, work = run_script(script, tmp_path / str(index))
+        assert not list(work.glob("PWNED*")) and not list(tmp_path.rglob("PWNED*")), script.read_text()
+        assert len(calls) == 1, calls  # one command: nothing in the model started a second
+        expected = [word.replace("{model}", model) for word in EXPECTED_ARGV.get(script.name, [])]
+        if script.name == "megatron_launch.sh":  # the launch line passes the args file's words unchanged
+            flags = shlex.split((folder / "megatron_args.txt").read_text())
+            expected = ["torchrun", "--nproc_per_node", "8", "--nnodes", "1", "pretrain_gpt.py", *flags]
+        assert calls[0] == expected
+        if "{model}" in EXPECTED_ARGV.get(script.name, []):
+            assert calls[0].count(model) == 1
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_emitted_shell_scripts_run_no_injected_command_and_pass_exact_argv(launcher, emitted, tmp_path):
+    plan, folder = emitted[launcher]
+    assert plan["inputs"]["model"].endswith(HOSTILE)
+    check_scripts(folder, plan["inputs"]["model"], tmp_path)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_newline_in_model_or_cluster_starts_no_command(launcher, emitted, tmp_path):
+    """Library callers can build plans the CLI would refuse: a newline must not end a comment or a word."""
+    plan = Plan.from_json(emitted[launcher][0])
+    model, spec = plan.inputs.model + NEWLINE, plan.inputs.cluster.spec + NEWLINE
+    cluster = dataclasses.replace(plan.inputs.cluster, spec=spec)
+    plan = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs, model=model, cluster=cluster))
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for name, text in emit(plan, launcher).items():
+        (folder / name).write_text(text)
+    check_scripts(folder, model, tmp_path / "run")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_emitted_text_files_parse_and_comments_stay_comments(launcher, emitted):
+    plan, folder = emitted[launcher]
+    for path in sorted(folder.iterdir()):
+        text = path.read_text()
+        if path.suffix == ".json":
+            json.loads(text)
+        elif path.suffix == ".yaml":
+            yaml.safe_load(text)
+        elif path.suffix == ".py":
+            ast.parse(text, filename=path.name)
+        elif path.name == "megatron_note.txt":
+            assert all(line.startswith("#") for line in text.splitlines())
+        elif path.suffix == ".sh":
+            subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+            words = shlex.split(text, comments=True)  # a second parser: the payload's `touch` is never a word
+            assert words[0] in PROGRAMS and "touch" not in words
+    assert json.loads((folder / "plan.json").read_text())["inputs"]["model"] == plan["inputs"]["model"]
+
+
+def literal_assignments(source: str) -> dict[str, object]:
+    """Module-level `NAME = <literal>` and `NAME = json.loads(<literal>)` assignments of a Python file."""
+    values = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            if isinstance(value, ast.Call) and ast.unparse(value.func) == "json.loads" and len(value.args) == 1:
+                values[node.targets[0].id] = json.loads(ast.literal_eval(value.args[0]))
+            elif isinstance(value, ast.Constant):
+                values[node.targets[0].id] = value.value
+    return values
+
+
+def test_training_script_holds_model_and_plan_as_literals(emitted):
+    plan, folder = emitted["torchrun"]
+    values = literal_assignments((folder / "train_fitplan.py").read_text())
+    assert values["MODEL"] == plan["inputs"]["model"]
+    assert values["PLAN"] == {"decisions": plan["decisions"], "seq_len": plan["inputs"]["seq_len"]}
+
+
+def parsed_model(script: Path, argv: list[str]) -> str:
+    """The --model value the emitted script's own argparse reads from `argv` (the module runs, main() does not)."""
+    namespace = runpy.run_path(str(script), run_name="fitplan_emitted")
+    saved = sys.argv
+    try:
+        sys.argv = argv
+        return namespace["parse"]().model
+    finally:
+        sys.argv = saved
+
+
+def test_training_script_argparse_reads_the_launch_lines_model(emitted, tmp_path):
+    plan, folder = emitted["torchrun"]
+    calls, _ = run_script(folder / "torchrun_launch.sh", tmp_path)
+    script_argv = calls[0][calls[0].index("train_fitplan.py"):]
+    assert parsed_model(folder / "train_fitplan.py", script_argv) == plan["inputs"]["model"]
+    assert parsed_model(folder / "train_fitplan.py", ["train_fitplan.py"]) == plan["inputs"]["model"]  # default
+
+
+@pytest.mark.parametrize("model", ["-rf x;touch PWNED", "--steps=9", "__SUMMARY__ __PLAN__ ''' \"\"\" \\\n"])
+def test_model_names_that_look_like_options_or_placeholders_stay_values(model, emitted, tmp_path):
+    """A relative path starting with '-' would be read as an option by argparse; a template placeholder or quote
+    run inside the name must not be substituted or end the literal."""
+    plan = Plan.from_json(emitted["torchrun"][0])
+    plan = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs, model=model))
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for name, text in emit(plan, "torchrun").items():
+        (folder / name).write_text(text)
+    assert literal_assignments((folder / "train_fitplan.py").read_text())["MODEL"] == model
+    calls, work = run_script(folder / "torchrun_launch.sh", tmp_path / "run")
+    assert not list(work.glob("PWNED*"))
+    script_argv = calls[0][calls[0].index("train_fitplan.py"):]
+    assert parsed_model(folder / "train_fitplan.py", script_argv) == model
+
+
+def test_fake_programs_record_what_an_unquoted_line_would_run(tmp_path):
+    """The harness itself: an unquoted model in a launch line does run the payload (so the tests above can fail)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "launch.sh").write_text(f"torchrun train_fitplan.py --model {HOSTILE}\n")
+    calls, work = run_script(folder / "launch.sh", tmp_path / "run")
+    assert list(work.glob("PWNED*"))
+    assert calls and calls[0][-1] != HOSTILE
+
