@@ -27,8 +27,10 @@ class LoraSpec:
     """`lora_dropout`: a nonzero value keeps a dropped copy of each adapted input for backward."""
 
     def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ValueError(f"LoRA rank={self.rank} must be a positive integer")
+        for name in ("rank", "alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LoRA {name}={value!r} must be a positive integer")
         if not self.targets:
             raise ValueError("LoRA targets must name at least one module (or 'all-linear')")
         if not 0.0 <= self.dropout < 1.0:

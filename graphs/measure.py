@@ -52,6 +52,7 @@ class Study:
 
 def transformers_config(resolved: ResolvedModel) -> Any:
     """Build the transformers config from config.json values (never with remote code)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     from .sources import check_architecture
@@ -61,7 +62,8 @@ def transformers_config(resolved: ResolvedModel) -> Any:
     model_type = values.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **values)
-    except (TypeError, ValueError) as err:
+    # transformers 5 validates configs as huggingface_hub strict dataclasses, whose errors are not ValueErrors.
+    except (TypeError, ValueError, StrictDataclassError) as err:
         raise MalformedConfig(f"{resolved.location}: transformers rejects this {model_type} config: {err}",
                               "Fix the named field in the config file.") from err
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .catalog import closest_ids, load_entry
 from .errors import MalformedConfig, UnknownModel, UnsupportedModel
+from .files import parse_json, read_text
 
 # Fields every decoder-only config needs (under any of their transformers names), with their meaning.
 _REQUIRED = {
@@ -22,6 +23,12 @@ _REQUIRED = {
     "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
     "vocab_size": ("vocab_size",),
 }
+# Upper bounds on the dimensions that set lowering and planning work, far above every published model (the
+# largest catalog values: 126 layers, hidden 18432, 128 heads, vocab 256000); beyond them a config is a mistake.
+_LIMITS = {"hidden_size": 2**18, "num_hidden_layers": 2**10, "num_attention_heads": 2**12, "vocab_size": 2**24}
+# Any other integer field (token ids, widths, expert counts, positions) stays within int32 as transformers expects.
+_MAX_INT_FIELD = 2**31 - 1
+_MAX_NAME_CHARS = 4096  # PATH_MAX on Linux
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +53,11 @@ class ResolvedModel:
 
 def resolve(name: str) -> ResolvedModel:
     """Find `name` as a path, a catalog id or a cached Hub id; never downloads."""
-    name = name.strip()
+    name = _checked_name(name)
     path = Path(name).expanduser()
     if path.exists():
         file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
+        if path.is_dir() and not file.exists():
             raise MalformedConfig(f"{path} is a directory without a config.json",
                                   "Point --model at a folder saved with save_pretrained(), or at a config.json.")
         return _from_values(str(path), read_config_file(file), "local", str(file))
@@ -69,14 +76,21 @@ def resolve(name: str) -> ResolvedModel:
     return _from_values(entry.id, dict(entry.config), "catalog", entry.id)
 
 
+def _checked_name(name: str) -> str:
+    """The model name stripped; empty, over-long or control-character names are refused."""
+    name = name.strip() if isinstance(name, str) else name
+    if not isinstance(name, str) or not name:
+        raise UnknownModel("The model name is empty.", "Give a catalog id (`fitplan models`) or a config.json path.")
+    if len(name) > _MAX_NAME_CHARS or not name.isprintable():
+        shown = name[:60].encode("unicode_escape").decode()
+        raise UnknownModel(f"Model name {shown!r}... is not a model name: at most {_MAX_NAME_CHARS} printable "
+                           f"characters (got {len(name)}).", "Give a catalog id or a config.json path.")
+    return name
+
+
 def read_config_file(file: Path) -> dict[str, Any]:
-    try:
-        values = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError) as err:
-        raise MalformedConfig(f"Cannot read {file}: {err}", "Check the path and its permissions.") from err
-    except json.JSONDecodeError as err:
-        raise MalformedConfig(f"{file} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}",
-                              "Fix the JSON, or re-save the config with save_pretrained().") from err
+    """The JSON object of a config.json: a regular file of at most 16 MiB, nested at most 32 levels."""
+    values = parse_json(read_text(file, what="config.json"), where=str(file))
     if not isinstance(values, dict):
         raise MalformedConfig(f"{file} must hold a JSON object, not {type(values).__name__}",
                               "A Hugging Face config.json is one object of fields.")
@@ -99,10 +113,47 @@ def validate_values(values: dict[str, Any], location: str) -> None:
     for field, aliases in _REQUIRED.items():
         present = [alias for alias in aliases if alias in values]
         for alias in present:
-            value = values[alias]
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise MalformedConfig(f"{location}: field '{alias}' must be a positive integer, got {value!r}",
-                                      f"Fix '{alias}' ({field}) in the config file.")
+            value, limit = values[alias], _LIMITS.get(field, _MAX_INT_FIELD)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+                raise MalformedConfig(f"{location}: field '{alias}' must be an integer from 1 to {limit:,}, got "
+                                      f"{_short(value)}", f"Fix '{alias}' ({field}) in the config file.")
+    _check_integers(values, location, prefix="")
+    _check_heads(values, location)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _check_integers(values: dict[str, Any], location: str, *, prefix: str) -> None:
+    """Every integer field, nested ones included, within int32: torch shapes and ids overflow beyond."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _check_integers(value, location, prefix=f"{prefix}{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_INT_FIELD:
+            raise MalformedConfig(f"{location}: field '{prefix}{key}' = {_short(value)} is out of range: integers "
+                                  f"are at most {_MAX_INT_FIELD:,} in magnitude.",
+                                  f"Fix '{prefix}{key}' in the config file.")
+
+
+def _check_heads(values: dict[str, Any], location: str) -> None:
+    """The attention shapes every HF decoder assumes: heads split the hidden size (unless head_dim is given) and
+    key-value heads divide the query heads."""
+    hidden = next((values[a] for a in _REQUIRED["hidden_size"] if a in values), None)
+    heads = next((values[a] for a in _REQUIRED["num_attention_heads"] if a in values), None)
+    if hidden is None or heads is None:
+        return
+    if heads > hidden:
+        raise MalformedConfig(f"{location}: {heads} attention heads for hidden size {hidden}: at most one head per "
+                              "hidden unit.", "Fix num_attention_heads or hidden_size in the config file.")
+    if not isinstance(values.get("head_dim"), int) and hidden % heads:
+        raise MalformedConfig(f"{location}: hidden size {hidden} is not a multiple of the {heads} attention heads.",
+                              "Fix hidden_size or num_attention_heads, or give head_dim.")
+    kv = values.get("num_key_value_heads")
+    if isinstance(kv, int) and not isinstance(kv, bool) and (kv < 1 or heads % kv):
+        raise MalformedConfig(f"{location}: num_key_value_heads={kv} must divide num_attention_heads={heads}.",
+                              "Fix num_key_value_heads in the config file.")
 
 
 def _hf_cache_config(model_id: str) -> Path | None:

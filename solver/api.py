@@ -23,10 +23,12 @@ from costmodels import (
 from costmodels import estimate as estimate_config
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
 from graphs.lower import lower_resolved
+from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel
 
 from .advice import advise
 from .alternatives import alternatives
+from .bounds import check_workload
 from .diagnose import Infeasible, NoPlanInTime, diagnose
 from .launchers.support import runnable_by
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
@@ -88,9 +90,12 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
         global_batch = max(DEFAULT_GLOBAL_BATCH, cluster.world_size)
         assumed.append(f"global batch {global_batch} sequences per step (none given)")
     try:
-        return Workload(seq_len=seq_len, global_batch=global_batch), assumed
+        workload = Workload(seq_len=seq_len, global_batch=global_batch)
     except ValueError as err:
         raise FitplanError(str(err), "Pass a positive number.") from err
+    check_workload(workload.seq_len, workload.global_batch)
+    beyond = sequence_note(resolved.as_dict(), workload.seq_len, location=resolved.id)
+    return workload, [*assumed, beyond] if beyond else assumed
 
 
 def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict) -> Any:

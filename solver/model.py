@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from costmodels.memory import MemoryTerms
-from graphs import Checkpoint
+from graphs import Checkpoint, FitplanError
 
-from .tables import Table, tie_weight
+from .tables import TICK_SECONDS, Table, tie_weight
+
+# CP-SAT validates that no linear expression can exceed int64 (ortools cp_model_checker).
+_INT64_LIMIT = 2**63 - 1
 
 _PEAK = {True: "bwd_peak_fresh", False: "bwd_peak"}
 
@@ -61,6 +64,7 @@ def build_model(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, 
     prefix_full, prefix_sel = _add_prefix_counts(m, kinds, full, "full"), _add_prefix_counts(m, kinds, selective, "sel")
     horizon = max(t.time_of(tuple(Checkpoint.NONE for _ in kinds)) + sum(max(v for _, v in o) for o in t.layer_ticks)
                   for t in tables)
+    _check_range(horizon, weight)
     step = m.new_int_var(0, horizon, "step_time")
     pm = PlanModel(m, tables, kinds, use, full, selective, count_full, count_sel, prefix_full, prefix_sel, step,
                    weight)
@@ -73,6 +77,15 @@ def build_model(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, 
     if hint is not None:
         _add_hint(pm, *hint)
     return pm
+
+
+def _check_range(horizon: int, weight: int) -> None:
+    """Refuse step times whose weighted objective could overflow CP-SAT's int64 arithmetic (it would reject the
+    model as MODEL_INVALID); only absurd workloads (weeks per step) come near."""
+    if (horizon + 1) * weight * 4 >= _INT64_LIMIT:
+        raise FitplanError(f"Some configurations take up to {horizon * TICK_SECONDS:.3g} s per optimizer step, more "
+                           "than the solver's integer model can represent.",
+                           "Plan a smaller workload (--seq-len, --global-batch) or more GPUs.")
 
 
 def _add_layer_modes(m: cp_model.CpModel, kinds: list[int], modes: tuple[Checkpoint, ...]
