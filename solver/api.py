@@ -21,6 +21,8 @@ from costmodels import (
     shared_lowering,
 )
 from costmodels import estimate as estimate_config
+from costmodels.cluster import with_profile
+from costmodels.profile import load_profile
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
 from graphs.lower import lower_resolved
 from graphs.positions import sequence_note
@@ -52,11 +54,18 @@ class Request:
     assumed: tuple[str, ...]
 
 
-def cluster_from(gpus: str | Cluster, **options: Any) -> Cluster:
-    """A cluster from a spec string ("8xA100"), a JSON/YAML file path, or a ready `Cluster`; `options` override
-    what a spec string assumes (see `parse_cluster`)."""
+def cluster_from(gpus: str | Cluster, *, profile: str | Path | None = None, **options: Any) -> Cluster:
+    """A cluster from a spec string ("8xA100"), "auto" (the local GPUs), a JSON/YAML file path, or a ready
+    `Cluster`; `options` override what a spec string assumes (see `parse_cluster`), and a `profile` file from
+    `fitplan measure` replaces datasheet rates."""
+    if profile is not None:
+        return with_profile(cluster_from(gpus, **options), load_profile(profile), origin=str(profile))
     given = {k: v for k, v in options.items() if v is not None}
-    if given and (isinstance(gpus, Cluster) or _is_cluster_file(gpus)):
+    if gpus == "auto" and not given:
+        from .detect import detect_cluster
+
+        return detect_cluster()
+    if given and (isinstance(gpus, Cluster) or gpus == "auto" or _is_cluster_file(gpus)):
         names = ", ".join("--" + k.replace("_", "-") for k in given)
         raise FitplanError(f"{names} apply to a cluster string, not to a cluster file or object.",
                            "Put these values in the cluster file (cpu_ram_gib, cpu_cores, ...), or give --gpus as "

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def parse():
     p.add_argument("--from-config", action="store_true", help="random weights from the config (smoke tests)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=PLAN["seq_len"])
-    p.add_argument("--report", default=None, help="folder for a per-rank JSON report of state bytes")
+    p.add_argument("--report", default=None, help="folder for a per-rank JSON report of bytes, peaks and step times")
     return p.parse_args()
 
 
@@ -150,6 +151,28 @@ def local_bytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
+@contextlib.contextmanager
+def saved_bytes(model, batch, found):
+    """Adds to found[0] the bytes autograd saves for backward in this forward: each storage once, without the
+    parameters (FSDP2's gathered ones included), buffers and the batch; what fitplan's activation model counts."""
+    def storage(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+
+    skip, kept = {storage(t)._cdata for t in batch}, []
+
+    def pack(tensor):
+        owned = {storage(t)._cdata for t in (*model.parameters(), *model.buffers())}
+        st = storage(tensor)
+        if st._cdata not in owned and st._cdata not in skip:
+            skip.add(st._cdata)
+            kept.append(st)  # holds the storage, so its id is not reused within the pass
+            found[0] += st.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
 def main():
     args = parse()
     d = PLAN["decisions"]
@@ -182,25 +205,40 @@ def main():
     half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
     data = batches(vocab, args, device)
+    saved, seconds = [0], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
-        for _ in range(d["grad_accum"]):
+        started = time.perf_counter()
+        for micro in range(d["grad_accum"]):
             ids, labels = next(data)
             context = torch.autocast(device.type, dtype=half) if autocast else contextlib.nullcontext()
-            with context:
+            watch = saved_bytes(model, (ids, labels), saved) if args.report and step + micro == 0 else \
+                contextlib.nullcontext()
+            with context, watch:
                 loss = model(input_ids=ids, labels=labels, use_cache=False).loss / d["grad_accum"]
             loss.backward()
         params = sum(local_bytes(p) for p in model.parameters())
         grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
         if rank == 0:
             print(f"step {step + 1}: loss {loss.item() * d['grad_accum']:.4f}", flush=True)
     states = sum(local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
                  if torch.is_tensor(v) and k != "step")
+    steps = [v for state in optimizer.state.values() for k, v in state.items() if torch.is_tensor(v) and k == "step"]
     if args.report:
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
-            json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states}, handle)
+            json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
+                       "step_bytes": sum(local_bytes(v) for v in steps),
+                       "device_step_bytes": sum(local_bytes(v) for v in steps if v.device.type != "cpu"),
+                       "saved_activation_bytes": saved[0], "step_seconds": seconds,
+                       "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                       "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}, handle)
     dist.destroy_process_group()
 
 
