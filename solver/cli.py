@@ -241,6 +241,52 @@ def explain_command(plan_file: Annotated[Path, typer.Argument(help="A plan JSON 
             out.print(line)
 
 
+@app.command("choose")
+def choose_command(
+    model: Model,
+    tokens: Annotated[float, typer.Option(help="Tokens to train on, e.g. 2e9.")],
+    gpu_types: Annotated[str, typer.Option(help="GPU types to compare, comma-separated.")] = "H100,A100-80GB,L40S,A10G",
+    max_gpus: Annotated[int, typer.Option(help="Largest cluster tried (whole nodes above one node).")] = 64,
+    deadline: Annotated[str | None, typer.Option(help="Finish within, e.g. 24h, 90m, 2d.")] = None,
+    budget: Annotated[float | None, typer.Option(help="Spend at most this many USD.")] = None,
+    prices: Annotated[Path | None, typer.Option(help="Your prices: YAML/JSON {GPU: USD per GPU-hour} or a "
+                                                "SkyPilot-style catalog (CSV).")] = None,
+    spot: Annotated[bool, typer.Option(help="Use spot prices where the table has them.")] = False,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")] = None,
+    precision: Annotated[str | None, typer.Option(help="Allowed precisions, comma-separated.")] = None,
+    optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated.")] = "adamw",
+    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
+    allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA where full fine-tuning cannot fit.")] = False,
+    time_limit: Annotated[float, typer.Option(help="Solver time limit per cluster, seconds.")] = 10.0,
+    as_json: AsJson = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
+) -> None:
+    """Which GPUs, how many, how long and at what cost: the time/cost front over GPU types and counts."""
+    from .choose import choose, parse_duration
+    from .choose_report import plot_choice, render_choice
+
+    try:
+        pins = {"precisions": _csv(precision, Precision), "optimizers": _csv(optimizers.replace("_", "-"), Optimizer),
+                "lora": None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=2 * lora_rank)}
+        shown = None if as_json else lambda p: err.print(f"[dim]{p.gpus} x {p.gpu_name}: {p.status}[/]")
+        choice = choose(model, tokens, gpu_types=gpu_types.split(","), max_gpus=max_gpus, prices=prices, spot=spot,
+                        deadline_hours=None if deadline is None else parse_duration(deadline), budget_usd=budget,
+                        progress=shown, seq_len=seq_len, global_batch=global_batch, allow_lora=allow_lora,
+                        time_limit=time_limit, **pins)
+        if plot:
+            plot_choice(choice, plot)
+            err.print(f"wrote {plot}")
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps(choice.to_json(), indent=2))
+    else:
+        render_choice(choice, out)
+    if not choice.front:  # nothing fits anywhere in the sweep
+        raise typer.Exit(code=3)
+
+
 def main() -> None:
     """Entry point of the `fitplan` command."""
     _run(app)
