@@ -52,9 +52,12 @@ def load_cached(key: str) -> LayerGraph | None:
 
     path = cache_dir() / "lower" / f"{key}.json"
     try:
-        return LayerGraph.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads(path.read_text())
+        graph = LayerGraph.from_json(data)
+    except Exception:  # a corrupt, truncated or foreign entry of any shape is a miss, never a crash
         return None
+    # An entry with a wrong inner type can still load ("12" for [1, 2]); only an exact round trip is a hit.
+    return graph if graph.to_json() == data else None
 
 
 def store_cached(key: str, graph: LayerGraph) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import ConfigDict, TypeAdapter
 
 from costmodels import Engine, Estimate, Offload, Optimizer, Precision
-from graphs import Checkpoint
+from graphs import Checkpoint, FitplanError
 
 if TYPE_CHECKING:
     from .space import Outer
@@ -195,7 +195,22 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan of `solve -o`; a plan of another major schema version, or a newer minor one, is refused
+        (its fields may mean something this version does not know)."""
+        check_schema_version(data.get("schema_version") if isinstance(data, dict) else None)
         return _ADAPTER.validate_python(data)
+
+
+def check_schema_version(version: object) -> None:
+    """Raise FitplanError unless `version` is "MAJOR.MINOR" with this major and at most this minor."""
+    ours = tuple(int(part) for part in SCHEMA_VERSION.split("."))
+    parts = version.split(".") if isinstance(version, str) else []
+    theirs = tuple(int(p) for p in parts if p.isdigit() and len(p) <= 6)
+    if len(theirs) != 2 or len(parts) != 2 or theirs[0] != ours[0] or theirs[1] > ours[1]:
+        shown = repr(version)[:40]
+        raise FitplanError(f"The plan's schema_version {shown} is not one this fitplan reads: it reads "
+                           f"{ours[0]}.0 to {SCHEMA_VERSION}.",
+                           "Re-create the plan with this fitplan (`solve ... -o plan.json`), or upgrade fitplan.")
 
 
 _ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)
