@@ -113,7 +113,7 @@ def solve_command(
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from .api import solve
-    from .outputs import Targets, launcher_names, refuse_overwrite, write_outputs
+    from .outputs import Targets, launcher_names, write_outputs
 
     try:
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
@@ -131,7 +131,6 @@ def solve_command(
         if engine is not None and zero is not None:
             Config(engine=engine, zero=zero)  # "engine=ddp has no ZeRO stage" is a ValueError: exit 2
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
-        refuse_overwrite(targets.known_paths(), force=force)  # fail before solving; the full check follows
         if not as_json:
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,

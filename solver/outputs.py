@@ -26,11 +26,6 @@ class Targets:
     emit_dir: Path = Path("fitplan-out")
     plot: Path | None = None
 
-    def known_paths(self) -> list[Path]:
-        """The paths known before solving (the launcher files depend on the plan)."""
-        paths = [self.output, self.plot, self.emit_dir / "plan.json" if self.launchers else None]
-        return [path for path in paths if path is not None]
-
 
 def launcher_names(emit: str | None) -> tuple[str, ...]:
     """The launchers named in `--emit a,b`, each checked against the emitters (unknown is bad input)."""
@@ -64,9 +59,11 @@ def emitted(plan: Plan, launchers: tuple[str, ...]) -> Emitted:
 
 def refuse_overwrite(paths: list[Path], *, force: bool) -> None:
     """Raise, naming the files, when any of `paths` exists and --force was not given."""
-    existing = sorted({str(path) for path in paths if path.exists()})
+    existing = sorted({(str(path.parent), path.name) for path in paths if path.exists()})
     if existing and not force:
-        raise FitplanError(f"Refusing to overwrite existing file(s): {', '.join(existing)}; nothing was written.",
+        folders = {folder: [name for f, name in existing if f == folder] for folder, _ in existing}
+        listed = "; ".join(f"{', '.join(names)} in {folder}" for folder, names in folders.items())
+        raise FitplanError(f"Refusing to overwrite existing files, so nothing was written: {listed}.",
                            "Pass --force to overwrite them, or choose another -o / --emit-dir / --plot path.")
 
 
