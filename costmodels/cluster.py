@@ -20,6 +20,7 @@ from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, g
 from costmodels.profile import InvalidProfile, Profile
 from graphs.errors import FitplanError
 
+from graphs.files import UnreadableFile, check_depth, read_text
 # COUNTxGPU, NODESxPER_NODExGPU or GPU. A name starts with a letter, so "8xA100" never reads as a name.
 _SPEC = re.compile(r"\s*(?:(\d+)\s*[x×]\s*)?(?:(\d+)\s*[x×]\s*)?([a-z][\w .\-]*?)\s*", re.IGNORECASE)
 _FILE_HINT = ("A cluster file holds 'gpus' (e.g. 2x8xH100) or 'gpu' (a catalog name or a custom record as in "
@@ -243,13 +244,13 @@ def _assemble(gpu: GPU, layout: tuple[int, int], options: ClusterOptions, assump
 
 
 def _read_mapping(path: Path) -> object:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise InvalidCluster(f"Cannot read cluster file {path}: {err.strerror or err}.", _FILE_HINT) from err
-    try:
+    try:  # a regular file of at most 16 MiB, nested at most 32 levels (graphs.files)
+        text = read_text(path, what="cluster file")
         data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as err:  # JSONDecodeError is a ValueError
+        check_depth(data, where=f"Cluster file {path}")
+    except UnreadableFile as err:
+        raise InvalidCluster(err.message, _FILE_HINT) from err
+    except (RecursionError, ValueError, yaml.YAMLError) as err:  # JSONDecodeError is a ValueError
         raise InvalidCluster(f"Cluster file {path} is not valid JSON or YAML: {err}", _FILE_HINT) from err
     if not isinstance(data, dict):
         raise InvalidCluster(f"Cluster file {path} must hold a mapping of keys.", _FILE_HINT)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from rich.console import Console
 
 from costmodels import Estimate, load_gpus
 from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
+from graphs.files import check_depth, parse_json, read_text
 from graphs.lora import LoraSpec
 
 from .plan import Plan
@@ -91,7 +91,7 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
         return _plan_report(plan, model, gpus, seq_len=seq_len, lora_rank=lora_rank)
     if values.get("dp") is None:
         values["dp"] = cluster.world_size // max(1, int(values.get("tp", 1)))
-    lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None
+    lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank is not None else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
     return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
 
@@ -117,7 +117,7 @@ def _plan_report(plan: Plan, model: str, gpus: str, *, seq_len: int | None, lora
                                                   "sequence_parallel", "compile")}
     lora = None if d.lora is None else LoraSpec(rank=d.lora.rank, alpha=d.lora.alpha, targets=d.lora.targets,
                                                 dropout=d.lora.dropout)
-    if lora_rank:
+    if lora_rank is not None:
         lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
     cluster = cluster_from(gpus)
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
@@ -125,13 +125,15 @@ def _plan_report(plan: Plan, model: str, gpus: str, *, seq_len: int | None, lora
     return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
 
 
+    """A JSON or YAML object of Config fields (or a plan), from a regular file of at most 16 MiB."""
+    text = read_text(path, what="configuration file")
 def read_config_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
-        data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
-    except (OSError, ValueError, yaml.YAMLError) as error:
+        data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else parse_json(text, where=str(path))
+    except (RecursionError, ValueError, yaml.YAMLError) as error:
         raise MalformedConfig(f"Cannot read configuration {path}: {error}",
                               "Give a JSON or YAML object of Config fields (tp, dp, engine, zero, ...).") from error
+    check_depth(data, where=str(path))
     if not isinstance(data, dict):
         raise MalformedConfig(f"{path} must hold an object of Config fields", "e.g. {\"tp\": 2, \"zero\": 3}")
     return data
@@ -159,8 +161,8 @@ def gpu_rows() -> list[dict[str, Any]]:
 
 def explain_plan(path: Path) -> list[str]:
     try:
-        plan = Plan.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, ValidationError) as error:
+        plan = Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
+    except (ValueError, ValidationError) as error:
         raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
                               "Write one with `solve ... -o plan.json`.") from error
     d, e = plan.decisions, plan.estimate
