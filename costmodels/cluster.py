@@ -19,8 +19,8 @@ from costmodels.config import require_positive_int
 from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, gpu_from_record, load_gpus
 from costmodels.profile import InvalidProfile, Profile
 from graphs.errors import FitplanError
-
 from graphs.files import UnreadableFile, check_depth, read_text
+
 # COUNTxGPU, NODESxPER_NODExGPU or GPU. A name starts with a letter, so "8xA100" never reads as a name.
 _SPEC = re.compile(r"\s*(?:(\d+)\s*[x×]\s*)?(?:(\d+)\s*[x×]\s*)?([a-z][\w .\-]*?)\s*", re.IGNORECASE)
 _FILE_HINT = ("A cluster file holds 'gpus' (e.g. 2x8xH100) or 'gpu' (a catalog name or a custom record as in "

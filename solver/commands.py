@@ -125,9 +125,9 @@ def _plan_report(plan: Plan, model: str, gpus: str, *, seq_len: int | None, lora
     return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
     """A JSON or YAML object of Config fields (or a plan), from a regular file of at most 16 MiB."""
     text = read_text(path, what="configuration file")
-def read_config_file(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else parse_json(text, where=str(path))
     except (RecursionError, ValueError, yaml.YAMLError) as error:
