@@ -71,9 +71,10 @@ def catalog_gpu(name: str, *, memory: int, nvlinks: int | None = None) -> GPU:
     if not matched:
         raise UnknownGPU(f"--gpus auto found {name!r}, which is not in the GPU catalog.",
                          "Give a cluster file with a custom GPU record (see costmodels/data/gpus.json).")
-    family = max(matched, key=len)
+    family = max(matched, key=len)  # "l40s" over "l4", "h100pcie" over "h100"
     form = "pcie" if "pcie" in key else ("sxm" if "sxm" in key or "hbm" in key or nvlinks else None)
-    candidates = [gpu for gpu in load_gpus().values() if families[gpu.id] == family]
+    candidates = [gpu for gpu in load_gpus().values()
+                  if any(family in name_key(n) for n in (gpu.id, gpu.name, *gpu.aliases))]
     return min(candidates, key=lambda g: (form is not None and form not in g.id and form not in name_key(g.name),
                                           abs(g.memory_bytes - memory)))
 

@@ -7,11 +7,13 @@ Every kernel runs on `device` ("cuda" or "cpu"); the CPU run exercises the same 
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from costmodels.profile import (
     AttentionPoint,
@@ -259,3 +261,15 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
                    cuda=torch.version.cuda, created=datetime.datetime.now(datetime.timezone.utc).isoformat(
                        timespec="seconds"), quick=quick, gemm=tuple(gemm), attention=tuple(attention),
                    collectives=tuple(collectives), links=links, rates=tuple(rates), context_bytes=context)
+
+
+def profile_dir() -> Path:
+    """Where `fitplan measure` keeps profiles when no -o is given: $FITPLAN_PROFILE_DIR, else
+    ~/.cache/fitplan/profiles (one `<gpu id>.json` per GPU kind)."""
+    return Path(os.environ.get("FITPLAN_PROFILE_DIR") or Path.home() / ".cache" / "fitplan" / "profiles")
+
+
+def stored_profiles() -> dict[str, Path]:
+    """Catalog GPU id -> the stored profile file, for the GPUs that have one."""
+    folder = profile_dir()
+    return {path.stem: path for path in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
