@@ -54,6 +54,8 @@ class Point:
     step_seconds: float | None = None
     tokens_per_second: float | None = None
     mfu: float | None = None
+    seq_len: int | None = None
+    """Tokens per sequence of the plan (the context the minimum GPU count is for)."""
     global_batch: int | None = None
     """Sequences per optimizer step of the plan."""
     hours: float | None = None
@@ -201,8 +203,8 @@ def plan_point(model: str, gpu: GPU, count: int, *, tokens: float, price: GpuPri
     hours = train_hours(tokens, plan.estimate.tokens_per_second)
     return Point(**base, feasible=True, status=plan.solver.status, step_seconds=plan.estimate.time.step_time,
                  tokens_per_second=plan.estimate.tokens_per_second, mfu=plan.estimate.mfu,
-                 global_batch=plan.inputs.global_batch, hours=hours, cost_usd=cost_usd(hours, count, usd),
-                 summary=plan.decisions.summary())
+                 seq_len=plan.inputs.seq_len, global_batch=plan.inputs.global_batch, hours=hours,
+                 cost_usd=cost_usd(hours, count, usd), summary=plan.decisions.summary())
 
 
 def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_TYPES,

@@ -72,7 +72,8 @@ def minimum_lines(choice: Choice) -> list[str]:
 
 def render_choice(choice: Choice, console: Console) -> None:
     """The front, the recommendations, the minimum GPUs per type and the notes."""
-    console.print(f"[bold]{choice.model}[/], {choice.tokens:,.0f} tokens: "
+    context = next((f" at {p.seq_len} tokens per sequence" for p in choice.points if p.feasible), "")
+    console.print(f"[bold]{choice.model}[/], {choice.tokens:,.0f} tokens{context}: "
                   f"{len(choice.points)} clusters solved in {choice.wall_seconds:.1f} s")
     if choice.front:
         console.print(front_table(choice))
@@ -99,6 +100,7 @@ def plot_choice(choice: Choice, path: Path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError as error:
         raise FitplanError("--plot needs matplotlib", "pip install 'fitplan[plot]'") from error
     fig, axis = plt.subplots(figsize=(9, 5.5))
@@ -123,6 +125,11 @@ def plot_choice(choice: Choice, path: Path) -> None:
     if choice.budget_usd is not None:
         axis.axhline(choice.budget_usd, color="blue", linestyle="--", linewidth=1, label="budget")
     axis.set_xscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    axis.xaxis.set_major_formatter(plain)
+    spread = [p.hours for p in choice.points if p.feasible]
+    if spread and max(spread) < 10 * min(spread):  # under a decade the minor ticks are the only labels
+        axis.xaxis.set_minor_formatter(plain)
     axis.set_xlabel("time to train, hours (log)")
     axis.set_ylabel("cost, USD")
     examples = any(p.source.startswith("example:") for p in choice.prices.values())

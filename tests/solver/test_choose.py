@@ -55,6 +55,7 @@ def test_sweep_points_equal_solving_each_cluster_alone(sweep):
         assert point.step_seconds == plan.estimate.time.step_time
         assert point.tokens_per_second == plan.estimate.tokens_per_second
         assert point.global_batch == plan.inputs.global_batch == OPTIONS["global_batch"]
+        assert point.seq_len == plan.inputs.seq_len == OPTIONS["seq_len"]
 
 
 def test_costs_follow_the_bundled_price_table_exactly(sweep):
