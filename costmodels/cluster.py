@@ -7,6 +7,7 @@ records each such default in `Cluster.assumptions`; `load_cluster_file` reads th
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -223,17 +224,19 @@ def _assemble(gpu: GPU, layout: tuple[int, int], options: ClusterOptions, assump
         raise InvalidCluster(f"{gpu.name} has no typical node.", "Give node_typical in its record.")
     if o.inter_node_gbps is None and layout[0] > 1:
         bandwidth = f"{node.inter_node_gbps_per_gpu:g} GB/s per GPU per direction"
-        assumptions.append(f"inter-node {bandwidth} ({node.name})")
-    said = [f"{node.host_ram_gib:g} GiB RAM"] * (o.cpu_ram_gib is None)
-    said += [f"{node.cpu_cores} CPU cores"] * (o.cpu_cores is None)
+        assumptions.append(f"inter-node {bandwidth} ({node.name}; --inter-node-gbps to change)")
+    share = min(1.0, layout[1] / node.gpus_per_node)  # a smaller host carries its share of the typical node
+    ram = typical_share(node.host_ram_gib, share) if o.cpu_ram_gib is None else o.cpu_ram_gib
+    cores = max(1, int(node.cpu_cores * share)) if o.cpu_cores is None else o.cpu_cores
+    said = [f"{ram:g} GiB RAM"] * (o.cpu_ram_gib is None) + [f"{cores} CPU cores"] * (o.cpu_cores is None)
     if said:
-        assumptions.append(f"host {' and '.join(said)} per node ({node.name})")
+        whose = node.name if share == 1 else f"{layout[1]}/{node.gpus_per_node} of {node.name}"
+        flags = " and ".join(["--cpu-ram-gib"] * (o.cpu_ram_gib is None) + ["--cpu-cores"] * (o.cpu_cores is None))
+        assumptions.append(f"host {' and '.join(said)} per node ({whose}; {flags} to change)")
     if o.nvme_gbps is None:
-        assumptions.append(f"NVMe {node.nvme_gbps:g} GB/s per node ({node.name})" if node.nvme_gbps
-                           else "no NVMe offload (NVMe bandwidth unknown; pass nvme_gbps to allow it)")
+        assumptions.append(f"NVMe {node.nvme_gbps:g} GB/s per node ({node.name}; --nvme-gbps to change)"
+                           if node.nvme_gbps else "no NVMe offload (NVMe bandwidth unknown; --nvme-gbps allows it)")
     inter = node.inter_node_gbps_per_gpu if o.inter_node_gbps is None else o.inter_node_gbps
-    ram = node.host_ram_gib if o.cpu_ram_gib is None else o.cpu_ram_gib
-    cores = node.cpu_cores if o.cpu_cores is None else o.cpu_cores
     nvme = node.nvme_gbps if o.nvme_gbps is None else o.nvme_gbps
     try:
         return Cluster(gpu=gpu, nodes=layout[0], gpus_per_node=layout[1], inter_node_bandwidth=inter * GB,
@@ -241,6 +244,12 @@ def _assemble(gpu: GPU, layout: tuple[int, int], options: ClusterOptions, assump
                        assumptions=tuple(assumptions))
     except ValueError as err:
         raise InvalidCluster(f"Invalid cluster: {err}.", _forms_hint()) from err
+
+
+def typical_share(host_ram_gib: float, share: float) -> float:
+    """Host RAM of a node with `share` of the typical node's GPUs: proportional, as cloud instance families
+    scale (e.g. AWS g5: 8 A10G with 768 GiB, 4 with 192-384 GiB, 1 with 16-256 GiB), rounded down to 8 GiB."""
+    return host_ram_gib if share >= 1 else max(8.0, 8 * math.floor(host_ram_gib * share / 8))
 
 
 def _read_mapping(path: Path) -> object:

@@ -46,21 +46,24 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
         return message, hint, {"binding": "pins", "pins": inputs.pins}
     lean = leanest_modes(space.modes, len(found.tables[0].layer_ticks))
     peaks = [t.peak_of(lean) for t in found.tables]
-    need, least = min(zip(found.tables, peaks, strict=True), key=lambda pair: (pair[1] - pair[0].budget, pair[0].rank))
-    budget = need.budget
     device_fits = [t for t, peak in zip(found.tables, peaks, strict=True) if peak <= t.budget]
     host_binds = bool(device_fits) and not any(t.host_ok for t in device_fits)
+    # What the GPUs would need within the host's RAM (all configurations when none fits the host).
+    hosted = [(t, peak) for t, peak in zip(found.tables, peaks, strict=True) if t.host_ok] or \
+        list(zip(found.tables, peaks, strict=True))
+    need, least = min(hosted, key=lambda pair: (pair[1] - pair[0].budget, pair[0].rank))
+    budget = need.budget
     binding = "host RAM for offloaded states" if host_binds else "GPU memory"
     ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds)
     checkpointed = "every layer checkpointed" if lean[0] is Checkpoint.FULL else f"checkpointing pinned to {lean[0]}"
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "
-               f"({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
+               f"the host can hold ({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
                f"{need.outer.micro_batch}, {checkpointed}) needs {least / GIB:.1f} GiB allocated per GPU; "
                f"{budget / GIB:.1f} GiB is available after overhead and {inputs.headroom:.0%} headroom. "
                f"Binding resource: {binding}.")
     if host_binds:
         host = min(t.host_bytes for t in device_fits)
-        message += (f" The configurations that fit the GPUs offload states to host RAM and need at least "
+        message += (f" The configurations that would fit the GPUs offload states to host RAM and need at least "
                     f"{host / GIB:.0f} GiB of it per node; the node has "
                     f"{cluster.cpu_ram_per_node_bytes / GIB:.0f} GiB.")
     binding_assumptions = [a for a in cluster.assumptions if "host" in a] if host_binds else []
