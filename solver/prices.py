@@ -149,13 +149,12 @@ def skypilot_prices(rows: list[Any], *, origin: str, first: int = 1) -> dict[str
 
 
 def _cheapest(gpu: str, offers: list[tuple[float, float | None, str]], origin: str) -> GpuPrice:
-    price, _, where = min(offers, key=lambda o: o[0])
-    spots = [o for o in offers if o[1] is not None]
-    spot = min(spots, key=lambda o: o[1]) if spots else None  # type: ignore[arg-type, return-value]
+    price, _, where = min(offers, key=lambda offer: offer[0])
+    spots = [(spot, place) for _, spot, place in offers if spot is not None]
     source = f"{origin}: cheapest on-demand {where}".rstrip()
-    if spot is not None:
-        source += f"; cheapest spot {spot[2]}".rstrip()
-    return GpuPrice(gpu=gpu, usd_per_gpu_hour=price, spot_usd_per_gpu_hour=None if spot is None else spot[1],
+    if spots:
+        source += f"; cheapest spot {min(spots)[1]}".rstrip()
+    return GpuPrice(gpu=gpu, usd_per_gpu_hour=price, spot_usd_per_gpu_hour=min(spots)[0] if spots else None,
                     source=source)
 
 
