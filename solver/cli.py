@@ -151,7 +151,8 @@ def solve_command(
 @app.command("estimate")
 def estimate_command(
     model: Model, gpus: Gpus,
-    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields.")] = None,
+    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields, or a plan written "
+                                                "by `solve -o`.")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
     dp: Annotated[int | None, typer.Option(help="Data-parallel degree (default: the rest of the GPUs).")] = None,
     engine: Annotated[Engine, typer.Option(help="Engine.")] = Engine.DDP,
