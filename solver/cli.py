@@ -11,25 +11,37 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
+import typer.rich_utils
 from rich.console import Console
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError, LoraSpec
 
+from . import bounds as B
+from .options import Text, help_width, number, text
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # planning never downloads
 
+typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH or help_width()  # no truncated option names in --help
+HELP = {"max_content_width": help_width()}
 app = typer.Typer(help="Plan LLM training on GPUs: what fits, what is fastest, and the launcher configs.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, context_settings=HELP)
 out = Console()
 err = Console(stderr=True)
 
-Model = Annotated[str, typer.Option("--model", "-m", help="Catalog id (see `fitplan models`), a local "
-                                    "config.json or folder, or a Hub id in the local HF cache.")]
-Gpus = Annotated[str, typer.Option("--gpus", "-g", help="Cluster: 8xA100, 1xA10G, 8xH100-80GB, 16xH100, "
-                                   "2x8xH100, 4xL4, or a JSON/YAML cluster file.")]
+Model = Annotated[str, text(4096, "Catalog id (see `fitplan models`), a local config.json or folder, or a Hub id "
+                             "in the local HF cache.", "--model", "-m")]
+Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100-80GB, 16xH100, 2x8xH100, 4xL4, or "
+                           "a JSON/YAML cluster file.", "--gpus", "-g")]
+SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
+                                      "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
+MicroBatch = Annotated[int, number(int, 1, B.MAX_GLOBAL_BATCH, "Micro-batch.")]
+GradAccum = Annotated[int, number(int, 1, B.MAX_GLOBAL_BATCH, "Gradient accumulation.")]
+LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
+Launcher = Literal["deepspeed", "hf", "accelerate", "torchrun", "megatron"]  # solver.space.LAUNCHERS
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 
 
@@ -62,6 +74,14 @@ def _fail(error: Exception, *, as_json: bool = False) -> None:
     raise error
 
 
+def _check_lora_flags(rank: int | None, alpha: int | None, targets: str) -> None:
+    """--lora-alpha and --lora-targets describe adapters: without --lora-rank they would be dropped silently."""
+    if rank is None and (alpha is not None or targets != "all-linear"):
+        given = "--lora-alpha" if alpha is not None else f"--lora-targets {targets!r}"
+        raise FitplanError(f"{given} needs --lora-rank: without it no adapters are trained.",
+                           "Add --lora-rank R (e.g. 16), or drop the option.")
+
+
 def _csv(value: str | None, kind: type) -> tuple[Any, ...]:
     if not value:
         return ()
@@ -75,38 +95,45 @@ def _csv(value: str | None, kind: type) -> tuple[Any, ...]:
 @app.command("solve")
 def solve_command(
     model: Model, gpus: Gpus,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: min(4096, model limit)).")] = None,
-    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")] = None,
-    tokens_per_step: Annotated[int | None, typer.Option(help="Tokens per optimizer step (instead of "
-                                                        "--global-batch).")] = None,
-    tp: Annotated[int | None, typer.Option(help="Pin the tensor-parallel degree.")] = None,
+    seq_len: SeqLen = None,
+    global_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Sequences per optimizer step.")] = None,
+    tokens_per_step: Annotated[int | None, number(int, 1, B.MAX_TOKENS_PER_STEP, "Tokens per optimizer step "
+                                                  "(instead of --global-batch).")] = None,
+    tp: Annotated[int | None, number(int, 1, B.MAX_TP, "Pin the tensor-parallel degree (must divide the GPUs of a "
+                                     "node).")] = None,
     engine: Annotated[Engine | None, typer.Option(help="Pin the engine.")] = None,
-    zero: Annotated[int | None, typer.Option(help="Pin the ZeRO stage (FSDP2: 2 or 3).")] = None,
+    zero: Annotated[int | None, number(int, 0, B.MAX_ZERO, "Pin the ZeRO stage (FSDP2: 2 or 3).")] = None,
     offload: Annotated[Offload | None, typer.Option(help="Pin optimizer-state offload.")] = None,
     offload_params: Annotated[Offload | None, typer.Option(help="Pin parameter offload (ZeRO-3).")] = None,
-    micro_batch: Annotated[int | None, typer.Option(help="Pin the micro-batch.")] = None,
-    grad_accum: Annotated[int | None, typer.Option(help="Pin gradient accumulation.")] = None,
-    checkpoint: Annotated[str, typer.Option(help="none|full|selective pins every layer; auto decides per "
-                                            "layer.")] = "auto",
-    precision: Annotated[str | None, typer.Option(help="Allowed precisions, comma-separated (bf16-mixed, "
-                                                  "fp16-mixed, tf32, fp32, bf16, fp8).")] = None,
-    optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated (adamw, adamw-fused, "
-                                            "adafactor, adamw-8bit, sgd); never changed silently.")] = "adamw",
-    launcher: Annotated[str | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
-    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
-    lora_alpha: Annotated[int | None, typer.Option(help="LoRA alpha (default 2 x rank).")] = None,
-    lora_targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated.")] = "all-linear",
+    micro_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Pin the micro-batch (must divide the "
+                                              "batch per data-parallel rank).")] = None,
+    grad_accum: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Pin gradient accumulation.")] = None,
+    checkpoint: Annotated[Literal["auto", "none", "full", "selective"], typer.Option(
+        help="none|full|selective pins every layer; auto decides per layer.")] = "auto",
+    precision: Annotated[str | None, text(200, "Allowed precisions, comma-separated (bf16-mixed, fp16-mixed, tf32, "
+                                          "fp32, bf16, fp8).")] = None,
+    optimizers: Annotated[str, text(200, "Allowed optimizers, comma-separated (adamw, adamw-fused, adafactor, "
+                                    "adamw-8bit, sgd); never changed silently.")] = "adamw",
+    launcher: Annotated[Launcher | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
+    lora_rank: LoraRank = None,
+    lora_alpha: Annotated[int | None, number(int, 1, B.MAX_LORA_ALPHA, "LoRA alpha (default 2 x rank; needs "
+                                             "--lora-rank).")] = None,
+    lora_targets: Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")
+                            ] = "all-linear",
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
-    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free.")] = 0.05,
-    time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds (lowering excluded).")] = 10.0,
-    attention: Annotated[str | None, typer.Option(help="Attention implementation (sdpa, eager).")] = None,
-    compile: Annotated[str, typer.Option(help="torch.compile: auto (when it saves >= 3%), on or off.")] = "auto",
-    input_tokens_per_s: Annotated[float | None, typer.Option(help="Tokens/s one data-loading worker supplies "
-                                                             "(default 1M, a fast tokenizer).")] = None,
+    headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
+    time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
+                                        "excluded).", lo_open=True)] = 10.0,
+    attention: Annotated[Literal["sdpa", "eager"] | None, typer.Option(help="Attention implementation.")] = None,
+    compile: Annotated[Literal["auto", "on", "off"], typer.Option(help="torch.compile: auto (when it saves >= 3%), "
+                                                                  "on or off.")] = "auto",
+    input_tokens_per_s: Annotated[float | None, number(float, 0, B.MAX_INPUT_TOKENS_PER_S, "Tokens/s one "
+                                                       "data-loading worker supplies (default 1M, a fast "
+                                                       "tokenizer).", lo_open=True)] = None,
     as_json: AsJson = False,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
-    emit: Annotated[str | None, typer.Option(help="Launcher files to write: deepspeed,hf,accelerate,torchrun,"
-                                             "megatron.")] = None,
+    emit: Annotated[str | None, text(200, "Launcher files to write: deepspeed,hf,accelerate,torchrun,megatron.")
+                    ] = None,
     emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
@@ -116,6 +143,7 @@ def solve_command(
     from .outputs import Targets, launcher_names, write_outputs
 
     try:
+        _check_lora_flags(lora_rank, lora_alpha, lora_targets)
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
                                                      targets=tuple(t.strip() for t in lora_targets.split(",")))
         pins = {"tp": tp, "engine": engine, "zero": zero, "offload": offload, "param_offload": offload_params,
@@ -123,11 +151,6 @@ def solve_command(
                 "checkpoint": None if checkpoint == "auto" else Checkpoint(checkpoint),
                 "precisions": _csv(precision, Precision), "compile": compile,
                 "optimizers": _csv(optimizers.replace("_", "-"), Optimizer)}
-        for name in ("seq_len", "global_batch", "tokens_per_step"):
-            value = locals()[name]
-            if value is not None and value < 1:
-                raise FitplanError(f"--{name.replace('_', '-')} must be a positive integer, got {value}",
-                                   "Pass a positive number.")
         if engine is not None and zero is not None:
             Config(engine=engine, zero=zero)  # "engine=ddp has no ZeRO stage" is a ValueError: exit 2
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
@@ -151,21 +174,21 @@ def solve_command(
 @app.command("estimate")
 def estimate_command(
     model: Model, gpus: Gpus,
-    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields, or a plan written "
-                                                "by `solve -o`.")] = None,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
-    dp: Annotated[int | None, typer.Option(help="Data-parallel degree (default: the rest of the GPUs).")] = None,
+    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields.")] = None,
+    tp: Annotated[int, number(int, 1, B.MAX_TP, "Tensor-parallel degree.")] = 1,
+    dp: Annotated[int | None, number(int, 1, B.MAX_DP, "Data-parallel degree (default: the rest of the GPUs).")
+                  ] = None,
     engine: Annotated[Engine, typer.Option(help="Engine.")] = Engine.DDP,
-    zero: Annotated[int, typer.Option(help="ZeRO stage.")] = 0,
+    zero: Annotated[int, number(int, 0, B.MAX_ZERO, "ZeRO stage.")] = 0,
     offload: Annotated[Offload, typer.Option(help="Optimizer offload.")] = Offload.NONE,
     offload_params: Annotated[Offload, typer.Option(help="Parameter offload.")] = Offload.NONE,
-    micro_batch: Annotated[int, typer.Option(help="Micro-batch.")] = 1,
-    grad_accum: Annotated[int, typer.Option(help="Gradient accumulation.")] = 1,
+    micro_batch: MicroBatch = 1,
+    grad_accum: GradAccum = 1,
     checkpoint: Annotated[Checkpoint, typer.Option(help="Checkpoint mode of every layer.")] = Checkpoint.NONE,
     precision: Annotated[Precision, typer.Option(help="Precision.")] = Precision.BF16_MIXED,
     optimizer: Annotated[Optimizer, typer.Option(help="Optimizer.")] = Optimizer.ADAMW,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
-    lora_rank: Annotated[int | None, typer.Option(help="LoRA rank (all linear layers).")] = None,
+    seq_len: SeqLen = None,
+    lora_rank: LoraRank = None,
     as_json: AsJson = False,
 ) -> None:
     """Memory and time of one configuration: will it fit, and where does the memory go?"""
@@ -182,10 +205,13 @@ def estimate_command(
         print(json.dumps(report.to_json(), indent=2))
     else:
         report.render(out)
+    if not report.fits:  # as solve: 3 means it does not fit
+        raise typer.Exit(code=3)
 
 
 @app.command("models")
-def models_command(filter: Annotated[str, typer.Argument(help="Substring to match (case-insensitive).")] = "",
+def models_command(filter: Annotated[str, typer.Argument(parser=Text(B.MAX_FILTER_CHARS),
+                                                         help="Substring to match (case-insensitive).")] = "",
                    as_json: AsJson = False) -> None:
     """List the bundled model catalog."""
     from .commands import models_rows
@@ -294,7 +320,7 @@ def main() -> None:
 
 def solve_entry() -> None:
     """Entry point of the `solve` command: `fitplan solve` under a shorter name."""
-    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False, context_settings=HELP)
     single.command()(solve_command)
     _run(single)
 

@@ -66,11 +66,16 @@ class EstimateReport:
     capacity: int
     title: str
 
+    @property
+    def fits(self) -> bool:
+        """The device peak fits the GPU's memory."""
+        return self.estimate.memory.device_peak <= self.capacity
+
     def to_json(self) -> dict[str, Any]:
         from pydantic import TypeAdapter
 
         data = TypeAdapter(Estimate).dump_python(self.estimate, mode="json")
-        data["fits"] = self.estimate.memory.device_peak <= self.capacity
+        data["fits"] = self.fits
         data["device_capacity_bytes"] = self.capacity
         return data
 
