@@ -102,7 +102,7 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
         workload = Workload(seq_len=seq_len, global_batch=global_batch)
     except ValueError as err:
         raise FitplanError(str(err), "Pass a positive number.") from err
-    check_workload(workload.seq_len, workload.global_batch)
+    check_workload(workload.seq_len, workload.global_batch, gpus=cluster.world_size)
     beyond = sequence_note(resolved.as_dict(), workload.seq_len, location=resolved.id)
     return workload, [*assumed, beyond] if beyond else assumed
 

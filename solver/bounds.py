@@ -12,6 +12,8 @@ MAX_SEQ_LEN = 2**21
 # 8,192 = 2,048 sequences; Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.4.1).
 MAX_GLOBAL_BATCH = 2**20
 MAX_TOKENS_PER_STEP = MAX_SEQ_LEN * MAX_GLOBAL_BATCH
+# GPUs in one cluster: above the largest built (xAI Colossus, 100,000 H100s in 2024).
+MAX_GPUS = 2**17
 # Tensor-parallel degree, micro-batch and accumulation pins are further checked against the cluster and batch.
 MAX_TP = 1024
 MAX_DP = 2**20
@@ -29,9 +31,12 @@ MAX_CLUSTER_CHARS = 256
 MAX_FILTER_CHARS = 256
 
 
-def check_workload(seq_len: int, global_batch: int) -> None:
-    """Refuse a workload beyond `MAX_SEQ_LEN` tokens or `MAX_GLOBAL_BATCH` sequences (library calls; the CLI
-    refuses them while parsing)."""
+def check_workload(seq_len: int, global_batch: int, *, gpus: int = 1) -> None:
+    """Refuse a workload beyond `MAX_SEQ_LEN` tokens or `MAX_GLOBAL_BATCH` sequences, or a cluster of more than
+    `MAX_GPUS` (library calls; the CLI refuses the numbers while parsing)."""
+    if gpus > MAX_GPUS:
+        raise FitplanError(f"--gpus describes {gpus:,} GPUs: at most {MAX_GPUS:,} are planned.",
+                           "Check the counts in the cluster string or file.")
     if seq_len > MAX_SEQ_LEN:
         raise FitplanError(f"--seq-len {seq_len} is out of range: at most {MAX_SEQ_LEN:,} tokens per sequence.",
                            "Plan with a shorter sequence.")
