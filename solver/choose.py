@@ -259,7 +259,7 @@ def _notes(used: dict[str, GpuPrice], spot: bool, options: dict[str, Any]) -> li
     if any(p.source.startswith("example:") for p in used.values()):
         notes.append(f"Prices: {bundled_note()}")
     if spot:
-        notes += [f"no spot price for {gpu}: on-demand used" for gpu, p in used.items()
+        notes += [f"no spot price for {find_gpu(gpu).name}: on-demand used" for gpu, p in used.items()
                   if p.spot_usd_per_gpu_hour is None]
     if options.get("global_batch") is None and options.get("tokens_per_step") is None:
         notes.append("global batch not given: each cluster uses solve's default (64 sequences, or one per GPU "

@@ -13,7 +13,8 @@ from graphs import FitplanError
 from .choose import Choice, Point
 
 # Solve's diagnosis names what binds; "pins" there means no configuration survives the divisibility rules.
-_BINDINGS = {"pins": "global batch or heads do not divide over the GPUs", "time limit": "no plan within the time limit"}
+_BINDINGS = {"pins": "no configuration passes the pins and divisibility rules (global batch, heads)",
+             "time limit": "no plan within the time limit"}
 
 
 def hours_text(hours: float) -> str:
@@ -21,6 +22,11 @@ def hours_text(hours: float) -> str:
     if hours < 1:
         return f"{hours * 60:.0f} min"
     return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} d"
+
+
+def usd_text(usd: float) -> str:
+    """Whole dollars, or cents below $100."""
+    return f"{usd:,.2f}" if usd < 100 else f"{usd:,.0f}"
 
 
 def _label(p: Point) -> str:
@@ -34,7 +40,7 @@ def front_table(choice: Choice) -> Table:
     for column in ("#", "cluster", "time", "cost USD", "$/GPU-h", "tokens/s", "MFU"):
         table.add_column(column, justify="left" if column == "cluster" else "right")
     for number, p in enumerate(choice.front, start=1):
-        table.add_row(str(number), _label(p), hours_text(p.hours), f"{p.cost_usd:,.0f}",
+        table.add_row(str(number), _label(p), hours_text(p.hours), usd_text(p.cost_usd),
                       f"{p.usd_per_gpu_hour:.2f}" + (" spot" if p.price_kind == "spot" else ""),
                       f"{p.tokens_per_second:,.0f}", f"{p.mfu:.0%}")
     return table
@@ -44,14 +50,14 @@ def recommendation_lines(choice: Choice) -> list[str]:
     """The cheapest plan within the deadline and the fastest within the budget, in words."""
     deadline = "" if choice.deadline_hours is None else \
         f" that meets the deadline of {hours_text(choice.deadline_hours)}"
-    budget = "" if choice.budget_usd is None else f" within the budget of ${choice.budget_usd:,.0f}"
+    budget = "" if choice.budget_usd is None else f" within the budget of ${usd_text(choice.budget_usd)}"
     lines = []
     for title, point, condition in (("Cheapest", choice.cheapest, deadline), ("Fastest", choice.fastest, budget)):
         if point is None:
             lines.append(f"[bold]{title}{condition}:[/] none of the clusters.")
             continue
         lines.append(f"[bold]{title}{condition or ' overall'}:[/] {_label(point)}, {hours_text(point.hours)}, "
-                     f"${point.cost_usd:,.0f} ({point.summary})")
+                     f"${usd_text(point.cost_usd)} ({point.summary})")
     return lines
 
 
