@@ -51,7 +51,9 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
         raise InvalidConfig(f"tp={config.tp} x dp={config.dp} = {config.world_size} ranks, but the cluster has "
                             f"{cluster.world_size} GPUs", hint)
     if config.tp not in graph.tp_degrees or config.tp > cluster.gpus_per_node:
-        raise InvalidConfig(f"tp={config.tp} is not possible: {graph.model} allows {list(graph.tp_degrees)} and "
+        why = "" if graph.tp_splits_activations else (" (its tensor-parallel split cannot be measured: the model "
+                                                       "has no plain colwise/rowwise TP plan to probe)")
+        raise InvalidConfig(f"tp={config.tp} is not possible: {graph.model} allows {list(graph.tp_degrees)}{why} and "
                             f"a node has {cluster.gpus_per_node} GPUs", hint)
     layers = graph.decoder_layers()
     for layer, mode in zip(layers, config.layer_modes(len(layers)), strict=True):

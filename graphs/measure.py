@@ -93,6 +93,8 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
                             _runner(widened_trace, slots, dims.vocab, fake, autocast)(b0, s0))
+    if probes.widened is None:  # no measured 1/TP split: TP > 1 would be priced as if nothing were divided
+        tp_degrees = (1,)
     costs = segment_costs(probes)
     _rename_dynamic(params, probes.base)
     slot_scopes = {(slot.kind, slot.mode): f"layers.{j}" for j, slot in enumerate(slots) if slot.kind is not None}

@@ -63,3 +63,14 @@ def test_param_counts_per_layer_and_total_match_instantiated_model(arch, tmp_pat
                         attention=graph.attention)
     assert [layer.param_count for layer in graph.decoder_layers()] == ref.param_layers
     assert graph.param_count == ref.param_total
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_tensor_parallelism_is_offered_only_where_its_split_was_measured(arch, tmp_path_factory, lowered):
+    # GPT-NeoX and CodeGen have TP-sharded tensors but no plain colwise/rowwise plan to probe: offering tp > 1
+    # there priced compute and activations undivided (pythia-6.9b at tp=8 came out slower than tp=1).
+    graph = _lower(arch, tmp_path_factory.mktemp("cfg"), lowered)
+    if not graph.tp_splits_activations:
+        assert graph.tp_degrees == (1,)
+    else:
+        assert len(graph.tp_degrees) > 1
