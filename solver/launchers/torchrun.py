@@ -135,8 +135,8 @@ def optimizer_for(model):
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, lr=2e-5)
-    fused = d["optimizer"] == "adamw-fused" and torch.cuda.is_available()
-    return torch.optim.AdamW(params, lr=2e-5, fused=fused or None)
+    # Fused AdamW runs on CUDA and (torch >= 2.4) on the CPU; it keeps each `step` on the parameters' device.
+    return torch.optim.AdamW(params, lr=2e-5, fused=(d["optimizer"] == "adamw-fused") or None)
 
 
 def batches(vocab, args, device):
@@ -227,8 +227,11 @@ def main():
         seconds.append(time.perf_counter() - started)
         if rank == 0:
             print(f"step {step + 1}: loss {loss.item() * d['grad_accum']:.4f}", flush=True)
+    # `step` counters count as device state where the implementation keeps them there (fused AdamW); the
+    # foreach kernels keep them on the host (torch `_get_scalar_dtype`, capturable=False).
+    on_device = bool(optimizer.defaults.get("fused"))
     states = sum(local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
-                 if torch.is_tensor(v) and k != "step")
+                 if torch.is_tensor(v) and (k != "step" or on_device))
     steps = [v for state in optimizer.state.values() for k, v in state.items() if torch.is_tensor(v) and k == "step"]
     if args.report:
         os.makedirs(args.report, exist_ok=True)
