@@ -30,12 +30,13 @@ def digest(root: Path = ROOT) -> str:
     return sha.hexdigest()
 
 
-def missing_requirements() -> list[str]:
-    """Requirements of fitplan (base + dev extra) that are absent or at a version outside their specifier."""
+def missing_requirements(requirements: list[str] | None = None) -> list[str]:
+    """Requirements (default: installed fitplan's, base + dev extra) absent or at a version outside their specifier."""
     from packaging.requirements import Requirement
 
+    texts = (metadata.requires("fitplan") or []) if requirements is None else requirements
     bad = []
-    for text in metadata.requires("fitplan") or []:
+    for text in texts:
         requirement = Requirement(text)
         if requirement.marker and not requirement.marker.evaluate({"extra": EXTRA}):
             continue

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 from types import ModuleType
 
@@ -126,4 +127,9 @@ def test_install_digest_follows_pyproject_and_setup_script(tmp_path):
 
 
 def test_installed_versions_satisfy_every_declared_floor():
-    assert load_installed().missing_requirements() == []
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + project["optional-dependencies"]["dev"]
+    assert load_installed().missing_requirements(requirements) == []
+    too_high = [*requirements, "torch>=99"]
+    assert load_installed().missing_requirements(too_high) == ["torch>=99 (found " + version("torch") + ")"]
