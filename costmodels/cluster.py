@@ -20,7 +20,7 @@ from costmodels.config import require_positive_int
 from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, gpu_from_record, load_gpus
 from costmodels.profile import InvalidProfile, Profile
 from graphs.errors import FitplanError
-from graphs.files import UnreadableFile, check_depth, read_text
+from graphs.files import UnreadableFile, check_depth, parse_yaml, read_text
 
 # COUNTxGPU, NODESxPER_NODExGPU or GPU. A name starts with a letter, so "8xA100" never reads as a name.
 _SPEC = re.compile(r"\s*(?:(\d+)\s*[x×]\s*)?(?:(\d+)\s*[x×]\s*)?([a-z][\w .\-]*?)\s*", re.IGNORECASE)
@@ -255,7 +255,7 @@ def typical_share(host_ram_gib: float, share: float) -> float:
 def _read_mapping(path: Path) -> object:
     try:  # a regular file of at most 16 MiB, nested at most 32 levels (graphs.files)
         text = read_text(path, what="cluster file")
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix.lower() == ".json" else parse_yaml(text, where=f"Cluster file {path}")
         check_depth(data, where=f"Cluster file {path}")
     except UnreadableFile as err:
         raise InvalidCluster(err.message, _FILE_HINT) from err

@@ -84,3 +84,25 @@ def check_depth(value: Any, *, where: str, limit: int = MAX_JSON_DEPTH) -> None:
             elif isinstance(item, list):
                 children.extend(item)
         frontier = children
+
+
+def parse_yaml(text: str, *, where: str) -> Any:
+    """YAML values of `text` (safe types only), refusing aliases: shared references ("billion laughs") expand
+    exponentially in any later walk or message. A fitplan input never needs them."""
+    import yaml
+
+    class _NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                raise UnreadableFile(f"{where} uses a YAML alias (*name); fitplan reads plain values only.",
+                                     "Write the values out instead of referring to an anchor.")
+            return super().compose_node(parent, index)
+
+    try:
+        value = yaml.load(text, Loader=_NoAliases)  # a SafeLoader subclass: safe types only
+    except yaml.YAMLError as err:
+        raise UnreadableFile(f"{where} is not valid YAML: {err}", "Fix the YAML.") from err
+    except RecursionError as err:
+        raise UnreadableFile(f"{where} nests deeper than {MAX_JSON_DEPTH} levels.", "Fix the YAML.") from err
+    check_depth(value, where=where)
+    return value

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from costmodels import Estimate, load_gpus
 from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
-from graphs.files import check_depth, parse_json, read_text
+from graphs.files import check_depth, parse_json, parse_yaml, read_text
 from graphs.lora import LoraSpec
 
 from .plan import Plan
@@ -95,7 +95,8 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
     if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
         return _plan_report(plan, model, gpus, seq_len=seq_len, lora_rank=lora_rank)
     if values.get("dp") is None:
-        values["dp"] = cluster.world_size // max(1, int(values.get("tp", 1)))
+        tp = values.get("tp", 1)  # a wrong type is reported by the Config check below, naming the field
+        values["dp"] = cluster.world_size // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
     lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank is not None else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
     return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
@@ -134,7 +135,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """A JSON or YAML object of Config fields (or a plan), from a regular file of at most 16 MiB."""
     text = read_text(path, what="configuration file")
     try:
-        data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else parse_json(text, where=str(path))
+        data = parse_yaml(text, where=str(path)) if path.suffix.lower() in (".yaml", ".yml") else \
+            parse_json(text, where=str(path))
     except (RecursionError, ValueError, yaml.YAMLError) as error:
         raise MalformedConfig(f"Cannot read configuration {path}: {error}",
                               "Give a JSON or YAML object of Config fields (tp, dp, engine, zero, ...).") from error

@@ -54,7 +54,7 @@ def number(kind: type, lo: float, hi: float, help: str, *, lo_open: bool = False
            **extra: Any) -> Any:
     """A typer option of `kind` bounded to [lo, hi], the range shown in --help."""
     parser = Bounded(kind, lo, hi, lo_open=lo_open, hi_open=hi_open)
-    return typer.Option(parser=parser, help=f"{help} [{parser.allowed}]", **extra)
+    return typer.Option(parser=parser, help=f"{help} \\[{parser.allowed}]", **extra)  # "\\[" escapes rich markup
 
 
 class Text:
