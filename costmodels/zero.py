@@ -33,14 +33,25 @@ def sharding(config: Config) -> Sharding:
     return Sharding(dp if stage >= 3 else 1, dp if stage >= 2 else 1, dp if stage >= 1 else 1)
 
 
+def fsdp_shard_dim(shape: tuple[int, ...] | list[int], dp: int) -> int:
+    """The dim FSDP2 shards: dim 0 (`fully_shard`'s default) unless it has fewer rows than ranks, then the
+    largest dim. MoE expert stacks (8 experts over 32 ranks) would otherwise leave most ranks empty and an
+    eighth of the experts on each; train_fitplan.py passes this rule as `shard_placement_fn`, as torchtitan
+    shards experts on dim 1 when they are fewer than the ranks."""
+    if not shape or shape[0] >= dp:
+        return 0
+    return max(range(len(shape)), key=lambda d: (shape[d], -d))
+
+
 def local_shape(tensor: ParamTensor, *, tp: int, dp: int, engine: Engine) -> tuple[int, ...]:
-    """The largest rank's shard shape: TP splits its dim (DTensor `Shard`: ceil chunks), then FSDP2 splits dim 0
-    (`fully_shard` chunks dim 0). DeepSpeed flattens instead (see `local_elements`)."""
+    """The largest rank's shard shape: TP splits its dim (DTensor `Shard`: ceil chunks), then FSDP2 splits the
+    dim `fsdp_shard_dim` picks (`fully_shard` chunks it). DeepSpeed flattens instead (see `local_elements`)."""
     shape = list(tensor.shape)
     if tensor.tp_dim is not None and tp > 1:
         shape[tensor.tp_dim] = math.ceil(shape[tensor.tp_dim] / tp)
     if engine is Engine.FSDP2 and dp > 1 and shape:
-        shape[0] = math.ceil(shape[0] / dp)
+        dim = fsdp_shard_dim(shape, dp)
+        shape[dim] = math.ceil(shape[dim] / dp)
     return tuple(shape)
 
 

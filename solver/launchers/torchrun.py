@@ -114,14 +114,29 @@ def apply_tensor_parallel(model, mesh):
 
 def apply_fsdp(model, mesh):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard
 
     d = PLAN["decisions"]
     half = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "fp16-mixed": torch.float16}.get(d["precision"])
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if d["param_offload"] != "none" else OffloadPolicy()
+
+    def placement(param):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(shard_dim(local.shape, mesh.size()))
+
+    options = dict(mesh=mesh, reshard_after_forward=d["zero"] == 3, mp_policy=policy, offload_policy=offload,
+                   shard_placement_fn=placement)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=d["zero"] == 3, mp_policy=policy, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=d["zero"] == 3, mp_policy=policy, offload_policy=offload)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+def shard_dim(shape, ranks):
+    """Dim 0 unless it has fewer rows than ranks (MoE expert stacks), then the largest dim (fitplan's rule)."""
+    if len(shape) == 0 or shape[0] >= ranks:
+        return 0
+    return max(range(len(shape)), key=lambda d: (shape[d], -d))
 
 
 def optimizer_for(model):

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from costmodels import Config, Engine, Optimizer, Precision, lowering_for
 from costmodels.states import ModelStates, model_states
-from costmodels.zero import local_shape
+from costmodels.zero import fsdp_shard_dim, local_shape
 from graphs import LayerGraph, lower
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -49,10 +49,11 @@ class Case:
     reshard: bool = True
     """FSDP2 `reshard_after_forward` (True is ZeRO-3-like, False ZeRO-2-like)."""
     overrides: tuple[tuple[str, int], ...] = ()
-    """Config fields changed from `tiny_values("llama")`."""
+    """Config fields changed from `tiny_values(arch)`."""
+    arch: str = "llama"
 
     def values(self) -> dict:
-        return {**tiny_values("llama"), **dict(self.overrides)}
+        return {**tiny_values(self.arch), **dict(self.overrides)}
 
     def config(self) -> Config:
         tp = {"fsdp2": 1, "tp": self.world, "fsdp2+tp": 2}[self.layout]
@@ -74,6 +75,9 @@ CASES = [
     Case(name="fsdp2-w4-uneven", world=4, layout="fsdp2", reshard=True, overrides=(("vocab_size", 514),)),
     Case(name="tp-w4", world=4, layout="tp", overrides=(("num_key_value_heads", 4),)),
     Case(name="fsdp2+tp-dp2-tp2", world=4, layout="fsdp2+tp", reshard=True),
+    # Two experts over four ranks: the expert stacks shard on their largest dim, not on dim 0 (2 rows for 4 ranks).
+    Case(name="fsdp2-w4-moe", world=4, layout="fsdp2", reshard=True, arch="mixtral",
+         overrides=(("num_local_experts", 2), ("num_experts_per_tok", 1))),
 ]
 
 
@@ -142,9 +146,14 @@ def run_case(case: dict, world: int) -> dict:
 def shard_fully(model, mesh, *, reshard: bool) -> None:
     """FSDP2 as torchtitan applies it: each decoder layer, then the root; bf16 compute, fp32 reduction."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ranks = mesh.size()
+
+    def placement(param) -> Shard:  # the dim fitplan's rule picks; FSDP2 itself does the chunking measured here
+        return Shard(fsdp_shard_dim(tuple(param.shape), ranks))
+
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, shard_placement_fn=placement)
 
 
 def parallelize(model, mesh) -> None:
