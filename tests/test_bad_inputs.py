@@ -10,6 +10,7 @@ model uses gpt2 or Llama-3.2-1B (lowered once, then cached) or fails before lowe
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -336,6 +337,14 @@ def corpus(tmp_path_factory) -> Path:
     with (d / "oversize.json").open("wb") as handle:  # sparse: costs no disk
         handle.truncate(MAX_INPUT_BYTES + 1)
     return d
+
+
+@pytest.fixture(autouse=True)
+def _no_logging_errors(monkeypatch):
+    """transformers' log handler keeps the stderr of the CliRunner run that first lowered a model; in a later run
+    that stream is closed and logging would print a "--- Logging error ---" traceback into that run's output (an
+    artefact of running many commands in one process, never of the real CLI)."""
+    monkeypatch.setattr(logging, "raiseExceptions", False)
 
 
 def normalized(text: str) -> str:
