@@ -118,6 +118,18 @@ class Config:
         if Offload.NVME in (self.optimizer_offload, self.param_offload) and \
                 (self.engine is not Engine.DEEPSPEED or self.zero != 3):
             raise ValueError("NVMe offload needs DeepSpeed ZeRO-3")
+        if self.engine is Engine.DEEPSPEED and self.zero == 0 and self.optimizer_offload is not Offload.NONE:
+            # DeepSpeed 0.19 runtime/zero/config.py: offload_optimizer is "Valid for ZeRO stage 1, 2, 3" (stage 0
+            # keeps no partitioned optimizer to move; the engine ignores the block there).
+            raise ValueError(f"optimizer_offload={self.optimizer_offload} needs DeepSpeed ZeRO stage 1-3 (zero=0): "
+                             "DeepSpeed offloads only the optimizer states it partitions")
+        if self.engine is Engine.DEEPSPEED and self.optimizer_offload is not Offload.NONE and \
+                self.optimizer is Optimizer.ADAMW_8BIT:
+            # DeepSpeed 0.19 runtime/engine.py refuses a client optimizer under ZeRO-Offload unless
+            # zero_force_ds_cpu_optimizer is false, and the offloaded step then runs on CPU tensors that
+            # bitsandbytes' CUDA kernels cannot update; accelerate swaps in DeepSpeedCPUAdam (fp32) silently.
+            raise ValueError(f"optimizer={self.optimizer} cannot run under DeepSpeed optimizer offload "
+                             f"({self.optimizer_offload}): the offloaded step is DeepSpeed's fp32 CPU Adam")
         if self.engine is Engine.FSDP2 and self.optimizer_offload != self.param_offload:
             raise ValueError("FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states together: "
                              f"optimizer_offload={self.optimizer_offload} must equal "

@@ -5,6 +5,7 @@ Pure Python, no CP-SAT. The per-layer checkpoint modes are the inner decision (s
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -144,6 +145,20 @@ def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tu
             if (pins.offload is None or o is pins.offload) and (pins.param_offload is None or p is pins.param_offload)]
 
 
+@functools.cache
+def _runnable_optimizers(optimizers: tuple[Optimizer, ...], engine: Engine, zero: int, opt_off: Offload,
+                         param_off: Offload) -> tuple[Optimizer, ...]:
+    """The optimizers `Config` accepts with this engine and offload (8-bit AdamW never under DeepSpeed offload)."""
+    kept = []
+    for optimizer in optimizers:
+        try:
+            Config(engine=engine, zero=zero, optimizer_offload=opt_off, param_offload=param_off, optimizer=optimizer)
+        except ValueError:
+            continue
+        kept.append(optimizer)
+    return tuple(kept)
+
+
 def tp_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, engine: Engine) -> list[int]:
     """TP degrees that divide the heads (the graph's list), fit in a node, and the engine can combine with."""
     degrees = [t for t in graph.tp_degrees if t <= cluster.gpus_per_node and cluster.world_size % t == 0]
@@ -180,7 +195,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
                 for mb, ga in micro_batches(workload.global_batch // dp, pins):
                     for prec in precisions:
-                        for optimizer in optimizers:
+                        for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(tp, pins):
                                 outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
                                                     optimizer, sp, compiled))

@@ -1,0 +1,42 @@
+"""The plan is what its emitted files run: combinations an engine refuses are never planned (issue 12)."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodels import Config, Engine, Offload, Optimizer, Workload, parse_cluster
+from graphs import FitplanError, resolve
+from graphs.lower import lower_resolved
+from solver import api
+from solver.space import Pins, outer_space
+
+
+def space_for(model: str, gpus: str, **pins):
+    cluster = parse_cluster(gpus)
+    graph = lower_resolved(resolve(model))
+    return outer_space(graph, cluster, Workload(seq_len=2048, global_batch=cluster.world_size * 4), Pins(**pins))
+
+
+def test_deepspeed_stage0_optimizer_offload_is_refused_and_never_planned():
+    # DeepSpeed's ZeRO config: offload_optimizer is "Valid for ZeRO stage 1, 2, 3".
+    with pytest.raises(ValueError, match="stage 1-3"):
+        Config(engine=Engine.DEEPSPEED, zero=0, optimizer_offload=Offload.CPU)
+    outers = space_for("meta-llama/Llama-3.1-8B", "1xH200").outers
+    assert any(o.engine is Engine.DEEPSPEED and o.zero == 1 and o.optimizer_offload is Offload.CPU for o in outers)
+    assert not [o for o in outers if o.engine is Engine.DEEPSPEED and o.zero == 0
+                and o.optimizer_offload is not Offload.NONE]
+    with pytest.raises(FitplanError, match="stage 1-3"):
+        api.estimate("meta-llama/Llama-3.1-8B", "1xH200",
+                     {"engine": "deepspeed", "zero": 0, "optimizer_offload": "cpu"}, seq_len=512)
+
+
+def test_8bit_adamw_under_deepspeed_optimizer_offload_is_refused_and_never_planned():
+    with pytest.raises(ValueError, match="fp32 CPU Adam"):
+        Config(engine=Engine.DEEPSPEED, zero=2, optimizer_offload=Offload.CPU, optimizer=Optimizer.ADAMW_8BIT)
+    Config(engine=Engine.DEEPSPEED, zero=2, optimizer=Optimizer.ADAMW_8BIT)  # without offload it runs
+    outers = space_for("meta-llama/Llama-3.1-8B", "1xH200", optimizers=(Optimizer.ADAMW, Optimizer.ADAMW_8BIT)).outers
+    assert any(o.optimizer is Optimizer.ADAMW_8BIT and o.engine is Engine.DEEPSPEED for o in outers)
+    assert any(o.optimizer is Optimizer.ADAMW and o.engine is Engine.DEEPSPEED and o.optimizer_offload is Offload.CPU
+               for o in outers)
+    assert not [o for o in outers if o.optimizer is Optimizer.ADAMW_8BIT and o.engine is Engine.DEEPSPEED
+                and o.optimizer_offload is not Offload.NONE]
