@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Config, Estimate, Optimizer, Precision, Workload, estimate
 from costmodels.alignment import padded, preferred_multiple
+from costmodels.compilation import compile_credited
 from costmodels.precision import matmul_dtype_on
 from graphs import Checkpoint, LayerGraph
 
@@ -123,6 +124,10 @@ def _compile(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
              pin: str) -> tuple[bool, str]:
     if pin == "off":
         return False, "torch.compile: off (pinned)"
+    if not compile_credited(replace(config, compile=True)):
+        reason = "DeepSpeed ZeRO-3's torch.compile support is experimental, so no speed-up is credited"
+        return (True, f"torch.compile: on (pinned); {reason}") if pin == "on" else \
+            (False, f"torch.compile: off ({reason})")
     if cluster.gpu.vendor == "cpu" and pin == "auto":
         return False, "torch.compile: off (CPU test cluster)"
     eager = _try(graph, cluster, workload, replace(config, compile=False))

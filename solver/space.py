@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
+from costmodels.compilation import compile_credited
 from costmodels.config import require_positive_int
 from graphs import Checkpoint, FitplanError, LayerGraph
 
@@ -145,6 +146,11 @@ def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tu
             if (pins.offload is None or o is pins.offload) and (pins.param_offload is None or p is pins.param_offload)]
 
 
+def _compiles(engine: Engine, zero: int, pins: Pins) -> bool:
+    """Compile where it is credited, or where the user pinned it on (`compilation.compile_credited`)."""
+    return pins.compile == "on" or compile_credited(Config(engine=engine, zero=zero, compile=True))
+
+
 @functools.cache
 def _runnable_optimizers(optimizers: tuple[Optimizer, ...], engine: Engine, zero: int, opt_off: Offload,
                          param_off: Offload) -> tuple[Optimizer, ...]:
@@ -198,7 +204,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(tp, pins):
                                 outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
-                                                    optimizer, sp, compiled))
+                                                    optimizer, sp, compiled and _compiles(engine, zero, pins)))
     modes = (pins.checkpoint,) if pins.checkpoint else graph.checkpoint_modes()
     if pins.launcher is not None:
         outers = [o for o in outers if _expressible(o, pins.launcher, lora=graph.lora is not None)]

@@ -40,3 +40,20 @@ def test_8bit_adamw_under_deepspeed_optimizer_offload_is_refused_and_never_plann
                for o in outers)
     assert not [o for o in outers if o.optimizer is Optimizer.ADAMW_8BIT and o.engine is Engine.DEEPSPEED
                 and o.optimizer_offload is not Offload.NONE]
+
+
+def test_compile_is_not_credited_inside_deepspeed_zero3():
+    from costmodels.compilation import COMPILED_MEMORY_BOUND_SPEEDUP, memory_bound_speedup
+
+    z3 = Config(engine=Engine.DEEPSPEED, zero=3, compile=True)
+    assert memory_bound_speedup(z3) == 1.0
+    assert memory_bound_speedup(Config(engine=Engine.FSDP2, zero=3, compile=True)) == COMPILED_MEMORY_BOUND_SPEEDUP
+    outers = space_for("meta-llama/Llama-3.1-8B", "8xH100").outers
+    assert not [o for o in outers if o.engine is Engine.DEEPSPEED and o.zero == 3 and o.compile]
+    assert all(o.compile for o in outers if o.engine is Engine.FSDP2)
+    plan = api.solve("meta-llama/Llama-3.1-8B", "8xH100", engine="deepspeed", zero=3, seq_len=2048, time_limit=20)
+    assert not plan.decisions.compile
+    assert any("torch.compile: off (DeepSpeed ZeRO-3" in line for line in plan.advice), plan.advice
+    pinned = api.solve("meta-llama/Llama-3.1-8B", "8xH100", engine="deepspeed", zero=3, compile="on", seq_len=2048,
+                       time_limit=20)
+    assert pinned.decisions.compile and any("no speed-up is credited" in line for line in pinned.advice)
