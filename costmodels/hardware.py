@@ -17,8 +17,9 @@ from pydantic import ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, T
 
 from graphs.errors import FitplanError
 
-# Vendors print GiB-sized device memory as "GB" (ml-engineering compute/accelerator): labels are read as GiB.
-GIB = 2**30
+# Vendors print GiB-sized device memory as "GB" (ml-engineering compute/accelerator): labels are read as GiB,
+# and used only where no driver-reported figure (`memory_mib`) was found.
+GIB, MIB = 2**30, 2**20
 # Bandwidths in the data file are decimal GB/s, and FLOP rates are decimal TFLOP/s.
 GB, TERA = 1e9, 1e12
 
@@ -89,7 +90,12 @@ class GPURecord:
     arch: Arch
     """Architecture family."""
     memory_gib: PositiveFloat
-    """Device memory as the vendor labels it ("80GB"), read as GiB."""
+    """Device memory as the vendor labels it ("80GB"), read as GiB; the capacity only when `memory_mib` is null."""
+    memory_mib: PositiveInt | None = None
+    """Total memory as the driver reports it, MiB: CUDA's total (torch `total_memory`, deviceQuery) where a report
+    was found, else nvidia-smi `memory.total` (rocm-smi for AMD); null where no driver figure was found."""
+    memory_source: str = ""
+    """Where `memory_mib` comes from (the page or issue showing it), or why the label is used instead."""
     hbm_bandwidth_gbps: PositiveFloat
     """Device memory bandwidth, GB/s (HBM or GDDR)."""
     tflops_dense: dict[Dtype, NonNegativeFloat | None]
@@ -120,7 +126,7 @@ class GPU:
     arch: Arch
     """Architecture family."""
     memory_bytes: int
-    """Device memory, bytes (the vendor's "GB" label read as GiB)."""
+    """Device memory, bytes: the driver-reported total where the catalog has one, else the vendor's label as GiB."""
     hbm_bandwidth: float
     """Device memory bandwidth, bytes/s."""
     flops: tuple[tuple[Dtype, float | None], ...]
@@ -139,6 +145,8 @@ class GPU:
     """Where the numbers come from."""
     note: str = ""
     """Caveats: uncertain, derived or conflicting figures."""
+    memory_source: str = ""
+    """Where `memory_bytes` comes from: a cited driver report, or the datasheet label when none was found."""
 
     def peak_flops(self, dtype: str) -> float | None:
         """Dense peak FLOP/s for `dtype` ("fp32", "tf32", "fp16", "bf16", "fp8"), or None if unsupported."""
@@ -155,12 +163,17 @@ def gpu_from_record(record: GPURecord) -> GPU:
         raise ValueError(f"GPU {record.id!r}: tflops_dense needs exactly the keys {', '.join(DTYPES)}")
     return GPU(
         id=record.id, name=record.name, aliases=record.aliases, vendor=record.vendor, arch=record.arch,
-        memory_bytes=round(record.memory_gib * GIB), hbm_bandwidth=record.hbm_bandwidth_gbps * GB,
+        memory_bytes=capacity_bytes(record), hbm_bandwidth=record.hbm_bandwidth_gbps * GB,
         flops=tuple((d, None if tflops[d] is None else tflops[d] * TERA) for d in DTYPES),
         intra_node_kind=record.intra_node.kind, intra_node_bandwidth=record.intra_node.uni_gbps * GB,
         nvswitch=record.intra_node.nvswitch, host_bandwidth=record.host_link.uni_gbps * GB,
-        typical_node=record.node_typical, source=record.source, note=record.note,
+        typical_node=record.node_typical, source=record.source, note=record.note, memory_source=record.memory_source,
     )
+
+
+def capacity_bytes(record: GPURecord) -> int:
+    """The capacity a process gets: the driver's MiB figure when cited, else the "GB" label read as GiB."""
+    return record.memory_mib * MIB if record.memory_mib is not None else round(record.memory_gib * GIB)
 
 
 def name_key(name: str) -> str:

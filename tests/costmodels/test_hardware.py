@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 
 import pytest
 
-from costmodels.hardware import DTYPES, GB, GIB, UnknownGPU, catalog_from_json, find_gpu, load_gpus
+from costmodels.hardware import DTYPES, GB, GIB, MIB, UnknownGPU, catalog_from_json, find_gpu, load_gpus
 from graphs.errors import FitplanError
 
 REQUIRED_IDS = [
     "a100-sxm-40gb", "a100-sxm-80gb", "a100-pcie-40gb", "a100-pcie-80gb", "h100-sxm-80gb", "h100-pcie-80gb",
     "h200-sxm-141gb", "b200-180gb", "l40s-48gb", "l4-24gb", "a10g-24gb", "rtx-a6000-48gb", "v100-sxm2-16gb",
     "v100-sxm2-32gb", "v100-pcie-16gb", "v100-pcie-32gb", "t4-16gb", "rtx-3090-24gb", "rtx-4090-24gb",
-    "mi250x-gcd", "mi300x-192gb", "cpu",
+    "mi250x-gcd", "mi300x-192gb", "cpu", "h100-nvl-94gb", "gh200-96gb",
 ]
 
 # Dense BF16 TFLOP/s (FP16 on Volta/Turing, which lack BF16) from the table in
@@ -42,6 +43,7 @@ ALIASES = {
     "V100-PCIe": "v100-pcie-32gb", "T4": "t4-16gb", "RTX3090": "rtx-3090-24gb", "RTX 4090": "rtx-4090-24gb",
     "RTX4090": "rtx-4090-24gb", "MI250X": "mi250x-gcd", "MI300X": "mi300x-192gb", "CPU": "cpu",
     "a100-sxm-80gb": "a100-sxm-80gb", "A100 SXM4 80GB": "a100-sxm-80gb",
+    "H100-NVL": "h100-nvl-94gb", "H100 NVL 94GB": "h100-nvl-94gb", "GH200": "gh200-96gb",
 }
 
 
@@ -92,11 +94,55 @@ def test_every_gpu_defines_every_dtype_and_fp32():
         assert gpu.peak_flops("fp32") > 0
 
 
-def test_memory_label_is_read_as_gib():
-    assert find_gpu("A100").memory_bytes == 85_899_345_920
-    assert find_gpu("A100-40GB").memory_bytes == 40 * GIB
-    assert find_gpu("B200").memory_bytes == 180 * GIB
+def _catalog_records() -> list[dict]:
+    """The raw data file, read apart from the loader under test."""
+    return json.loads(resources.files("costmodels").joinpath("data/gpus.json").read_text(encoding="utf-8"))
+
+
+def test_capacity_is_what_the_driver_reports_not_the_marketing_label():
+    # Figures quoted in issue 10: an A10G shows 23,028 MiB and an L4 about 22.5 GiB (nvidia-smi memory.total).
+    assert find_gpu("A10G").memory_bytes == 23_028 * MIB
+    assert find_gpu("L4").memory_bytes / GIB == pytest.approx(22.5, abs=0.01)
+    assert find_gpu("H100").memory_bytes == 85_520_809_984  # torch total_memory on an H100 80GB HBM3
+    assert find_gpu("A100-40GB").memory_bytes == 40_339 * MIB  # deviceQuery: 42,298,834,944 B
+    assert find_gpu("A100").memory_bytes == 81_920 * MIB  # nvidia-smi on the SXM4 80GB part
+    assert find_gpu("MI300X").memory_bytes == 206_141_652_992  # rocm-smi VRAM Total Memory (B)
+
+
+def test_without_a_driver_figure_the_label_is_read_as_gib():
     assert find_gpu("MI250X").memory_bytes == 64 * GIB  # one GCD, half of the 128 GB package
+    assert find_gpu("H200").memory_bytes == 141 * GIB
+    assert find_gpu("GH200").memory_bytes == 96 * GIB
+
+
+def test_every_catalog_capacity_names_its_source():
+    for record in _catalog_records():
+        gpu, source, mib = find_gpu(record["id"]), record.get("memory_source", ""), record.get("memory_mib")
+        assert source and gpu.memory_source == source, record["id"]
+        if record["vendor"] == "cpu":
+            assert mib is None and "made-up" in source
+        elif mib is None:
+            assert "datasheet; driver figure not found" in source, record["id"]
+            assert gpu.memory_bytes == round(record["memory_gib"] * GIB), record["id"]
+        else:  # a cited driver report: a page or issue that shows this very number
+            assert "github.com/" in source or ".html" in source, record["id"]
+            assert str(mib) in source.replace(",", ""), record["id"]
+
+
+def test_cited_driver_figures_are_whole_mib_between_the_decimal_and_binary_label():
+    cited = [r for r in _catalog_records() if r.get("memory_mib") is not None]
+    assert len(cited) >= 15
+    for record in cited:
+        capacity, label = find_gpu(record["id"]).memory_bytes, record["memory_gib"]
+        assert capacity == record["memory_mib"] * MIB and capacity % MIB == 0, record["id"]
+        # Drivers reserve some memory: never more than the label read as GiB, and not far below it read as GB.
+        assert 0.95 * label * GB <= capacity <= label * GIB, record["id"]
+
+
+def test_custom_gpu_record_may_carry_a_driver_figure():
+    text = _catalog_text(memory_gib=24, memory_mib=23_028, memory_source="smi")
+    gpu = catalog_from_json(text, origin="t.json")["x1"]
+    assert (gpu.memory_bytes, gpu.memory_source) == (23_028 * MIB, "smi")
 
 
 def test_bandwidths_are_bytes_per_second_per_direction():

@@ -68,8 +68,8 @@ def test_detect_recorded_8xh100_answer_builds_one_node_of_eight_h100_sxm(gpu_nod
     catalog = find_gpu("H100-SXM5-80GB")
     assert cluster.gpu.id == catalog.id
     assert (cluster.nodes, cluster.gpus_per_node, cluster.world_size) == (1, 8, 8)
-    # Memory is what the driver reports (81559 MiB), not the catalog's 80 GiB label.
-    assert cluster.gpu.memory_bytes == answer["memory_total_bytes"] < catalog.memory_bytes
+    # Memory is what the driver reports (81559 MiB), as the catalog's cited driver figure is, not the 80 GiB label.
+    assert cluster.gpu.memory_bytes == answer["memory_total_bytes"] == catalog.memory_bytes < 80 * 2**30
     assert (cluster.gpu.intra_node_kind, cluster.gpu.intra_node_bandwidth) == ("nvlink4", catalog.intra_node_bandwidth)
     assert (cluster.cpu_ram_per_node, cluster.cpu_cores_per_node) == (HOST_RAM, HOST_CORES)
     assert any("18 active NVLink" in note for note in cluster.assumptions)
