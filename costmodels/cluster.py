@@ -11,10 +11,10 @@ import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import yaml
-from pydantic import ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from costmodels.config import require_positive_int
 from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, gpu_from_record, load_gpus
@@ -26,6 +26,16 @@ from graphs.files import UnreadableFile, check_depth, parse_yaml, read_text
 _SPEC = re.compile(r"\s*(?:(\d+)\s*[x×]\s*)?(?:(\d+)\s*[x×]\s*)?([a-z][\w .\-]*?)\s*", re.IGNORECASE)
 _FILE_HINT = ("A cluster file holds 'gpus' (e.g. 2x8xH100) or 'gpu' (a catalog name or a custom record as in "
               "costmodels/data/gpus.json), and optional keys of parse_cluster (nodes, gpus_per_node, ...).")
+
+
+# Bounds of the options, far above any real node, so a typo is refused rather than planned (or overflowing):
+# the largest 8-socket hosts take 32 TiB of RAM and 960 cores; NDR InfiniBand moves 50 GB/s per port and a PCIe 5
+# x16 NVMe array about 64 GB/s; the largest clusters hold ~100,000 GPUs.
+MAX_NODES = 2**17
+MAX_GPUS_PER_NODE = 1024
+MAX_CPU_RAM_GIB = 65536.0
+MAX_CPU_CORES = 4096
+MAX_GBPS = 10_000.0
 
 
 class InvalidCluster(FitplanError):
@@ -76,17 +86,17 @@ class ClusterOptions:
     """What a cluster string leaves out; None takes the GPU's typical node from the catalog."""
 
     __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    nodes: PositiveInt | None = None
+    nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] | None = None
     """Number of nodes."""
-    gpus_per_node: PositiveInt | None = None
+    gpus_per_node: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)] | None = None
     """GPUs in each node."""
-    inter_node_gbps: NonNegativeFloat | None = None
+    inter_node_gbps: Annotated[float, Field(ge=0, le=MAX_GBPS, allow_inf_nan=False)] | None = None
     """Compute-fabric GB/s per GPU per direction."""
-    cpu_ram_gib: PositiveFloat | None = None
+    cpu_ram_gib: Annotated[float, Field(gt=0, le=MAX_CPU_RAM_GIB, allow_inf_nan=False)] | None = None
     """Host RAM per node, GiB."""
-    cpu_cores: PositiveInt | None = None
+    cpu_cores: Annotated[int, Field(ge=1, le=MAX_CPU_CORES)] | None = None
     """Physical CPU cores per node."""
-    nvme_gbps: NonNegativeFloat | None = None
+    nvme_gbps: Annotated[float, Field(ge=0, le=MAX_GBPS, allow_inf_nan=False)] | None = None
     """NVMe read GB/s per node; 0 for none."""
 
 
@@ -268,5 +278,5 @@ def _read_mapping(path: Path) -> object:
 
 def _problems(err: ValidationError) -> str:
     unknown = ("extra_forbidden", "unexpected_keyword_argument")  # the latter for stdlib dataclasses
-    found = [(".".join(map(str, e["loc"])), e["msg"], e["type"]) for e in err.errors()]
-    return "; ".join(f"unknown key {at!r}" if t in unknown else f"{at}: {m}" for at, m, t in found)
+    found = [(".".join(map(str, e["loc"])), e["msg"], e["type"], repr(e.get("input"))[:40]) for e in err.errors()]
+    return "; ".join(f"unknown key {at!r}" if t in unknown else f"{at}: {m} (got {got})" for at, m, t, got in found)

@@ -175,6 +175,12 @@ CLUSTERS = [  # --gpus strings and cluster files
     case("cluster-file-fifo", cluster("fifo.json"), 2, "not a regular file"),
     case("cluster-file-oversize", cluster("oversize.json"), 2, f"at most {MAX_INPUT_BYTES:,} are read"),
     case("cluster-file-directory", cluster("folder.json"), 2, "is a directory"),
+    case("cluster-file-infinite-ram", cluster("cluster_inf_ram.yaml"), 2, "cpu_ram_gib: Input should be a finite"),
+    case("cluster-file-json-infinity", cluster("cluster_inf_nvme.json"), 2, "nvme_gbps: Input should be a finite"),
+    case("cluster-file-huge-ram", cluster("cluster_huge_ram.json"), 2, "less than or equal to 65536 (got 1e+300)"),
+    case("cluster-file-huge-cores", cluster("cluster_huge_cores.json"), 2, "cpu_cores: Input should be less than"),
+    case("cluster-file-billion-nodes", cluster("cluster_nodes.json"), 2, "nodes: Input should be less than"),
+    case("cluster-file-nan-fabric", cluster("cluster_nan.json"), 2, "inter_node_gbps: Input should be a finite"),
 ]
 
 CONFIGS = [  # --model as a local path: hostile or malformed config.json files
@@ -317,6 +323,12 @@ def corpus(tmp_path_factory) -> Path:
         "cluster_bomb.yaml": "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
             f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
             for i in range(12)) + "gpus: 8xA100\nbomb: *m\n",
+        "cluster_inf_ram.yaml": "gpus: 8xA100\ncpu_ram_gib: .inf\n",
+        "cluster_inf_nvme.json": '{"gpus": "8xA100", "nvme_gbps": Infinity}',
+        "cluster_huge_ram.json": {"gpus": "8xA100", "cpu_ram_gib": 1e300},
+        "cluster_huge_cores.json": {"gpus": "8xA100", "cpu_cores": 10**20},
+        "cluster_nodes.json": {"gpu": "H100", "nodes": 10**9, "gpus_per_node": 8},
+        "cluster_nan.json": '{"gpus": "2x8xH100", "inter_node_gbps": NaN}',
         "config_unknown.json": {"tp": 1, "pipeline": 2},
         "config_bad_tp.yaml": "tp: two\n",
         "config_bomb.yaml": "a: &a [none, none, none, none]\n" + "".join(
