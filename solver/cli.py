@@ -35,7 +35,7 @@ err = Console(stderr=True)
 Model = Annotated[str, text(4096, "Catalog id (see `fitplan models`), a local config.json or folder, or a Hub id "
                              "in the local HF cache.", "--model", "-m")]
 Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100-80GB, 16xH100, 2x8xH100, 4xL4, or "
-                           "a JSON/YAML cluster file.", "--gpus", "-g")]
+                           "a JSON/YAML cluster file, or auto (the GPUs of this machine).", "--gpus", "-g")]
 SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
                                       "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
 MicroBatch = Annotated[int, number(int, 1, B.MAX_GLOBAL_BATCH, "Micro-batch.")]
@@ -43,6 +43,27 @@ GradAccum = Annotated[int, number(int, 1, B.MAX_GLOBAL_BATCH, "Gradient accumula
 LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
 Launcher = Literal["deepspeed", "hf", "accelerate", "torchrun", "megatron"]  # solver.space.LAUNCHERS
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
+# What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
+CpuRamGib = Annotated[float | None, typer.Option(help="Host RAM per node in GiB (default: the GPU's typical host, "
+                                                 "its share for fewer GPUs).", rich_help_panel="Cluster")]
+CpuCores = Annotated[int | None, typer.Option(help="CPU cores per node (default: the typical host's share).",
+                                              rich_help_panel="Cluster")]
+GpusPerNode = Annotated[int | None, typer.Option(help="GPUs per node (default: the GPU's typical node).",
+                                                 rich_help_panel="Cluster")]
+NvmeGbps = Annotated[float | None, typer.Option(help="NVMe read GB/s per node; allows NVMe offload (default: "
+                                                "none).", rich_help_panel="Cluster")]
+InterNodeGbps = Annotated[float | None, typer.Option(help="Network GB/s per GPU per direction between nodes "
+                                                     "(default: the typical node's fabric).",
+                                                     rich_help_panel="Cluster")]
+ProfileFile = Annotated[Path | None, typer.Option(help="A profile from `fitplan measure` on this GPU: its measured "
+                                                  "rates replace the datasheet's.", rich_help_panel="Cluster")]
+
+
+def _cluster_options(cpu_ram_gib: float | None, cpu_cores: int | None, gpus_per_node: int | None,
+                     nvme_gbps: float | None, inter_node_gbps: float | None,
+                     profile: Path | None = None) -> dict[str, Any]:
+    return {"cpu_ram_gib": cpu_ram_gib, "cpu_cores": cpu_cores, "gpus_per_node": gpus_per_node,
+            "nvme_gbps": nvme_gbps, "inter_node_gbps": inter_node_gbps, "profile": profile}
 
 
 def _fail(error: Exception, *, as_json: bool = False) -> None:
@@ -137,6 +158,8 @@ def solve_command(
     emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
+    cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
+    nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from .api import solve
@@ -158,7 +181,9 @@ def solve_command(
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
                      headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
-                     attention=attention, input_tokens_per_s=input_tokens_per_s, **pins)
+                     attention=attention, input_tokens_per_s=input_tokens_per_s,
+                     cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
+                                                      inter_node_gbps, profile), **pins)
         for line in write_outputs(plan, targets, force=force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:
@@ -174,7 +199,8 @@ def solve_command(
 @app.command("estimate")
 def estimate_command(
     model: Model, gpus: Gpus,
-    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields.")] = None,
+    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields, or a plan written "
+                                                "by `solve -o`.")] = None,
     tp: Annotated[int, number(int, 1, B.MAX_TP, "Tensor-parallel degree.")] = 1,
     dp: Annotated[int | None, number(int, 1, B.MAX_DP, "Data-parallel degree (default: the rest of the GPUs).")
                   ] = None,
@@ -187,9 +213,13 @@ def estimate_command(
     checkpoint: Annotated[Checkpoint, typer.Option(help="Checkpoint mode of every layer.")] = Checkpoint.NONE,
     precision: Annotated[Precision, typer.Option(help="Precision.")] = Precision.BF16_MIXED,
     optimizer: Annotated[Optimizer, typer.Option(help="Optimizer.")] = Optimizer.ADAMW,
+    headroom: Annotated[float | None, number(float, 0, 1, "Fraction of GPU memory kept free, as in solve (default "
+                                             "0.05, or the plan's when --config is a plan).", hi_open=True)] = None,
     seq_len: SeqLen = None,
     lora_rank: LoraRank = None,
     as_json: AsJson = False,
+    cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
+    nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
 ) -> None:
     """Memory and time of one configuration: will it fit, and where does the memory go?"""
     from .commands import estimate_report
@@ -198,7 +228,9 @@ def estimate_command(
         flags = {"tp": tp, "dp": dp, "engine": engine, "zero": zero, "optimizer_offload": offload,
                  "param_offload": offload_params, "micro_batch": micro_batch, "grad_accum": grad_accum,
                  "checkpoint": checkpoint.value, "precision": precision, "optimizer": optimizer}
-        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank)
+        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, headroom=headroom,
+                                 cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
+                                                                  inter_node_gbps, profile))
     except Exception as error:
         _fail(error)
     if as_json:
@@ -241,12 +273,12 @@ def gpus_command(as_json: AsJson = False) -> None:
         return
     from rich.table import Table
 
-    table = Table(title="GPU catalog (dense figures; memory in GiB)")
-    for column in ("id", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "intra-node"):
+    table = Table(title="GPU catalog (dense figures; memory in GiB; profile: from `fitplan measure`)")
+    for column in ("id", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "intra-node", "profile"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["id"], ", ".join(r["aliases"]), f"{r['memory_gib']:.0f}", str(r["bf16_tflops"] or "-"),
-                      str(r["fp8_tflops"] or "-"), f"{r['hbm_gbps']:.0f}", r["intra_node"])
+                      str(r["fp8_tflops"] or "-"), f"{r['hbm_gbps']:.0f}", r["intra_node"], r["profile"] or "-")
     out.print(table)
 
 
@@ -311,6 +343,60 @@ def choose_command(
         render_choice(choice, out)
     if not choice.front:  # nothing fits anywhere in the sweep
         raise typer.Exit(code=3)
+
+
+@app.command("measure")
+def measure_command(
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the profile here (default: "
+                                                "~/.cache/fitplan/profiles/<gpu>.json or $FITPLAN_PROFILE_DIR).")
+                      ] = None,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (under a minute).")] = False,
+    device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo collectives) or auto.")
+                      ] = "auto",
+    ranks: Annotated[int | None, typer.Option(help="Processes for the collectives (default: the local GPUs; 2 "
+                                              "on CPU; 1 skips them).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Microbenchmark this node (GEMMs, attention, collectives, copies, CPU Adam) into a profile for --profile."""
+    from costmodels.profile import profile_json
+
+    from .measure import measure_to_file
+    from .profile_report import profile_lines
+
+    try:
+        profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output,
+                                        progress=lambda step: err.print(f"[dim]measuring {step}...[/]"))
+    except Exception as error:
+        _fail(error)
+    err.print(f"wrote {path}", markup=False, highlight=False)
+    if as_json:
+        print(profile_json(profile), end="")
+    else:
+        for line in profile_lines(profile, str(path)):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("check")
+def check_command(
+    plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
+    steps: Annotated[int, typer.Option(help="Training steps (the first is a warm-up for the step time).")] = 5,
+    device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo) or auto.")] = "auto",
+    nproc: Annotated[int | None, typer.Option(help="Processes; must equal the plan's ranks (the default).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Run a plan here for a few steps (random weights, synthetic batch) and compare with its estimate."""
+    from .check import check_lines, check_plan
+
+    try:
+        err.print("[dim]Running the plan's torchrun script...[/]")
+        report = check_plan(plan_file, steps=steps, device=device, nproc=nproc)
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in check_lines(report):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:

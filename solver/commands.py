@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +10,8 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 
-from costmodels import Estimate, load_gpus
+from costmodels import Cluster, Estimate, load_gpus
+from costmodels.verdict import DEFAULT_HEADROOM, Verdict, fits
 from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
 from graphs.files import check_depth, parse_json, parse_yaml, read_text
 from graphs.lora import LoraSpec
@@ -63,13 +64,18 @@ def plot_plan(plan: Plan, path: Path) -> None:
 @dataclass
 class EstimateReport:
     estimate: Estimate
-    capacity: int
+    verdict: Verdict
+    """`costmodels.verdict.fits` at the requested headroom: the rule `solve` fits its plans to."""
     title: str
 
     @property
+    def capacity(self) -> int:
+        return self.verdict.capacity
+
+    @property
     def fits(self) -> bool:
-        """The device peak fits the GPU's memory."""
-        return self.estimate.memory.device_peak <= self.capacity
+        """The device peak fits the GPU's memory less the headroom (and offloaded states fit the host)."""
+        return self.verdict.fits
 
     def to_json(self) -> dict[str, Any]:
         from pydantic import TypeAdapter
@@ -77,29 +83,34 @@ class EstimateReport:
         data = TypeAdapter(Estimate).dump_python(self.estimate, mode="json")
         data["fits"] = self.fits
         data["device_capacity_bytes"] = self.capacity
+        data["verdict"] = {"sentence": self.verdict.sentence, "headroom": self.verdict.headroom,
+                           "usable_bytes": self.verdict.usable, "margin_bytes": self.verdict.margin}
         return data
 
     def render(self, console: Console) -> None:
         from .render import render_estimate
 
-        render_estimate(self.estimate, self.capacity, console, title=self.title)
+        render_estimate(self.estimate, self.verdict, console, title=self.title)
 
 
 def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
-                    lora_rank: int | None) -> EstimateReport:
+                    lora_rank: int | None,
+                    headroom: float | None = None, cluster_options: dict[str, Any] | None = None) -> EstimateReport:
     from .api import cluster_from, estimate
 
-    cluster = cluster_from(gpus)
+    cluster = cluster_from(gpus, **(cluster_options or {}))
     values = read_config_file(config_file) if config_file else dict(flags)
     plan = _as_plan(values, config_file)
     if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
-        return _plan_report(plan, model, gpus, seq_len=seq_len, lora_rank=lora_rank)
+        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank)
+        return report if headroom is None else replace(report, verdict=fits(report.estimate, cluster, headroom))
     if values.get("dp") is None:
         tp = values.get("tp", 1)  # a wrong type is reported by the Config check below, naming the field
         values["dp"] = cluster.world_size // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
     lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank is not None else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
-    return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
+    verdict = fits(result, cluster, DEFAULT_HEADROOM if headroom is None else headroom)
+    return EstimateReport(result, verdict, f"{model} on {gpus}")
 
 
 def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
@@ -113,9 +124,10 @@ def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
                               "Write a plan with `solve ... -o plan.json`, or give a file of Config fields.") from error
 
 
-def _plan_report(plan: Plan, model: str, gpus: str, *, seq_len: int | None, lora_rank: int | None) -> EstimateReport:
+def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None, lora_rank: int | None
+                 ) -> EstimateReport:
     """The estimate of a plan's decisions on `model`/`gpus`; seq_len and LoRA rank given as flags override it."""
-    from .api import cluster_from, estimate
+    from .api import estimate
 
     d = plan.decisions
     config = {name: getattr(d, name) for name in ("tp", "dp", "engine", "zero", "optimizer_offload", "param_offload",
@@ -125,10 +137,9 @@ def _plan_report(plan: Plan, model: str, gpus: str, *, seq_len: int | None, lora
                                                 dropout=d.lora.dropout)
     if lora_rank is not None:
         lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
-    cluster = cluster_from(gpus)
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
                       global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention)
-    return EstimateReport(result, cluster.gpu.memory_bytes, f"{model} on {gpus}")
+    return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), f"{model} on {gpus}")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -157,12 +168,16 @@ def models_rows(filter_text: str) -> list[dict[str, Any]]:
 
 
 def gpu_rows() -> list[dict[str, Any]]:
+    from .measure import stored_profiles
+
+    profiles = stored_profiles()
     rows = []
     for gpu in load_gpus().values():
         bf16, fp8 = gpu.peak_flops("bf16"), gpu.peak_flops("fp8")
         rows.append({"id": gpu.id, "name": gpu.name, "aliases": list(gpu.aliases), "memory_gib": gpu.memory_bytes / GIB,
                      "bf16_tflops": bf16 / 1e12 if bf16 else None, "fp8_tflops": fp8 / 1e12 if fp8 else None,
-                     "hbm_gbps": gpu.hbm_bandwidth / 1e9, "intra_node": gpu.intra_node_kind})
+                     "hbm_gbps": gpu.hbm_bandwidth / 1e9, "intra_node": gpu.intra_node_kind,
+                     "profile": str(profiles[gpu.id]) if gpu.id in profiles else None})
     return rows
 
 

@@ -6,10 +6,13 @@ Every kernel runs on `device` ("cuda" or "cpu"); the CPU run exercises the same 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +49,7 @@ class Sizes:
     repeats: int
 
 
-def measure_plan(device: str, *, quick: bool) -> Sizes:
+def sizes_for(device: str, *, quick: bool) -> Sizes:
     """The sizes for `device`: GPU sizes fill the device, CPU sizes keep `--quick` under a minute on 2 cores."""
     if device == "cuda":
         return Sizes(device=device, tokens=(4096,) if quick else (2048, 8192), widths=2 if quick else 4,
@@ -76,7 +79,7 @@ def timed(call: Callable[[], object], *, warmup: int, repeats: int, sync: Callab
     return Timing(median=median, spread=(max(times) - min(times)) / median if median else 0.0, repeats=repeats)
 
 
-def gemm_shapes(plan: Sizes) -> list[tuple[int, int, int]]:
+def gemm_shapes(sizes: Sizes) -> list[tuple[int, int, int]]:
     """(m, n, k) per micro-batch size and catalog (hidden, FFN) pair: the up-projection, n=FFN and k=hidden."""
     from graphs import catalog_ids, load_entry
 
@@ -86,21 +89,21 @@ def gemm_shapes(plan: Sizes) -> list[tuple[int, int, int]]:
         hidden, ffn = config.get("hidden_size"), config.get("intermediate_size")
         if isinstance(hidden, int) and isinstance(ffn, int):
             pairs[hidden, ffn] = pairs.get((hidden, ffn), 0) + 1
-    order = sorted(pairs, key=lambda p: p[0] * p[1]) if plan.device == "cpu" else \
+    order = sorted(pairs, key=lambda p: p[0] * p[1]) if sizes.device == "cpu" else \
         sorted(pairs, key=lambda p: (-pairs[p], p))
-    return [(m, ffn, hidden) for m in plan.tokens for hidden, ffn in order[:plan.widths]]
+    return [(m, ffn, hidden) for m in sizes.tokens for hidden, ffn in order[:sizes.widths]]
 
 
-def measure_gemms(plan: Sizes, sync: Callable[[], None]) -> list[GemmPoint]:
+def measure_gemms(sizes: Sizes, sync: Callable[[], None]) -> list[GemmPoint]:
     """Matmul time at each shape in every dtype the device runs (fp8 through torch._scaled_mm where supported)."""
     import torch
 
     points = []
-    for dtype in plan.dtypes:
-        for m, n, k in gemm_shapes(plan):
-            call = _matmul(dtype, m, n, k, plan.device)
+    for dtype in sizes.dtypes:
+        for m, n, k in gemm_shapes(sizes):
+            call = _matmul(dtype, m, n, k, sizes.device)
             if call is not None:
-                time_ = timed(call, warmup=plan.warmup, repeats=plan.repeats, sync=sync)
+                time_ = timed(call, warmup=sizes.warmup, repeats=sizes.repeats, sync=sync)
                 points.append(GemmPoint(dtype=dtype, m=m, n=n, k=k, time=time_))
     torch.backends.cuda.matmul.allow_tf32 = False
     return points
@@ -122,23 +125,23 @@ def _matmul(dtype: str, m: int, n: int, k: int, device: str) -> Callable[[], obj
     return lambda: a @ b
 
 
-def measure_attention(plan: Sizes, sync: Callable[[], None]) -> list[AttentionPoint]:
+def measure_attention(sizes: Sizes, sync: Callable[[], None]) -> list[AttentionPoint]:
     """Causal SDPA forward + backward per sequence length, head dim and backend torch offers on the device."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "cudnn": SDPBackend.CUDNN_ATTENTION} if plan.device == "cuda" else \
+                "cudnn": SDPBackend.CUDNN_ATTENTION} if sizes.device == "cuda" else \
         {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
-    heads = 8 if plan.device == "cpu" else 32
+    heads = 8 if sizes.device == "cpu" else 32
     points = []
-    for dtype in (d for d in plan.dtypes if d in ("bf16", "fp16", "fp32")):
+    for dtype in (d for d in sizes.dtypes if d in ("bf16", "fp16", "fp32")):
         torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-        for s in plan.seq_lens:
+        for s in sizes.seq_lens:
             for head_dim in (64, 128):
                 shape = (1, heads, s, head_dim)
-                q, k, v = (torch.randn(shape, device=plan.device, dtype=torch_dtype, requires_grad=True)
+                q, k, v = (torch.randn(shape, device=sizes.device, dtype=torch_dtype, requires_grad=True)
                            for _ in range(3))
                 flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
                 for name, backend in backends.items():
@@ -150,37 +153,37 @@ def measure_attention(plan: Sizes, sync: Callable[[], None]) -> list[AttentionPo
                         call()
                     except RuntimeError:  # this backend does not take this dtype/shape here
                         continue
-                    time_ = timed(call, warmup=plan.warmup, repeats=plan.repeats, sync=sync)
+                    time_ = timed(call, warmup=sizes.warmup, repeats=sizes.repeats, sync=sync)
                     points.append(AttentionPoint(dtype=dtype, backend=name, batch=1, heads=heads, seq_len=s,
                                                  head_dim=head_dim, flops=flops, time=time_))
     return points
 
 
-def measure_copies(plan: Sizes, sync: Callable[[], None]) -> list[RatePoint]:
+def measure_copies(sizes: Sizes, sync: Callable[[], None]) -> list[RatePoint]:
     """Device-memory copy bandwidth (read + write), and host-to-device bandwidth pinned and pageable on CUDA."""
     import torch
 
-    nbytes = plan.copy_bytes
-    src = torch.empty(nbytes // 4, device=plan.device)
+    nbytes = sizes.copy_bytes
+    src = torch.empty(nbytes // 4, device=sizes.device)
     dst = torch.empty_like(src)
     calls = {"device_copy": (lambda: dst.copy_(src), 2 * nbytes)}
-    if plan.device == "cuda":
+    if sizes.device == "cuda":
         pinned, pageable = torch.empty(nbytes // 4, pin_memory=True), torch.empty(nbytes // 4)
         calls["h2d_pinned"] = (lambda: dst.copy_(pinned, non_blocking=True), nbytes)
         calls["h2d_pageable"] = (lambda: dst.copy_(pageable), nbytes)
     points = []
     for name, (call, moved) in calls.items():
-        time_ = timed(call, warmup=plan.warmup, repeats=plan.repeats, sync=sync)
+        time_ = timed(call, warmup=sizes.warmup, repeats=sizes.repeats, sync=sync)
         points.append(RatePoint(name=name, size=moved, rate=moved / max(time_.median, 1e-12), time=time_))
     return points
 
 
-def measure_cpu_adam(plan: Sizes) -> list[RatePoint]:
+def measure_cpu_adam(sizes: Sizes) -> list[RatePoint]:
     """Parameters/s of one AdamW step on host fp32 tensors: torch's default, foreach and fused, and DeepSpeed's
     CPUAdam when its extension is already built (building it would take minutes)."""
     import torch
 
-    size = plan.adam_params
+    size = sizes.adam_params
     params = [torch.nn.Parameter(torch.randn(size // 8)) for _ in range(8)]  # a few tensors, as a layer has
     for p in params:
         p.grad = torch.randn_like(p)
@@ -189,7 +192,8 @@ def measure_cpu_adam(plan: Sizes) -> list[RatePoint]:
         "adamw_torch_foreach": lambda: torch.optim.AdamW(params, lr=1e-4, foreach=True),
         "adamw_torch_fused": lambda: torch.optim.AdamW(params, lr=1e-4, fused=True)}
     if _deepspeed_cpu_adam_built():
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs on import; stdout carries the result
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizers["adam_deepspeed"] = lambda: DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
     points = []
@@ -198,17 +202,25 @@ def measure_cpu_adam(plan: Sizes) -> list[RatePoint]:
             optimizer = make()
         except (RuntimeError, ValueError):  # e.g. no fused CPU AdamW in this torch
             continue
-        time_ = timed(optimizer.step, warmup=plan.warmup, repeats=plan.repeats, sync=lambda: None)
+        time_ = timed(optimizer.step, warmup=sizes.warmup, repeats=sizes.repeats, sync=lambda: None)
         points.append(RatePoint(name=name, size=size, rate=size / max(time_.median, 1e-12), time=time_))
     return points
 
 
 def _deepspeed_cpu_adam_built() -> bool:
-    try:
-        from deepspeed.git_version_info import installed_ops
-    except Exception:  # DeepSpeed is optional, and its import can fail in many ways
+    """Whether DeepSpeed was installed with its CPUAdam extension prebuilt (DS_BUILD_CPU_ADAM=1), read from its
+    `git_version_info_installed.py` without importing DeepSpeed (whose import logs to stdout)."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
         return False
-    return bool(installed_ops.get("cpu_adam"))
+    record = Path(next(iter(spec.submodule_search_locations)), "git_version_info_installed.py")
+    namespace: dict[str, object] = {}
+    try:
+        exec(compile(record.read_text(), str(record), "exec"), namespace)  # a file of plain assignments
+    except (OSError, SyntaxError):
+        return False
+    installed = namespace.get("installed_ops")
+    return isinstance(installed, dict) and bool(installed.get("cpu_adam"))
 
 
 def cuda_context_bytes() -> float:
@@ -240,21 +252,21 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
     if device == "cuda" and not torch.cuda.is_available():
         raise FitplanError("--device cuda: torch sees no CUDA GPU here.", "Run with --device cpu, or on the GPU node.")
     gpu, name, count, driver = device_identity(device)
-    plan = measure_plan(device, quick=quick)
+    sizes = sizes_for(device, quick=quick)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     context = cuda_context_bytes() if device == "cuda" else None
     progress("GEMMs")
-    gemm = measure_gemms(plan, sync)
+    gemm = measure_gemms(sizes, sync)
     progress("attention")
-    attention = measure_attention(plan, sync)
+    attention = measure_attention(sizes, sync)
     progress("copies and CPU Adam")
-    rates = [*measure_copies(plan, sync), *measure_cpu_adam(plan)]
+    rates = [*measure_copies(sizes, sync), *measure_cpu_adam(sizes)]
     ranks = ranks or (count if device == "cuda" else 2)
     collectives = []
     if ranks > 1:
         progress(f"collectives on {ranks} ranks")
-        collectives = measure_collectives(device=device, ranks=ranks, sizes=plan.collective_bytes,
-                                          warmup=plan.warmup, repeats=plan.repeats)
+        collectives = measure_collectives(device=device, ranks=ranks, sizes=sizes.collective_bytes,
+                                          warmup=sizes.warmup, repeats=sizes.repeats)
     links = tuple(fit for op in ("all_reduce", "all_gather", "reduce_scatter")
                   if (fit := fit_link(op, collectives)) is not None)
     return Profile(gpu=gpu, device_name=name, devices=ranks, driver=driver, torch=torch.__version__,
@@ -273,3 +285,23 @@ def stored_profiles() -> dict[str, Path]:
     """Catalog GPU id -> the stored profile file, for the GPUs that have one."""
     folder = profile_dir()
     return {path.stem: path for path in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+
+
+def measure_to_file(device: str, *, quick: bool, ranks: int | None, output: Path | None,
+                    progress: Callable[[str], None] = lambda _: None) -> tuple[Profile, Path]:
+    """Measure this node and write the profile to `output`, or to the profile folder as `<gpu id>.json`."""
+    import torch
+
+    from costmodels.profile import profile_json
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise FitplanError(f"--device {device!r} must be auto, cpu or cuda.", "e.g. --device cpu")
+    if ranks is not None and ranks < 1:
+        raise FitplanError(f"--ranks {ranks} must be at least 1.", "1 skips the collectives.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = measure(device, quick=quick, ranks=ranks, progress=progress)
+    path = output or profile_dir() / f"{profile.gpu}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile_json(profile))
+    return profile, path
