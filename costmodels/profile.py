@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, ValidationError
 
 from graphs.errors import FitplanError
+from graphs.files import UnreadableFile, parse_json, read_text
 
 PROFILE_VERSION = 1
 _CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -170,12 +171,10 @@ class Profile:
 def load_profile(path: str | Path) -> Profile:
     """The profile in a JSON file; every error names the file."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise InvalidProfile(f"Cannot read profile {path}: {err.strerror or err}.", _HINT) from err
-    except ValueError as err:
-        raise InvalidProfile(f"Profile {path} is not valid JSON: {err}", _HINT) from err
+    try:  # a regular file of at most 16 MiB: /dev/zero or a FIFO is refused unread
+        data = parse_json(read_text(path, what="profile"), where=f"Profile {path}")
+    except UnreadableFile as err:
+        raise InvalidProfile(err.message, _HINT) from err
     return profile_from(data, origin=str(path))
 
 

@@ -73,7 +73,8 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     check(graph, cluster, workload, config)
     terms = time_terms(graph, cluster, workload, config)
     fixed = ticks(terms.fixed.step_time)
-    layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options) for options in terms.layers)
+    layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.selective or
+                         mode is not Checkpoint.SELECTIVE) for options in terms.layers)
     states = model_states(graph, config)
     usable = math.floor(cluster.gpu.memory_bytes * (1 - headroom))
     budget = allocated_budget(usable, runtime_overhead(cluster, config))
@@ -81,6 +82,11 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     host_ok = cpu <= cluster.cpu_ram_per_node and (nvme == 0 or cluster.nvme_bandwidth > 0)
     return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
                  host_ok=host_ok, host_bytes=cpu, build_memory=lambda: memory_terms(graph, workload, config))
+
+
+def table_modes(table: Table, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
+    """The allowed `modes` this configuration can run (no SELECTIVE where its launchers cannot express it)."""
+    return modes if table.outer.selective else tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
 
 
 def objective(table: Table, modes: tuple[Checkpoint, ...], *, tie_weight: int) -> int:

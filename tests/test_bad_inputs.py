@@ -368,17 +368,22 @@ class CaseTimeout(BaseException):
     """Raised by SIGALRM; a BaseException so no `except Exception` in the CLI can swallow it."""
 
 
-def run(args: list[str], seconds: int = CASE_SECONDS):
+def within_timeout(call, seconds: int = CASE_SECONDS):
+    """`call()`, interrupted by SIGALRM after `seconds` (a hang fails the case instead of the whole run)."""
     def expire(signum, frame):
-        raise CaseTimeout(f"still running after {seconds} s: {args}")
+        raise CaseTimeout(f"still running after {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.alarm(seconds)
     try:
-        return CliRunner().invoke(app, args)
+        return call()
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def run(args: list[str]):
+    return within_timeout(lambda: CliRunner().invoke(app, args))
 
 
 def test_corpus_holds_at_least_120_distinct_cases():
@@ -455,3 +460,12 @@ def test_cache_entry_with_wrong_inner_type_is_a_miss(tmp_path, monkeypatch):
         assert load_cached(key) is None, key
     (tmp_path / "lower" / "truncated.json").write_text(json.dumps(good)[:100])
     assert load_cached("truncated") is None
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "{d}/fifo.json", "{d}/oversize.json", "{d}/deep_arrays.json"])
+def test_profile_from_a_device_fifo_or_huge_file_is_refused_unread(name: str, corpus: Path):
+    from costmodels.profile import InvalidProfile, load_profile
+
+    with pytest.raises(InvalidProfile, match=r"not a regular file|are read|nests deeper"):
+        within_timeout(lambda: load_profile(name.replace("{d}", str(corpus))))
+
