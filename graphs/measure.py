@@ -150,9 +150,12 @@ def _rename_dynamic(params: list[ParamTensor], recording: Any) -> None:
 
 
 def _count_rowwise(parts: ModelParts, index: int, plan: dict[str, str]) -> int:
+    """Row-wise modules of layer `index`, each once: PEFT's wrapper and its `base_layer` are one module of the
+    plan (counting both doubled LoRA's TP all-reduces). A row-parallel LoRA A adds an all-reduce of only
+    rank-sized outputs (PEFT `LoraParallelLinear`), left out."""
     prefix = f"{parts.layers_path}.{index}"
-    return sum(1 for name, _ in parts.layers[index].named_modules()
-               if name and tp_style(f"{prefix}.{name}".replace(".base_layer", ""), plan) in _ROWWISE)
+    names = {f"{prefix}.{name}".replace(".base_layer", "") for name, _ in parts.layers[index].named_modules() if name}
+    return sum(1 for name in names if tp_style(name, plan) in _ROWWISE)
 
 
 def _moe(parts: ModelParts, kinds: list[int], dims: ModelDims) -> dict[int, MoE]:

@@ -5,6 +5,7 @@ describe every parameter tensor with its owner and tensor-parallel style.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,22 @@ def shard_dim(style: str, param_name: str, shape: tuple[int, ...]) -> int | None
     return min(dim, len(shape) - 1)
 
 
+_LORA = re.compile(r"(?P<base>.+)\.lora_(?P<matrix>[AB])\.[^.]+\.weight")
+
+
+def lora_style(base_style: str, matrix: str) -> str:
+    """How TP splits a LoRA matrix, following its base layer as PEFT's `LoraParallelLinear` does
+    (peft/tuners/lora/tp_layer.py): a column-parallel base gets a column-parallel B (A replicated), a
+    row-parallel base a row-parallel A (B replicated), so the adapter's output is split like the base's."""
+    column = _SHARD_DIM.get(base_style, {}).get("weight") == 0 and base_style != "embedding_rowwise"
+    row = _SHARD_DIM.get(base_style, {}).get("weight") == 1
+    if column and matrix == "B":
+        return "colwise"
+    if row and matrix == "A":
+        return "rowwise"
+    return "replicate"
+
+
 def param_tensors(model: torch.nn.Module, owner_of: dict[str, str], plan: dict[str, str]
                   ) -> list[ParamTensor]:
     """Every parameter tensor once (tied weights on their first owner), with owner node and TP split."""
@@ -111,6 +128,9 @@ def param_tensors(model: torch.nn.Module, owner_of: dict[str, str], plan: dict[s
             style = tp_style(plain.rpartition(".")[0], plan)
         if style == "moe_tp_experts":
             style = "replicate"
+        adapter = _LORA.fullmatch(plain)
+        if adapter is not None:
+            style = lora_style(tp_style(adapter["base"], plan), adapter["matrix"])
         shape = tuple(int(d) for d in param.shape)
         tensors.append(ParamTensor(name=fqn, node=_owner(fqn, owner_of), shape=shape,
                                    trainable=param.requires_grad, itemsize=param.element_size(),

@@ -23,6 +23,8 @@ def alternatives(found: SearchResult, kinds: list[int], modes: tuple[Checkpoint,
     """The best plan of each other configuration family (parallelism, engine, offload), ranked by step time;
     families that cannot fit come last. Past `deadline` (perf_counter seconds) no more are computed: the time
     limit covers the report too."""
+    if count <= 0:
+        return ()
     winner = found.tables[chosen]
     winner_time = winner.time_of(_modes_of(found, chosen, kinds)) * TICK_SECONDS
     best = _fitting_per_family(found, kinds, modes, winner.outer.family, deadline)
