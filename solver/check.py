@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from costmodels import Config, Optimizer, shared_lowering
 from costmodels.activations import evaluate
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
+from graphs.files import parse_json, read_text
 from graphs.lower import lower_resolved
 
 from .plan import Plan
@@ -71,8 +72,8 @@ class CheckReport:
 def load_plan(path: Path) -> Plan:
     """The plan in a JSON file written by `solve -o`."""
     try:
-        return Plan.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, ValidationError) as error:
+        return Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
+    except (ValueError, ValidationError) as error:  # a file that cannot be read says so itself (graphs.files)
         raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
                               "Write one with `solve ... -o plan.json`.") from error
 

@@ -13,11 +13,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
 from pydantic import ConfigDict, PositiveFloat, PositiveInt, TypeAdapter, ValidationError
 
 from costmodels import find_gpu
 from graphs import FitplanError
+from graphs.files import UnreadableFile, parse_json, parse_yaml, read_text
 
 _FILE_HINT = ("A prices file is YAML/JSON mapping GPU names to USD per GPU-hour (e.g. 'H100: 2.99', or "
               "'H100: {on_demand: 2.99, spot: 1.2}'), or a SkyPilot-style catalog (CSV, or a YAML/JSON list of "
@@ -170,18 +170,18 @@ def _number(row: dict[str, Any], column: str, origin: str, number: int) -> float
 
 
 def _read(path: Path) -> object:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise InvalidPrices(f"Cannot read prices file {path}: {getattr(err, 'strerror', None) or err}.",
-                            _FILE_HINT) from err
+    try:  # a regular file of at most 16 MiB (graphs.files): /dev/zero or a FIFO is refused unread
+        text = read_text(path, what="prices file")
+    except UnreadableFile as err:
+        raise InvalidPrices(err.message, _FILE_HINT) from err
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(text.splitlines())
         missing = [c for c in _SKYPILOT_REQUIRED if c not in (reader.fieldnames or [])]
         if missing:
             raise InvalidPrices(f"Prices file {path} (CSV) lacks the column(s) {', '.join(missing)}.", _FILE_HINT)
         return list(reader)
+    where = f"Prices file {path}"
     try:
-        return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as err:
-        raise InvalidPrices(f"Prices file {path} is not valid JSON or YAML: {err}", _FILE_HINT) from err
+        return parse_json(text, where=where) if path.suffix.lower() == ".json" else parse_yaml(text, where=where)
+    except UnreadableFile as err:
+        raise InvalidPrices(err.message, _FILE_HINT) from err
