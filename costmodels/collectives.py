@@ -17,31 +17,41 @@ INTER_NODE_LATENCY = 15e-6
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """A communicator: `size` ranks, all in one node or spread over several."""
+    """A communicator: `size` ranks, all in one node or spread over several with `per_node` in each."""
 
     size: int
     spans_nodes: bool
+    per_node: int = 1
+    """Ranks of the group inside each node (when it spans nodes)."""
 
 
 def tp_group(cluster: Cluster, tp: int) -> Group:
-    """Tensor-parallel ranks are adjacent GPUs of one node."""
-    return Group(tp, tp > cluster.gpus_per_node)
+    """Tensor-parallel ranks are adjacent GPUs of one node (a whole node each when tp exceeds one)."""
+    return Group(tp, tp > cluster.gpus_per_node, min(tp, cluster.gpus_per_node))
 
 
 def dp_group(cluster: Cluster, tp: int, dp: int) -> Group:
-    """Data-parallel peers of one TP rank; they leave the node once tp * dp exceeds a node."""
-    return Group(dp, tp * dp > cluster.gpus_per_node)
+    """Data-parallel peers of one TP rank; they leave the node once tp * dp exceeds a node, with a node's
+    gpus_per_node / tp of them in each node."""
+    return Group(dp, tp * dp > cluster.gpus_per_node, max(1, cluster.gpus_per_node // tp))
 
 
 def _link(cluster: Cluster, group: Group, op: CollectiveOp) -> tuple[float, float]:
-    """(bytes/s per rank, latency per step) of the slowest link the ring crosses; inside a node, the profile's
-    fit for `op` when the cluster has one (a profile measures one node, so inter-node links keep the constants)."""
-    if group.spans_nodes:
-        return cluster.inter_node_bandwidth * LINK_EFFICIENCY, INTER_NODE_LATENCY
+    """(bus bytes/s per rank, latency per step) of a ring; inside a node, the profile's fit for `op` when the
+    cluster has one (a profile measures one node).
+
+    Across nodes NCCL runs one channel per NIC (rail-optimised fabrics: one NIC per GPU, as in DGX/HGX nodes),
+    so the `per_node` ranks of a group move the data that must leave a node through `per_node` NICs at once;
+    inside the node the ring still rides NVLink. The bus bandwidth is the slower of the two: a 16-GPU FSDP group
+    over two DGX H100 nodes gets min(NVLink, 8 x 50 GB/s), not one NIC's 50 GB/s (nccl-tests' multi-node
+    all_reduce busbw on such nodes is of the order of the NIC aggregate, not of one NIC)."""
     fit = cluster.profile.link(op) if cluster.profile is not None else None
-    if fit is not None:
-        return fit.bus_bandwidth, fit.latency
-    return cluster.gpu.intra_node_bandwidth * LINK_EFFICIENCY, INTRA_NODE_LATENCY
+    intra = (fit.bus_bandwidth, fit.latency) if fit is not None else \
+        (cluster.gpu.intra_node_bandwidth * LINK_EFFICIENCY, INTRA_NODE_LATENCY)
+    if not group.spans_nodes:
+        return intra
+    nics = group.per_node * cluster.inter_node_bandwidth * LINK_EFFICIENCY
+    return min(intra[0], nics), INTER_NODE_LATENCY
 
 
 def all_reduce_seconds(cluster: Cluster, group: Group, nbytes: float) -> float:
