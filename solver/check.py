@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from costmodels import Config, Optimizer, shared_lowering
+from costmodels import Config, shared_lowering
 from costmodels.activations import evaluate
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
 from graphs.files import parse_json, read_text
@@ -180,8 +180,8 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
     rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
                 exact=cpu),
             Row(name="gradients", measured=first["grad_bytes"], estimated=memory.gradients, unit="bytes", exact=cpu),
-            Row(name="optimizer states", measured=first["optimizer_bytes"] + _device_steps(plan, first, cpu=cpu),
-                estimated=memory.optimizer_states, unit="bytes", exact=cpu),
+            Row(name="optimizer states", measured=first["optimizer_bytes"], estimated=memory.optimizer_states,
+                unit="bytes", exact=cpu),
             Row(name="saved activations (one micro-batch)", measured=first["saved_activation_bytes"],
                 estimated=saved, unit="bytes", exact=cpu)]
     if first.get("peak_allocated_bytes") is not None:
@@ -193,14 +193,6 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
     rows.append(Row(name="step time", measured=max(statistics.median(t) for t in timed),
                     estimated=plan.estimate.time.step_time, unit="s", exact=False))
     return rows
-
-
-def _device_steps(plan: Plan, report: dict, *, cpu: bool) -> int:
-    """Bytes of `step` counters the plan's optimizer keeps on the device. Fused AdamW keeps them there; the
-    emitted script fuses only on CUDA, so a CPU run stands in for the device with its (unfused) counters."""
-    if not cpu:
-        return report["device_step_bytes"]
-    return report["step_bytes"] if plan.decisions.optimizer is Optimizer.ADAMW_FUSED else 0
 
 
 def check_lines(report: CheckReport) -> list[str]:

@@ -247,13 +247,10 @@ def main():
     on_device = bool(optimizer.defaults.get("fused"))
     states = sum(local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
                  if torch.is_tensor(v) and (k != "step" or on_device))
-    steps = [v for state in optimizer.state.values() for k, v in state.items() if torch.is_tensor(v) and k == "step"]
     if args.report:
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
             json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
-                       "step_bytes": sum(local_bytes(v) for v in steps),
-                       "device_step_bytes": sum(local_bytes(v) for v in steps if v.device.type != "cpu"),
                        "saved_activation_bytes": saved[0], "step_seconds": seconds,
                        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}, handle)

@@ -56,4 +56,4 @@ def test_check_with_another_rank_count_exits_2(plans):
 def test_check_of_a_file_that_is_no_plan_exits_2(tmp_path):
     (tmp_path / "x.json").write_text("not json")
     result = runner.invoke(app, ["check", str(tmp_path / "x.json")])
-    assert result.exit_code == 2 and "not a fitplan plan" in " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "x.json" in result.stderr and "Error" in result.stderr
