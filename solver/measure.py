@@ -262,6 +262,9 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
     progress("copies and CPU Adam")
     rates = [*measure_copies(sizes, sync), *measure_cpu_adam(sizes)]
     ranks = ranks or (count if device == "cuda" else 2)
+    if device == "cuda" and ranks > count:
+        raise FitplanError(f"--ranks {ranks}: this node has {count} GPUs (one process per GPU).",
+                           f"Pass --ranks {count} or fewer.")
     collectives = []
     if ranks > 1:
         progress(f"collectives on {ranks} ranks")
