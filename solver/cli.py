@@ -17,10 +17,11 @@ import typer
 import typer.rich_utils
 from rich.console import Console
 
-from costmodels import Config, Engine, Offload, Optimizer, Precision
+from costmodels import Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError, LoraSpec
 
 from . import bounds as B
+from .conflicts import check_pins
 from .options import Text, help_width, number, text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # planning never downloads
@@ -174,8 +175,7 @@ def solve_command(
                 "checkpoint": None if checkpoint == "auto" else Checkpoint(checkpoint),
                 "precisions": _csv(precision, Precision), "compile": compile,
                 "optimizers": _csv(optimizers.replace("_", "-"), Optimizer)}
-        if engine is not None and zero is not None:
-            Config(engine=engine, zero=zero)  # "engine=ddp has no ZeRO stage" is a ValueError: exit 2
+        check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
         if not as_json:
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
