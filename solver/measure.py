@@ -252,6 +252,10 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
     if device == "cuda" and not torch.cuda.is_available():
         raise FitplanError("--device cuda: torch sees no CUDA GPU here.", "Run with --device cpu, or on the GPU node.")
     gpu, name, count, driver = device_identity(device)
+    ranks = ranks or (count if device == "cuda" else 2)
+    if device == "cuda" and ranks > count:
+        raise FitplanError(f"--ranks {ranks}: this node has {count} GPUs (one process per GPU).",
+                           f"Pass --ranks {count} or fewer.")
     sizes = sizes_for(device, quick=quick)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     context = cuda_context_bytes() if device == "cuda" else None
@@ -261,10 +265,6 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
     attention = measure_attention(sizes, sync)
     progress("copies and CPU Adam")
     rates = [*measure_copies(sizes, sync), *measure_cpu_adam(sizes)]
-    ranks = ranks or (count if device == "cuda" else 2)
-    if device == "cuda" and ranks > count:
-        raise FitplanError(f"--ranks {ranks}: this node has {count} GPUs (one process per GPU).",
-                           f"Pass --ranks {count} or fewer.")
     collectives = []
     if ranks > 1:
         progress(f"collectives on {ranks} ranks")
