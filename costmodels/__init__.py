@@ -8,10 +8,11 @@ from .cluster import Cluster, InvalidCluster, describe_cluster, load_cluster_fil
 from .config import Config, Engine, Offload, Optimizer, Precision, Workload
 from .estimate import InvalidConfig, check, estimate, lowering_for, model_flops, shared_lowering
 from .hardware import GPU, UnknownGPU, find_gpu, load_gpus
+from .verdict import DEFAULT_HEADROOM, Verdict, fits
 
 __all__ = [
-    "GPU", "Cluster", "Config", "Engine", "Estimate", "InvalidCluster", "InvalidConfig", "MemoryBreakdown",
-    "Offload", "Optimizer", "Precision", "TimeBreakdown", "UnknownGPU", "Workload", "check", "describe_cluster",
-    "estimate", "find_gpu", "load_cluster_file", "load_gpus", "lowering_for", "model_flops", "parse_cluster",
-    "shared_lowering",
+    "DEFAULT_HEADROOM", "GPU", "Cluster", "Config", "Engine", "Estimate", "InvalidCluster", "InvalidConfig",
+    "MemoryBreakdown", "Offload", "Optimizer", "Precision", "TimeBreakdown", "UnknownGPU", "Verdict", "Workload",
+    "check", "describe_cluster", "estimate", "find_gpu", "fits", "load_cluster_file", "load_gpus", "lowering_for",
+    "model_flops", "parse_cluster", "shared_lowering",
 ]

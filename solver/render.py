@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from costmodels import Estimate
+from costmodels.verdict import Verdict, fits
 
 from .plan import Plan
 
@@ -21,6 +22,10 @@ _COLORS = {"parameters": "cyan", "gradients": "magenta", "optimizer states": "ye
 
 def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
+
+
+def _capital(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
 
 
 def memory_parts(estimate: Estimate) -> list[tuple[str, int]]:
@@ -42,7 +47,7 @@ def memory_bar(estimate: Estimate, capacity: int, width: int = 60) -> Text:
     return bar
 
 
-def memory_table(estimate: Estimate, capacity: int) -> Table:
+def memory_table(estimate: Estimate, capacity: int, verdict: Verdict | None = None) -> Table:
     table = Table(title="Memory per GPU (binary GiB)", show_edge=False)
     table.add_column("category")
     table.add_column("GiB", justify="right")
@@ -52,6 +57,8 @@ def memory_table(estimate: Estimate, capacity: int) -> Table:
     table.add_row("allocated peak", f"{m.allocated_peak / GIB:.2f}", style="bold")
     table.add_row("device peak (reserved + context/NCCL)", f"{m.device_peak / GIB:.2f}", style="bold")
     table.add_row("device capacity", f"{capacity / GIB:.2f}")
+    if verdict is not None:
+        table.add_row(f"usable (less {verdict.headroom * 100:g}% headroom)", f"{verdict.usable / GIB:.2f}")
     if m.cpu_bytes_per_node:
         table.add_row("host RAM per node (offload)", f"{m.cpu_bytes_per_node / GIB:.2f}")
     if m.nvme_bytes_per_node:
@@ -118,8 +125,10 @@ def alternatives_table(plan: Plan) -> Table:
 
 def render_plan(plan: Plan, console: Console) -> None:
     capacity = plan.inputs.cluster.gpu_memory_bytes
-    parts = [decisions_table(plan), Text(""), Text("Memory bar per GPU (of device memory):"),
-             memory_bar(plan.estimate, capacity), memory_table(plan.estimate, capacity), Text(""),
+    verdict = fits(plan.estimate, capacity, plan.inputs.headroom)
+    parts = [decisions_table(plan), Text(""), Text(_capital(verdict.sentence), style="bold"),
+             Text("Memory bar per GPU (of device memory):"),
+             memory_bar(plan.estimate, capacity), memory_table(plan.estimate, capacity, verdict), Text(""),
              time_table(plan.estimate), Text(""), alternatives_table(plan), Text(f"Binding: {plan.binding}")]
     if plan.advice:
         parts.append(Text("Guide methods: " + " | ".join(plan.advice)))
@@ -127,11 +136,12 @@ def render_plan(plan: Plan, console: Console) -> None:
     console.print(Panel(Group(*parts), title="fitplan"))
 
 
-def render_estimate(estimate: Estimate, capacity: int, console: Console, *, title: str) -> None:
-    fits = estimate.memory.device_peak <= capacity
-    verdict = Text(f"{'Fits' if fits else 'Does NOT fit'}: device peak {gib(estimate.memory.device_peak)} of "
-                   f"{gib(capacity)} (allocated peak {gib(estimate.memory.allocated_peak)}, at "
-                   f"{estimate.memory.peak_at})", style="bold green" if fits else "bold red")
-    console.print(Panel(Group(verdict, memory_bar(estimate, capacity), memory_table(estimate, capacity), Text(""),
+def render_estimate(estimate: Estimate, verdict: Verdict, console: Console, *, title: str) -> None:
+    """The verdict (the same rule `solve` fits its plans to), then where the memory and the time go."""
+    capacity = verdict.capacity
+    line = Text(f"{_capital(verdict.sentence)}; allocated peak {gib(estimate.memory.allocated_peak)} at "
+                f"{estimate.memory.peak_at}", style="bold green" if verdict.fits else "bold red")
+    console.print(Panel(Group(line, memory_bar(estimate, capacity), memory_table(estimate, capacity, verdict),
+                              Text(""),
                               time_table(estimate), Text("Notes: " + "; ".join(estimate.notes), style="dim")),
                         title=title))

@@ -6,15 +6,14 @@ The CP-SAT model and the enumeration both read these tables, so comparing them i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from costmodels import Cluster, Workload, check
 from costmodels.memory import MemoryTerms, allocated_peak, memory_terms, offload_bytes
-from costmodels.overhead import allocated_budget, runtime_overhead
 from costmodels.states import ModelStates, model_states
 from costmodels.timing import time_terms
+from costmodels.verdict import host_fits, memory_budget
 from graphs import Checkpoint, LayerGraph
 
 from .space import Outer
@@ -41,7 +40,8 @@ class Table:
     """Per decoder layer, its ticks in each mode."""
     states: ModelStates
     budget: int
-    """Largest allocated peak that fits the usable device memory after overhead and allocator slack."""
+    """Largest allocated peak that fits the usable device memory after overhead and allocator slack: the form
+    of `costmodels.verdict.fits` the CP-SAT model can state (estimate's verdict agrees on every configuration)."""
     host_ok: bool
     """Offloaded states fit the nodes' CPU RAM and NVMe."""
     host_bytes: int
@@ -76,10 +76,9 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.selective or
                          mode is not Checkpoint.SELECTIVE) for options in terms.layers)
     states = model_states(graph, config)
-    usable = math.floor(cluster.gpu.memory_bytes * (1 - headroom))
-    budget = allocated_budget(usable, runtime_overhead(cluster, config))
+    budget = memory_budget(cluster, config, headroom)
     cpu, nvme = offload_bytes(cluster, config, states)
-    host_ok = cpu <= cluster.cpu_ram_per_node and (nvme == 0 or cluster.nvme_bandwidth > 0)
+    host_ok = host_fits(cpu, nvme, cluster)
     return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
                  host_ok=host_ok, host_bytes=cpu, build_memory=lambda: memory_terms(graph, workload, config))
 

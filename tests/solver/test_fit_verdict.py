@@ -1,0 +1,135 @@
+"""`fitplan estimate` and `solve` give the same verdict for the same configuration (issue 10).
+
+Estimate's verdict comes from `api.estimate` (the memory breakdown) through `costmodels.fits`, as the CLI prints
+it; the solver's comes from the integer table it searches: the configuration's allocated peak over its checkpoint
+modes against the table's allocated-byte budget, plus the host check. The two paths compute the peak separately.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from costmodels import DEFAULT_HEADROOM, Config, Engine, Optimizer, Precision, Workload, fits, parse_cluster
+from costmodels.estimate import shared_lowering
+from costmodels.overhead import allocated_budget, reserved_bytes
+from costmodels.verdict import usable_bytes
+from graphs import Checkpoint
+from graphs.lower import lower_resolved
+from graphs.sources import resolve
+from solver import api
+from solver.cli import app
+from solver.commands import estimate_report
+from solver.space import Outer
+from solver.tables import build_table
+
+SEQ_LEN = 1024
+MODELS = ("facebook/opt-125m", "Qwen/Qwen2.5-0.5B")
+GPUS = ("1xA10G", "2xL4", "2xRTX4090")
+ENGINES = ((Engine.DDP, 0), (Engine.DEEPSPEED, 2), (Engine.FSDP2, 3))
+MICRO_BATCHES = (4, 32)
+CHECKPOINTS = (Checkpoint.NONE, Checkpoint.SELECTIVE, Checkpoint.FULL)
+HEADROOMS = (DEFAULT_HEADROOM, 0.3)
+
+
+def _solver_fits(model: str, gpus: str, flags: dict, headroom: float) -> bool:
+    """The solver's verdict: does this configuration's table admit its checkpoint modes?"""
+    cluster = parse_cluster(gpus)
+    dtype, autocast = shared_lowering(api.config_from(dict(flags), layers=None))
+    graph = lower_resolved(resolve(model), dtype=dtype, autocast=autocast)
+    config: Config = api.config_from(dict(flags), layers=len(graph.decoder_layers()))
+    workload = Workload(seq_len=SEQ_LEN, global_batch=config.micro_batch * config.grad_accum * config.dp)
+    outer = Outer(tp=config.tp, dp=config.dp, engine=config.engine, zero=config.zero,
+                  optimizer_offload=config.optimizer_offload, param_offload=config.param_offload,
+                  micro_batch=config.micro_batch, grad_accum=config.grad_accum, precision=config.precision,
+                  optimizer=config.optimizer)
+    table = build_table(graph, cluster, workload, outer, rank=0, headroom=headroom)
+    modes = config.layer_modes(len(graph.decoder_layers()))
+    return table.host_ok and table.peak_of(modes) <= table.budget
+
+
+def _cases():
+    return itertools.product(MODELS, GPUS, ENGINES, MICRO_BATCHES, CHECKPOINTS)
+
+
+def test_estimate_and_solver_tables_agree_on_every_configuration_of_a_sweep():
+    verdicts = {True: 0, False: 0}
+    near = 0  # configurations the old rule (device peak <= full capacity) judged differently
+    for model, gpus, (engine, zero), micro_batch, mode in _cases():
+        dp = parse_cluster(gpus).world_size
+        flags = {"tp": 1, "dp": dp, "engine": engine, "zero": zero, "micro_batch": micro_batch, "grad_accum": 1,
+                 "checkpoint": mode.value, "precision": Precision.BF16_MIXED, "optimizer": Optimizer.ADAMW}
+        for headroom in HEADROOMS:
+            report = estimate_report(model, gpus, None, dict(flags), seq_len=SEQ_LEN, lora_rank=None,
+                                     headroom=headroom)
+            solver = _solver_fits(model, gpus, flags, headroom)
+            case = f"{model} {gpus} {engine} zero={zero} mb={micro_batch} {mode} headroom={headroom}"
+            assert report.fits == solver, f"{case}: {report.verdict.sentence}"
+            verdicts[solver] += 1
+            near += (report.estimate.memory.device_peak <= report.capacity) != report.fits
+    assert verdicts[True] >= 10 and verdicts[False] >= 10, verdicts  # the sweep crosses the boundary both ways
+    assert near >= 1  # and reaches the headroom band, where only a shared rule agrees
+
+
+def test_the_budget_is_the_inverse_of_the_device_rule_byte_for_byte():
+    capacity, overhead = 24 * 2**30, 1_700_000_000
+    usable = usable_bytes(capacity, DEFAULT_HEADROOM)
+    budget = allocated_budget(usable, overhead)
+    for allocated in (0, 1, budget - 2**21, budget - 1, budget, budget + 1, budget + 2**21, 2 * budget):
+        peak = SimpleNamespace(device_peak=reserved_bytes(allocated) + overhead)
+        assert fits(peak, capacity, DEFAULT_HEADROOM).fits == (allocated <= budget), allocated
+
+
+def test_estimate_cli_prints_the_rule_and_exits_3_when_it_does_not_fit():
+    runner = CliRunner()
+    args = ["estimate", "--model", "facebook/opt-125m", "--gpus", "1xA10G", "--seq-len", str(SEQ_LEN)]
+    small = runner.invoke(app, [*args, "--micro-batch", "1"])
+    assert small.exit_code == 0, small.output
+    assert "Fits: device peak" in small.output and "usable" in small.output and "less 5% headroom" in small.output
+    tight = runner.invoke(app, [*args, "--micro-batch", "1", "--headroom", "0.99"])
+    assert tight.exit_code == 3, tight.output
+    assert "Does NOT fit: device peak" in tight.output and "less 99% headroom" in tight.output
+
+
+def test_estimate_json_carries_the_verdict_and_its_numbers():
+    result = CliRunner().invoke(app, ["estimate", "--model", "facebook/opt-125m", "--gpus", "1xA10G", "--seq-len",
+                                      str(SEQ_LEN), "--headroom", "0.1", "--json"])
+    data = json.loads(result.stdout)
+    verdict = data["verdict"]
+    assert verdict["headroom"] == 0.1
+    assert verdict["usable_bytes"] == int(23_028 * 2**20 * 0.9)  # the A10G's driver figure less 10%
+    assert verdict["margin_bytes"] == verdict["usable_bytes"] - data["memory"]["device_peak"]
+    assert data["fits"] is (verdict["margin_bytes"] >= 0)
+    assert verdict["sentence"].startswith("fits: device peak")
+
+
+@pytest.mark.parametrize("bad", ["1", "-0.1", "nan"])
+def test_estimate_rejects_a_headroom_outside_zero_to_one(bad):
+    result = CliRunner().invoke(app, ["estimate", "--model", "facebook/opt-125m", "--gpus", "1xA10G",
+                                      "--headroom", bad])
+    assert result.exit_code == 2
+    assert "headroom" in result.output
+
+
+def test_verdict_checks_host_ram_as_the_solver_does():
+    cluster = parse_cluster("1xA10G")
+    memory = SimpleNamespace(device_peak=2**30, cpu_bytes_per_node=cluster.cpu_ram_per_node + 1,
+                             nvme_bytes_per_node=0)
+    verdict = fits(memory, cluster)
+    assert verdict.device_fits and not verdict.fits
+    assert "host RAM" in verdict.sentence and verdict.sentence.startswith("does NOT fit")
+
+
+def test_solve_renders_the_same_rule_for_its_plan():
+    result = CliRunner().invoke(app, ["solve", "--model", "facebook/opt-125m", "--gpus", "1xA10G", "--seq-len",
+                                      str(SEQ_LEN), "--global-batch", "8", "--time-limit", "5"])
+    assert result.exit_code == 0, result.output
+    assert "Fits: device peak" in result.output and "less 5% headroom" in result.output
+
+
+def test_default_headroom_is_the_one_solve_uses():
+    assert api.DEFAULT_HEADROOM == DEFAULT_HEADROOM
