@@ -203,7 +203,8 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     config = outer.config(result.modes)
     estimate = estimate_config(graph, cluster, workload, config)
     guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.compile,
-                   input_tokens_per_s=input_rate, allowed_optimizers=pins.optimizers, lora=lora is not None)
+                   input_tokens_per_s=input_rate, allowed_optimizers=pins.optimizers, lora=lora is not None,
+                   headroom=headroom)
     if guide.compile != config.compile:  # "auto" judged the saving too small
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)
@@ -225,8 +226,12 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
         and outer.param_offload is Offload.NONE
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
+    launchers = runnable_by(decisions)
+    if not launchers:  # the space keeps only what some allowed launcher runs (`space._runnable`)
+        raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
+                           "This is a fitplan bug; please report it with the command line.")
     return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
-                launchers=runnable_by(decisions), binding=binding, advice=guide.lines)
+                launchers=launchers, binding=binding, advice=guide.lines)
 
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,

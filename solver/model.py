@@ -139,6 +139,9 @@ def add_step_time(pm: PlanModel, k: int, table: Table) -> None:
     for kind, (none, d_full, d_sel) in _kind_deltas(pm.kinds, table.layer_ticks).items():
         expr += pm.kinds.count(kind) * none + d_full * pm.count_full[kind] + d_sel * pm.count_selective[kind]
     pm.model.add(pm.step_time >= expr).only_enforce_if(pm.use_config[k])
+    if not table.outer.selective and any(not isinstance(s, int) for s in pm.selective_ckpt):
+        # no launcher that runs this configuration expresses selective recompute
+        pm.model.add(sum(pm.count_selective.values()) == 0).only_enforce_if(pm.use_config[k])
 
 
 def _kind_deltas(kinds: list[int], per_layer: tuple[tuple[tuple[Checkpoint, int], ...], ...]

@@ -21,7 +21,7 @@ from graphs import Checkpoint, LayerGraph
 
 from .model import SolveResult, build_model, solve
 from .space import Outer, Space, canonical_modes
-from .tables import Table, build_table, objective, tie_weight
+from .tables import Table, build_table, objective, table_modes, tie_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +87,7 @@ def quick_plan(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...]) ->
     bisection on the canonical order, FULL first), else None."""
     if not table.host_ok:
         return None
+    modes = table_modes(table, modes)
     fastest = fastest_modes(table, kinds, modes)
     if table.peak_of(fastest) <= table.budget:
         return fastest

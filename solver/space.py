@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
 from costmodels.config import require_positive_int
 from graphs import Checkpoint, FitplanError, LayerGraph
 
-# Launchers and what each can express (DESIGN.md: a plan records which launchers can run it).
-LAUNCHERS = ("deepspeed", "hf", "accelerate", "torchrun", "megatron")
+from .capability import LAUNCHERS, runnable_by, selective_runners
 
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
@@ -73,6 +72,9 @@ class Outer:
     optimizer: Optimizer
     sequence_parallel: bool = False
     compile: bool = False
+    selective: bool = True
+    """Whether a launcher that runs this configuration can also run selective recompute on the layers the
+    search picks (`capability.selective_runners`); without one the search leaves SELECTIVE out."""
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
         return Config(tp=self.tp, dp=self.dp, engine=self.engine, zero=self.zero,
@@ -187,8 +189,8 @@ def divisors(n: int) -> list[int]:
 
 
 def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins) -> Space:
-    """Every outer configuration, in a fixed order (the order breaks ties: simpler first); with a launcher
-    pinned, only what it can express (`launchers.support.unsupported`)."""
+    """Every outer configuration, in a fixed order (the order breaks ties: simpler first), that an allowed
+    launcher can run as emitted (`capability.unsupported`)."""
     precisions = supported_precisions(cluster, pins.precisions or default_precisions(cluster))
     compiled = pins.compile != "off"  # compile only saves time in the model; "auto" may turn it off afterwards
     optimizers = tuple(dict.fromkeys(o for allowed in pins.optimizers for o in SAME_MATH.get(allowed, (allowed,))))
@@ -206,8 +208,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                                 outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
                                                     optimizer, sp, compiled and _compiles(engine, zero, pins)))
     modes = (pins.checkpoint,) if pins.checkpoint else graph.checkpoint_modes()
+    outers = _runnable(outers, pins, modes, lora=graph.lora is not None)
     if pins.launcher is not None:
-        outers = [o for o in outers if _expressible(o, pins.launcher, lora=graph.lora is not None)]
         whole_layers = pins.launcher in ("hf", "accelerate", "deepspeed")  # HF models checkpoint whole layers
         if whole_layers and pins.checkpoint is Checkpoint.SELECTIVE:
             raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (transformers "
@@ -220,12 +222,23 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     return Space(tuple(outers), modes)
 
 
-def _expressible(outer: Outer, launcher: str, *, lora: bool) -> bool:
-    from .launchers.support import unsupported
-    from .plan import LoraDecision, decisions_of
-
-    adapters = LoraDecision(rank=1, alpha=1, targets=(), dropout=0.0) if lora else None
-    return not unsupported(launcher, decisions_of(outer, (), lora=adapters))
+def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: bool) -> list[Outer]:
+    """The outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each marked
+    with whether selective recompute stays runnable. Launcher rules do not depend on the micro-batch split, so
+    they are checked once per configuration family, not per outer."""
+    allowed = (pins.launcher,) if pins.launcher else LAUNCHERS
+    all_selective = modes == (Checkpoint.SELECTIVE,)
+    memo: dict[Outer, tuple[str, ...]] = {}
+    kept = []
+    for outer in outers:
+        key = replace(outer, micro_batch=1, grad_accum=1)
+        if key not in memo:
+            memo[key] = runnable_by(outer, lora=lora, launchers=allowed)
+        runners = memo[key]
+        selective = bool(selective_runners(runners, all_layers=all_selective))
+        if runners and (selective or Checkpoint.SELECTIVE not in modes or len(modes) > 1):
+            kept.append(outer if selective else replace(outer, selective=False))
+    return kept
 
 
 def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:

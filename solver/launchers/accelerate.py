@@ -41,6 +41,10 @@ def config(plan: Plan) -> dict[str, Any]:
     else:
         result["distributed_type"] = "MULTI_CPU" if cpu and d.tp * d.dp > 1 else \
             "MULTI_GPU" if d.tp * d.dp > 1 else "NO"
+    if precision == "fp8":
+        # accelerate 1.15 picks the fp8 backend from fp8_config (ACCELERATE_FP8_BACKEND); AO is torchao float8,
+        # which `accelerate launch` requires installed (utils/launch.py: is_fp8_available) rather than running bf16.
+        result["fp8_config"] = {"backend": "AO"}
     if d.compile:
         result["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     if d.tp > 1:

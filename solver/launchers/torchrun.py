@@ -93,6 +93,23 @@ def apply_checkpointing(model):
         type(ALL_ATTENTION_FUNCTIONS).get_interface = get_interface
 
 
+def apply_float8(model):
+    """fp8 matmuls in the linear layers through torchao float8, as the plan credits them: converted before
+    sharding (torchao's FSDP2 recipe). Without torchao the run stops here rather than silently training in bf16."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        raise SystemExit(f"This plan trains in fp8 through torchao float8, which is not importable ({err}); "
+                         "install torchao (pip install torchao) or re-plan without fp8.") from err
+
+    def convertible(module, name):
+        # torchao float8 needs both dimensions divisible by 16; the LM head stays in bf16 (torchao README).
+        return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and \
+            module.out_features % 16 == 0 and not name.endswith("lm_head")
+
+    convert_to_float8_training(model, module_filter_fn=convertible)
+
+
 def apply_tensor_parallel(model, mesh):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -206,6 +223,8 @@ def main():
     model = build(args, device)
     vocab = model.config.vocab_size  # read before DDP wraps the model (the wrapper has no .config)
     apply_checkpointing(model)
+    if d["precision"] == "fp8":
+        apply_float8(model)
     if d["tp"] > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if d["engine"] == "fsdp2":

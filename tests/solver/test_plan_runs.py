@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from costmodels import Config, Engine, Offload, Optimizer, Workload, parse_cluster
-from graphs import FitplanError, resolve
+from graphs import Checkpoint, FitplanError, resolve
 from graphs.lower import lower_resolved
 from solver import api
 from solver.space import Pins, outer_space
@@ -57,3 +57,101 @@ def test_compile_is_not_credited_inside_deepspeed_zero3():
     pinned = api.solve("meta-llama/Llama-3.1-8B", "8xH100", engine="deepspeed", zero=3, compile="on", seq_len=2048,
                        time_limit=20)
     assert pinned.decisions.compile and any("no speed-up is credited" in line for line in pinned.advice)
+
+
+def test_every_outer_in_the_space_has_a_launcher_that_runs_it():
+    from solver.capability import runnable_by
+
+    for gpus, pins in (("8xH100", {}), ("1xH200", {"precisions": ("bf16-mixed", "fp8")}),
+                       ("2x8xH100", {"precisions": ("bf16", "fp8")})):
+        space = space_for("meta-llama/Llama-3.1-8B", gpus, **pins)
+        assert space.outers
+        for outer in space.outers:
+            assert runnable_by(outer), outer
+            # selective recompute only where torchrun (per layer) or Megatron (all layers) runs the outer
+            if outer.selective:
+                assert "torchrun" in runnable_by(outer)
+
+
+def test_selective_recompute_is_never_planned_where_no_launcher_runs_it():
+    # With eager attention selective recompute pays off, but DeepSpeed plans run under DeepSpeed/HF/accelerate,
+    # which checkpoint whole layers only: the search used to pick "full 1/sel 10" here, which nothing runs.
+    plan = api.solve("meta-llama/Llama-3.2-1B", "1xT4", engine="deepspeed", seq_len=2048, attention="eager",
+                     time_limit=20)
+    assert Checkpoint.SELECTIVE not in plan.decisions.checkpoint
+    assert Checkpoint.FULL in plan.decisions.checkpoint
+    assert set(plan.launchers) == {"deepspeed", "hf", "accelerate"}
+    # FSDP2 runs under torchrun, which recomputes selectively per layer: selective stays available there.
+    outers = space_for("meta-llama/Llama-3.2-1B", "1xT4", engine=Engine.FSDP2).outers
+    assert outers and all(o.selective for o in outers)
+
+
+GPT2 = {"seq_len": 512, "global_batch": 64, "time_limit": 5}
+
+
+def test_fp8_is_planned_only_with_a_launcher_that_runs_it():
+    from solver.capability import unsupported
+
+    # DeepSpeed has no fp8 config field: its fp8 plans are Megatron's (Transformer Engine) or nobody's.
+    plan = api.solve("gpt2", "8xH100", engine="deepspeed", precisions=("fp8",), **GPT2)
+    assert plan.launchers == ("megatron",), plan.launchers
+    for launcher in ("deepspeed", "hf", "accelerate"):
+        assert any("fp8 with DeepSpeed" in p or "fp8 (TrainingArguments" in p
+                   for p in unsupported(launcher, plan.decisions)), launcher
+    with pytest.raises(FitplanError):
+        api.solve("gpt2", "8xH100", launcher="deepspeed", precisions=("fp8",), **GPT2)
+    # FSDP2 runs fp8 through torchao float8 under torchrun and accelerate (not through TrainingArguments).
+    fsdp = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precisions=("fp8",), **GPT2)
+    assert set(fsdp.launchers) == {"torchrun", "accelerate"}, fsdp.launchers
+
+
+def test_accelerate_fp8_config_names_the_torchao_backend_and_launch_refuses_without_it(tmp_path):
+    import subprocess
+    import sys
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from solver.commands import emit_files
+
+    plan = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precisions=("fp8",), **GPT2)
+    emit_files(plan, "accelerate", tmp_path)
+    loaded = load_config_from_file(str(tmp_path / "accelerate_config.yaml"))
+    assert str(loaded.mixed_precision) == "fp8"
+    assert loaded.fp8_config == {"backend": "AO"}
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    assert FP8BackendType(loaded.fp8_config["backend"]) is FP8BackendType.AO
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(tmp_path / "accelerate_config.yaml"), str(tmp_path / "train.py")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    has_backend = any(__import__("importlib").util.find_spec(m) for m in ("torchao", "transformer_engine", "msamp"))
+    if not has_backend:  # never a silent bf16 run
+        assert done.returncode != 0 and "FP8 is not available" in done.stderr and "trained" not in done.stdout
+
+
+def test_torchrun_script_runs_fp8_through_torchao_or_stops(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    from solver.commands import emit_files
+    from tests.graphs.reference import write_config
+    from tests.graphs.tiny_configs import tiny_values
+
+    model_dir = write_config(tmp_path / "tiny", tiny_values("llama"))
+    plan = api.solve(str(model_dir), "1xH100", engine="ddp", precisions=("fp8",), seq_len=64, global_batch=2,
+                     time_limit=5)
+    assert plan.decisions.precision.value == "fp8" and "torchrun" in plan.launchers
+    emit_files(plan, "torchrun", tmp_path / "out")
+    script = (tmp_path / "out" / "train_fitplan.py").read_text()
+    assert "convert_to_float8_training" in script
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao is installed: the script converts instead of stopping (fp8 matmuls need a GPU)")
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           str(tmp_path / "out" / "train_fitplan.py"), "--model", str(model_dir), "--from-config",
+                           "--steps", "1"], capture_output=True, text=True, timeout=240, check=False, env=env)
+    assert done.returncode != 0
+    assert "fp8 through torchao float8, which is not importable" in done.stdout + done.stderr
+    assert "step 1" not in done.stdout  # it never trained in bf16 instead
