@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from costmodels import Cluster, Config, Estimate, Optimizer, Precision, Workload, estimate
+from costmodels import Cluster, Config, Estimate, Optimizer, Precision, Workload, estimate, fits
 from costmodels.alignment import padded, preferred_multiple
 from costmodels.compilation import compile_credited
 from costmodels.precision import matmul_dtype_on
+from costmodels.verdict import DEFAULT_HEADROOM
 from graphs import Checkpoint, LayerGraph
 
 GIB = 2**30
@@ -39,8 +40,8 @@ def dataloader_workers(cluster: Cluster) -> int:
 
 def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate, *,
            compile_pin: str, input_tokens_per_s: float | None, allowed_optimizers: tuple[Optimizer, ...],
-           lora: bool) -> GuideDecisions:
-    lines = [_batch(graph, cluster, workload, config, chosen), _checkpointing(config),
+           lora: bool, headroom: float = DEFAULT_HEADROOM) -> GuideDecisions:
+    lines = [_batch(graph, cluster, workload, config, chosen, headroom), _checkpointing(config),
              _precision(cluster, config), _optimizer(graph, cluster, workload, config, chosen, allowed_optimizers),
              _zero(config, chosen)]
     use_compile, compile_line = _compile(graph, cluster, workload, config, chosen, compile_pin)
@@ -61,11 +62,12 @@ def _try(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config
         return None
 
 
-def _batch(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate) -> str:
-    """Gradient accumulation vs micro-batch: what the neighbouring micro-batches would cost."""
+def _batch(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate,
+           headroom: float) -> str:
+    """Gradient accumulation vs micro-batch: what the neighbouring micro-batches would cost (fitting by the
+    plan's own rule, `costmodels.fits`)."""
     text = [f"batch size: micro-batch {config.micro_batch} x accumulation {config.grad_accum} x dp {config.dp} "
             f"= {workload.global_batch} sequences"]
-    usable = cluster.gpu.memory_bytes
     for mb in (config.micro_batch * 2, config.micro_batch // 2):
         per_rank = config.micro_batch * config.grad_accum
         if mb < 1 or per_rank % mb:
@@ -73,7 +75,7 @@ def _batch(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
         other = _try(graph, cluster, workload, replace(config, micro_batch=mb, grad_accum=per_rank // mb))
         if other is None:
             continue
-        if other.memory.device_peak > usable:
+        if not fits(other, cluster, headroom).fits:
             text.append(f"micro-batch {mb} needs {other.memory.device_peak / GIB:.1f} GiB (does not fit)")
         else:
             change = other.time.step_time / chosen.time.step_time - 1

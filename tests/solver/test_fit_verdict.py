@@ -133,3 +133,29 @@ def test_solve_renders_the_same_rule_for_its_plan():
 
 def test_default_headroom_is_the_one_solve_uses():
     assert api.DEFAULT_HEADROOM == DEFAULT_HEADROOM
+
+
+def test_guide_advice_judges_other_micro_batches_by_the_same_rule():
+    from costmodels import estimate as estimate_graph
+    from solver.advice import advise
+
+    cluster = parse_cluster("1xA10G")
+    flags = {"tp": 1, "dp": 1, "micro_batch": 2, "grad_accum": 2, "checkpoint": "none"}
+    dtype, autocast = shared_lowering(api.config_from(dict(flags), layers=None))
+    graph = lower_resolved(resolve("facebook/opt-125m"), dtype=dtype, autocast=autocast)
+    config = api.config_from(dict(flags), layers=len(graph.decoder_layers()))
+    workload = Workload(seq_len=SEQ_LEN, global_batch=4)
+    chosen = estimate_graph(graph, cluster, workload, config)
+    doubled = estimate_graph(graph, cluster, workload, api.config_from({**flags, "micro_batch": 4, "grad_accum": 1},
+                                                                       layers=len(graph.decoder_layers())))
+    assert doubled.memory.device_peak < cluster.gpu.memory_bytes  # fits the whole GPU, so only headroom decides
+    tight = 1 - (doubled.memory.device_peak - 4096) / cluster.gpu.memory_bytes  # usable just below its peak
+
+    def batch_line(headroom: float) -> str:
+        lines = advise(graph, cluster, workload, config, chosen, compile_pin="off", input_tokens_per_s=None,
+                       allowed_optimizers=(Optimizer.ADAMW,), lora=False, headroom=headroom).lines
+        return next(line for line in lines if line.startswith("batch size"))
+
+    assert "micro-batch 4 needs" not in batch_line(0.0)
+    assert "micro-batch 4 needs" in batch_line(tight) and "(does not fit)" in batch_line(tight)
+    assert not fits(doubled, cluster, tight).fits and fits(doubled, cluster, 0.0).fits
