@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, replace
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster, shared_lowering
+from costmodels.verdict import fits
 from graphs import Checkpoint, LoraSpec, resolve
 from graphs.lower import lower_resolved
 from solver import Infeasible, solve
@@ -59,8 +60,7 @@ def _seconds(model: str, gpus: str, config: Config, lora: LoraSpec | None) -> fl
         est = estimate(graph, cluster, Workload(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH), config)
     except Exception:
         return None
-    usable = cluster.gpu.memory_bytes * (1 - HEADROOM)
-    return est.time.step_time if est.memory.device_peak <= usable else None
+    return est.time.step_time if fits(est, cluster, HEADROOM).fits else None  # the rule solve applies
 
 
 def _batches(dp: int) -> list[int]:
