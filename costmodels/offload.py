@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import json
+from importlib import resources
+
 from .cluster import Cluster
-from .config import Config, Engine, Offload
+from .config import Config, Engine, Offload, Optimizer
 
 # Measured host-to-device copies reach 88% of PCIe Gen5 x16 (55.4 of 63 GB/s on 8xH200, nvbandwidth;
 # stas00/ml-engineering, shared notes §1.2). Applied to every host link.
@@ -14,9 +18,22 @@ CPU_ADAM_BYTES_PER_PARAM = 28
 # Host memory bandwidth per node actually reached by the optimizer threads: half of a 2-socket, 8-channel
 # DDR4-3200 server's 409.6 GB/s peak (an assumption; nodes vary widely).
 HOST_MEMORY_BANDWIDTH = 200e9
-# DeepSpeed's vectorised CPU-Adam is 5-7x faster than PyTorch's CPU Adam (ZeRO-Offload paper, §4.1); FSDP2's
-# CPUOffloadPolicy runs torch's optimizer on the host, taken as 6x slower.
-TORCH_CPU_ADAM_SLOWDOWN = 6.0
+
+
+@functools.cache
+def cpu_adam_slowdowns() -> dict[str, float]:
+    """How much slower each torch AdamW implementation steps CPU tensors than DeepSpeed's SIMD CPUAdam, measured by
+    benchmarks/cpu_adam.py (data/cpu_adam.json, with the machine and method). The ZeRO-Offload paper (Ren et
+    al. 2021, §4.1) reports 5-7x against the torch CPU Adam of its day; torch's fused CPU kernel (2.4+) closes
+    most of that gap."""
+    text = resources.files("costmodels").joinpath("data/cpu_adam.json").read_text(encoding="utf-8")
+    return {name: float(value) for name, value in json.loads(text)["slowdown_vs_deepspeed"].items()}
+
+
+def torch_cpu_optimizer(optimizer: Optimizer) -> str:
+    """The torch implementation FSDP2's CPUOffloadPolicy steps on the host: fused AdamW when planned, else the
+    single-tensor loop torch picks for CPU parameters (`_default_to_fused_or_foreach` takes foreach only on CUDA)."""
+    return "torch_fused" if optimizer is Optimizer.ADAMW_FUSED else "torch_single"
 
 
 def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params: int, grad_bytes: int) -> float:
@@ -62,4 +79,4 @@ def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
         if measured:
             return params / measured
     step = params * CPU_ADAM_BYTES_PER_PARAM / HOST_MEMORY_BANDWIDTH
-    return step * (TORCH_CPU_ADAM_SLOWDOWN if fsdp else 1.0)
+    return step * (cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)] if fsdp else 1.0)
