@@ -180,7 +180,8 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     space = outer_space(any_graph, cluster, workload, pins)
     inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, any_graph)
     if not space.outers:
-        raise Infeasible(*diagnose(None, inputs, pins, space))
+        raise Infeasible(*diagnose(None, inputs, pins, space,
+                                   rebuild=lambda relaxed: outer_space(any_graph, cluster, workload, relaxed)))
     # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,
     # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
     for outer in space.outers:  # lower every needed variant first: lowering is outside the time limit

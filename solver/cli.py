@@ -17,6 +17,7 @@ import typer
 import typer.rich_utils
 from rich.console import Console
 
+import costmodels.cluster as C
 from costmodels import Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError, LoraSpec
 
@@ -45,17 +46,18 @@ LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA ada
 Launcher = Literal["deepspeed", "hf", "accelerate", "torchrun", "megatron"]  # solver.space.LAUNCHERS
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 # What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
-CpuRamGib = Annotated[float | None, typer.Option(help="Host RAM per node in GiB (default: the GPU's typical host, "
-                                                 "its share for fewer GPUs).", rich_help_panel="Cluster")]
-CpuCores = Annotated[int | None, typer.Option(help="CPU cores per node (default: the typical host's share).",
-                                              rich_help_panel="Cluster")]
-GpusPerNode = Annotated[int | None, typer.Option(help="GPUs per node (default: the GPU's typical node).",
-                                                 rich_help_panel="Cluster")]
-NvmeGbps = Annotated[float | None, typer.Option(help="NVMe read GB/s per node; allows NVMe offload (default: "
-                                                "none).", rich_help_panel="Cluster")]
-InterNodeGbps = Annotated[float | None, typer.Option(help="Network GB/s per GPU per direction between nodes "
-                                                     "(default: the typical node's fabric).",
-                                                     rich_help_panel="Cluster")]
+CpuRamGib = Annotated[float | None, number(float, 0, C.MAX_CPU_RAM_GIB, "Host RAM per node in GiB (default: the GPU's "
+                                            "typical host, its share for fewer GPUs).", lo_open=True,
+                                            rich_help_panel="Cluster")]
+CpuCores = Annotated[int | None, number(int, 1, C.MAX_CPU_CORES, "CPU cores per node (default: the typical host's "
+                                        "share).", rich_help_panel="Cluster")]
+GpusPerNode = Annotated[int | None, number(int, 1, C.MAX_GPUS_PER_NODE, "GPUs per node (default: the GPU's typical "
+                                           "node).", rich_help_panel="Cluster")]
+NvmeGbps = Annotated[float | None, number(float, 0, C.MAX_GBPS, "NVMe read GB/s per node; allows NVMe offload "
+                                          "(default: none).", rich_help_panel="Cluster")]
+InterNodeGbps = Annotated[float | None, number(float, 0, C.MAX_GBPS, "Network GB/s per GPU per direction between "
+                                               "nodes (default: the typical node's fabric).",
+                                               rich_help_panel="Cluster")]
 ProfileFile = Annotated[Path | None, typer.Option(help="A profile from `fitplan measure` on this GPU: its measured "
                                                   "rates replace the datasheet's.", rich_help_panel="Cluster")]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from costmodels import Offload, load_gpus, precision
@@ -34,16 +36,23 @@ class NoPlanInTime(FitplanError):
                           "configurations": configurations}
 
 
-def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Space, *, lora: bool = False
-             ) -> tuple[str, str, dict[str, Any]]:
-    """(message, hint, diagnosis) for a request with no feasible configuration (the whole space searched)."""
+def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Space, *, lora: bool = False,
+             rebuild: Callable[[Pins], Space] | None = None) -> tuple[str, str, dict[str, Any]]:
+    """(message, hint, diagnosis) for a request with no feasible configuration (the whole space searched);
+    `rebuild` makes the space for other pins, to name the pins that leave nothing."""
     cluster = inputs.cluster
     if found is None or not found.tables:
-        message = (f"No configuration is possible for {inputs.model} on {cluster.spec}: the pins and divisibility "
-                   f"rules leave nothing (global batch {inputs.global_batch} over the data-parallel ranks, TP "
-                   "degrees that divide the heads and fit a node).")
-        hint = "Relax the pins, or pick a global batch divisible by the number of GPUs / TP degree."
-        return message, hint, {"binding": "pins", "pins": inputs.pins}
+        culprits = list(blocking_pins(pins, rebuild)) if rebuild is not None else []
+        named = "; ".join(f"--{name.replace('_', '-')} {value}" for name, value in culprits)
+        message = (f"No configuration is possible for {inputs.model} on {cluster.spec}: "
+                   + (f"the pins leave nothing; dropping any one of these would leave some: {named}." if culprits else
+                      f"the pins and divisibility rules leave nothing (global batch {inputs.global_batch} over the "
+                      "data-parallel ranks, TP degrees that divide the heads and fit a node, what the launcher "
+                      "runs)."))
+        hint = ("Drop or change one of the pins named (NVMe offload also needs --nvme-gbps; TP at most a node)."
+                if culprits else
+                "Relax the pins, or pick a global batch divisible by the number of GPUs / TP degree.")
+        return message, hint, {"binding": "pins", "pins": inputs.pins, "blocking": [n for n, _ in culprits]}
     lean = leanest_modes(space.modes, len(found.tables[0].layer_ticks))
     peaks = [t.peak_of(lean) for t in found.tables]
     device_fits = [t for t, peak in zip(found.tables, peaks, strict=True) if peak <= t.budget]
@@ -70,6 +79,22 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     hint = "Ways out: " + "; ".join(ways)
     return message, hint, {"binding": binding, "least_allocated_bytes": least, "budget_bytes": budget,
                            "ways_out": ways, "assumptions": binding_assumptions}
+
+
+def blocking_pins(pins: Pins, rebuild: Callable[[Pins], Space]) -> Iterator[tuple[str, object]]:
+    """Pins whose removal alone makes the space non-empty: the ones to name when nothing is possible."""
+    unpinned = Pins()
+    for name in Pins.__dataclass_fields__:
+        value = getattr(pins, name)
+        if value == getattr(unpinned, name):
+            continue
+        try:
+            relaxed = rebuild(replace(pins, **{name: getattr(unpinned, name)}))
+        except FitplanError:
+            continue
+        if relaxed.outers:
+            shown = ",".join(str(v) for v in value) if isinstance(value, tuple) else value
+            yield name, shown
 
 
 def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool) -> list[str]:

@@ -114,3 +114,12 @@ def test_misfit_reason_numbers_are_the_estimate_numbers():
         assert f"{table.budget / GIB:.1f} GiB is available" in why
         assert est.memory.allocated_peak == table.peak_of(lean)  # the table and the estimate agree
         assert "checkpointed" not in why  # checkpointing was pinned to none
+
+
+@pytest.mark.parametrize(("pins", "named"), [({"tp": 16}, "--tp 16"), ({"offload": "nvme"}, "--offload nvme"),
+                                             ({"launcher": "megatron", "engine": "fsdp2"}, "--engine fsdp2")])
+def test_pins_that_leave_nothing_are_named(pins, named):
+    with pytest.raises(Infeasible) as caught:
+        solve("meta-llama/Llama-3.2-1B", "8xA100", seq_len=1024, global_batch=64, **pins)
+    assert caught.value.diagnosis["binding"] == "pins"
+    assert named in caught.value.message
