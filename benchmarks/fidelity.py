@@ -156,26 +156,45 @@ def _memory_row(row: dict[str, Any]) -> dict[str, Any]:
             "error": predicted / measured - 1}
 
 
+def p90(errors: list[float]) -> float:
+    """The 90th percentile (nearest rank) of the absolute errors."""
+    ordered = sorted(errors)
+    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+
+
 def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Median and max absolute error per source, and over all rows."""
+    """Median, 90th percentile and max absolute error per source, and over all rows."""
     by_source: dict[str, list[float]] = {}
     for r in rows:
         by_source.setdefault(r["source"], []).append(abs(r["error"]))
     if rows:
         by_source["all"] = [abs(r["error"]) for r in rows]
-    return {s: {"n": len(e), "median_abs_error": statistics.median(e), "max_abs_error": max(e)}
-            for s, e in by_source.items()}
+    return {s: {"n": len(e), "median_abs_error": statistics.median(e), "p90_abs_error": p90(e),
+                "max_abs_error": max(e)} for s, e in by_source.items()}
 
 
 def print_summary(rows: list[dict]) -> None:
     for source, s in summarize(rows).items():
-        print(f"  {source:22} n={s['n']:3} median |error| {s['median_abs_error']:.1%} max {s['max_abs_error']:.1%}")
+        print(f"  {source:22} n={s['n']:3} median |error| {s['median_abs_error']:.1%} p90 {s['p90_abs_error']:.1%} "
+              f"max {s['max_abs_error']:.1%}")
+
+
+def leave_one_source_out_rows() -> list[dict]:
+    """Every row scored with constants fitted on the other sources (benchmarks/calibrate.py's grid)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import calibrate
+
+    held_out = calibrate.leave_one_source_out(calibrate.grid_errors())
+    return [row for entry in held_out.values() for row in entry["rows"]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--out", default="benchmarks/results/fidelity.json")
+    parser.add_argument("--no-loso", action="store_true", help="skip the leave-one-source-out grid (~3 min)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         time_rows, time_skipped = time_fidelity(args.data, Path(tmp))
@@ -184,7 +203,12 @@ def main() -> None:
     for r in time_rows:
         print(f"  {r['id'][:46]:46} {r['source']:8} measured {r['measured']:9.0f} predicted {r['predicted']:9.0f} "
               f"error {r['error']:+6.1%}")
+    print("In sample (the constants in costmodels/compute.py, fitted on all of these rows):")
     print_summary(time_rows)
+    loso_rows = [] if args.no_loso else leave_one_source_out_rows()
+    if loso_rows:
+        print("Leave one source out (each source scored with constants fitted on the others only):")
+        print_summary(loso_rows)
     print(f"  not modelled: {len(time_skipped)} rows (" + "; ".join(sorted({s['reason'] for s in time_skipped}))
           + ")")
     print("Memory model: predicted vs measured peak")
@@ -194,7 +218,8 @@ def main() -> None:
     print_summary(memory_rows)
     reasons = "; ".join(sorted({s["reason"][:60] for s in memory_skipped}))
     print(f"  not modelled: {len(memory_skipped)} rows ({reasons})")
-    result = {"time": {"rows": time_rows, "summary": summarize(time_rows), "skipped": time_skipped},
+    result = {"time": {"rows": time_rows, "summary": summarize(time_rows), "skipped": time_skipped,
+                       "leave_one_source_out": {"rows": loso_rows, "summary": summarize(loso_rows)}},
               "memory": {"rows": memory_rows, "summary": summarize(memory_rows), "skipped": memory_skipped}}
     Path(args.out).write_text(json.dumps(result, indent=1))
 
