@@ -33,6 +33,7 @@ from .alternatives import alternatives
 from .bounds import check_workload
 from .diagnose import Infeasible, NoPlanInTime, diagnose
 from .launchers.support import runnable_by
+from .model_shape import model_shape
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from .search import build_tables, search
 from .space import Outer, Pins, outer_space
@@ -255,7 +256,7 @@ def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins:
                   cluster=info, seq_len=workload.seq_len,
                   global_batch=workload.global_batch, tokens_per_step=workload.tokens_per_step, headroom=headroom,
                   pins={k: (list(v) if isinstance(v, tuple) else v) for k, v in pinned.items()},
-                  assumed=tuple(defaults))
+                  assumed=tuple(defaults), shape=model_shape(graph, resolved.as_dict(), seq_len=workload.seq_len))
 
 
 def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *, seq_len: int | None = None,

@@ -15,7 +15,7 @@ from graphs import Checkpoint, FitplanError
 if TYPE_CHECKING:
     from .space import Outer
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -35,6 +35,34 @@ class ClusterInfo:
     inter_node_bytes_per_s: float
     nvme_bytes_per_s: float
     assumptions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The architecture a launcher that builds the model itself needs (Megatron-LM's model flags)."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    heads: int
+    kv_heads: int
+    """Key/value heads (fewer than heads: grouped-query attention)."""
+    head_dim: int
+    ffn_hidden: int
+    vocab: int
+    max_positions: int
+    """Position embeddings to allocate (at least the planned sequence length)."""
+    normalization: str
+    """RMSNorm or LayerNorm."""
+    norm_epsilon: float | None = None
+    gated_silu: bool
+    """SwiGLU MLP (gate and up projections, SiLU)."""
+    rope: bool
+    """Rotary position embeddings (else learned absolute positions)."""
+    rope_theta: float | None = None
+    tied_embeddings: bool
+    """Output layer shares the input embedding's weights."""
+    linear_bias: bool
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections only (Qwen2)."""
+    experts: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +89,8 @@ class Inputs:
     """Knobs the user fixed."""
     assumed: tuple[str, ...] = ()
     """Defaults fitplan chose, in words."""
+    shape: ModelShape | None = None
+    """The model's architecture (absent in plans before schema 1.2)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ from costmodels import Engine, Offload
 
 from ..plan import Plan
 from .common import about, all_checkpointed, checkpointed_layers, layer_class
+from .nodes import DEFAULT_PORT, MASTER_ADDR, MASTER_PORT, NODE_RANK, nodes_note
 from .shell import launch_script
 
 
@@ -21,6 +22,7 @@ def config(plan: Plan) -> dict[str, Any]:
         "compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
         "main_training_function": "main", "mixed_precision": precision,
         "num_machines": cluster.nodes, "num_processes": d.tp * d.dp, "rdzv_backend": "static",
+        "main_process_port": int(DEFAULT_PORT),
         "same_network": True, "use_cpu": cpu, "downcast_bf16": "no",
     }
     if d.engine is Engine.FSDP2:
@@ -36,6 +38,10 @@ def config(plan: Plan) -> dict[str, Any]:
     elif d.engine is Engine.DEEPSPEED:
         result["distributed_type"] = "DEEPSPEED"
         result["deepspeed_config"] = {"deepspeed_config_file": "ds_config.json", "zero3_init_flag": d.zero == 3}
+        if cluster.nodes > 1:
+            # "standard" starts each node like torchrun (num_processes / num_machines per node, this node's
+            # machine_rank), instead of pdsh from node 0, which needs a hostfile accelerate does not emit.
+            result["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
         if precision != "no":
             result.pop("mixed_precision")  # the DeepSpeed JSON holds the precision block
     else:
@@ -60,8 +66,12 @@ def expresses_checkpointing(plan: Plan) -> bool:
 
 
 def emit(plan: Plan) -> dict[str, str]:
-    argv = ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "train.py"]
-    launch = launch_script(argv, about=about(plan))
+    # The YAML holds what is the same on every node; this node's rank and the rendezvous come from the
+    # environment (accelerate launch flags override the config file).
+    argv = ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "--num_machines",
+            str(plan.inputs.cluster.nodes), "--machine_rank", NODE_RANK, "--main_process_ip", MASTER_ADDR,
+            "--main_process_port", MASTER_PORT, "train.py"]
+    launch = launch_script(argv, about=about(plan), forward=True, notes=nodes_note(plan))
     files = {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}
     if plan.decisions.lora:
         from .hf import adapter_config

@@ -10,7 +10,8 @@ from costmodels.zero import persistence_threshold, prefetch_bucket_elements, red
 
 from ..plan import Plan
 from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about
-from .shell import launch_script
+from .nodes import MASTER_PORT, hostfile
+from .shell import Env, env, launch_script
 
 NVME_PATH = "/local_nvme"
 
@@ -85,11 +86,25 @@ def _optimizer(optimizer: Optimizer) -> dict[str, Any] | None:
                                         "weight_decay": WEIGHT_DECAY}}
 
 
+def _nodes_note(nodes: int) -> str:
+    if nodes == 1:
+        return ""
+    return (f"{nodes} nodes: fill in hostfile, then run this script on node0 only (deepspeed starts the other nodes "
+            "over ssh); MASTER_ADDR defaults to node0.")
+
+
 def emit(plan: Plan, *, hidden: int) -> dict[str, str]:
     if plan.decisions.engine is not Engine.DEEPSPEED:
         return {}
     cluster = plan.inputs.cluster
-    argv = ["deepspeed", "--num_nodes", str(cluster.nodes), "--num_gpus", str(cluster.gpus_per_node), "train.py",
-            "--deepspeed", "ds_config.json"]
-    launch = launch_script(argv, about=about(plan))
-    return {"ds_config.json": json.dumps(config(plan, hidden=hidden), indent=2) + "\n", "deepspeed_launch.sh": launch}
+    # Beyond one node the deepspeed runner reads the hosts from a hostfile (pdsh/ssh from node 0); one node
+    # runs locally without one ("Num nodes is >1 but no extra nodes available via hostfile" otherwise).
+    hosts: list[str | Env] = ["--hostfile", "hostfile", "--master_addr", env("MASTER_ADDR", "node0"),
+                              "--master_port", MASTER_PORT] if cluster.nodes > 1 else []
+    argv = ["deepspeed", *hosts, "--num_nodes", str(cluster.nodes), "--num_gpus", str(cluster.gpus_per_node),
+            "train.py", "--deepspeed", "ds_config.json"]
+    files = {"ds_config.json": json.dumps(config(plan, hidden=hidden), indent=2) + "\n",
+             "deepspeed_launch.sh": launch_script(argv, about=about(plan), notes=_nodes_note(cluster.nodes))}
+    if cluster.nodes > 1:
+        files["hostfile"] = hostfile(plan)
+    return files

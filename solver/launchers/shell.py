@@ -1,22 +1,61 @@
 """Shell text in emitted launch scripts: every word quoted, descriptions only as comment lines.
 
 Model paths and names are user input (a local folder may be called `x;touch PWNED`), so no value is ever pasted
-into a command line unquoted.
+into a command line unquoted. Per-node values (`$NODE_RANK`, `$MASTER_ADDR`) must still expand on each node:
+they are `Env` words, built only from validated variable names, safe defaults and escaped literal text, and
+always written inside double quotes.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_DEFAULT = re.compile(r"[A-Za-z0-9._:/-]*")
+# Inside double quotes only these characters keep a special meaning (bash manual, "Double Quotes").
+_ESCAPED = re.compile(r'([\\"$`])')
 
 
-def command_line(argv: Sequence[str]) -> str:
-    """`argv` as one POSIX shell line that runs exactly these words (each quoted where needed)."""
-    return shlex.join(argv)
+@dataclass(frozen=True, slots=True)
+class Env:
+    """One shell word that expands environment variables and nothing else (see `env`, `joined`)."""
+
+    text: str
+    """The word's body, already safe between double quotes."""
+
+    def quoted(self) -> str:
+        return f'"{self.text}"'
 
 
-def option(name: str, value: str) -> list[str]:
+def env(name: str, default: str | None = None) -> Env:
+    """`"${NAME}"`, or `"${NAME:-default}"` so that a one-node run needs no variables set."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not an environment variable name (A-Z, 0-9, _)")
+    if default is None:
+        return Env(f"${{{name}}}")
+    if not _DEFAULT.fullmatch(default):
+        raise ValueError(f"default {default!r} for ${name} must be letters, digits or ._:/-")
+    return Env(f"${{{name}:-{default}}}")
+
+
+def joined(*parts: Env | str) -> Env:
+    """One word of `Env` parts and literal text (escaped), e.g. joined(env("MASTER_ADDR"), ":", env("PORT"))."""
+    return Env("".join(p.text if isinstance(p, Env) else _ESCAPED.sub(r"\\\1", p) for p in parts))
+
+
+def command_line(argv: Sequence[str | Env]) -> str:
+    """`argv` as one POSIX shell line that runs exactly these words (each quoted where needed; `Env` words
+    expand their variables only)."""
+    return " ".join(w.quoted() if isinstance(w, Env) else shlex.quote(w) for w in argv)
+
+
+def option(name: str, value: str | Env) -> list[str | Env]:
     """`--name value` as argv words; `--name=value` when the value starts with '-', so argparse keeps it a value."""
+    if isinstance(value, Env):
+        return [name, value]
     return [f"{name}={value}"] if value.startswith("-") else [name, value]
 
 
@@ -25,6 +64,8 @@ def comment(text: str) -> str:
     return "".join(f"# {line}\n" for line in text.splitlines() or [""])
 
 
-def launch_script(argv: Sequence[str], *, about: str) -> str:
-    """A bash script that runs `argv` and says which plan it belongs to."""
-    return "#!/usr/bin/env bash\n" + comment(about) + command_line(argv) + "\n"
+def launch_script(argv: Sequence[str | Env], *, about: str, forward: bool = False, notes: str = "") -> str:
+    """A bash script that runs `argv` and says which plan it belongs to; with `forward`, the script's own
+    arguments are passed on to the training script ("$@")."""
+    line = command_line(argv) + (' "$@"' if forward else "")
+    return "#!/usr/bin/env bash\n" + comment(about) + (comment(notes) if notes else "") + line + "\n"

@@ -7,7 +7,8 @@ import json
 import re
 
 from ..plan import Plan
-from .common import about
+from .common import LEARNING_RATE, MAX_GRAD_NORM, about
+from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import launch_script, option
 
 SCRIPT = r'''"""Training script emitted by fitplan for: __SUMMARY__
@@ -37,6 +38,10 @@ def parse():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=PLAN["seq_len"])
     p.add_argument("--report", default=None, help="folder for a per-rank JSON report of bytes, peaks and step times")
+    p.add_argument("--lr", type=float, default=__LR__, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up from lr/(warmup+1) to lr")
+    p.add_argument("--max-grad-norm", type=float, default=__MAX_GRAD_NORM__,
+                   help="clip the global gradient norm to this (0 turns clipping off)")
     return p.parse_args()
 
 
@@ -136,7 +141,9 @@ def apply_fsdp(model, mesh):
     d = PLAN["decisions"]
     half = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "fp16-mixed": torch.float16}.get(d["precision"])
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy() if d["param_offload"] != "none" else OffloadPolicy()
+    # Pinned host memory needs an accelerator; a CPU (gloo) run offloads to plain memory.
+    cpu = d["param_offload"] != "none"
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu else OffloadPolicy()
 
     def placement(param):
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -156,19 +163,44 @@ def shard_dim(shape, ranks):
     return max(range(len(shape)), key=lambda d: (shape[d], -d))
 
 
-def optimizer_for(model):
+def optimizer_for(model, lr):
     d = PLAN["decisions"]
     params = [p for p in model.parameters() if p.requires_grad]
     if d["optimizer"] == "adafactor":
-        return torch.optim.Adafactor(params, lr=2e-5)
+        return torch.optim.Adafactor(params, lr=lr)
     if d["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=2e-5, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if d["optimizer"] == "adamw-8bit":
         import bitsandbytes
 
-        return bitsandbytes.optim.AdamW8bit(params, lr=2e-5)
+        return bitsandbytes.optim.AdamW8bit(params, lr=lr)
     # Fused AdamW runs on CUDA and (torch >= 2.4) on the CPU; it keeps each `step` on the parameters' device.
-    return torch.optim.AdamW(params, lr=2e-5, fused=(d["optimizer"] == "adamw-fused") or None)
+    # Not under FSDP2's fp16 ShardedGradScaler: its found_inf has shape [1], which fused Adam's step update
+    # refuses (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]"); same update, foreach.
+    fused = d["optimizer"] == "adamw-fused" and not (d["engine"] == "fsdp2" and d["precision"] == "fp16-mixed")
+    return torch.optim.AdamW(params, lr=lr, fused=fused or None)
+
+
+def loss_scaler(device):
+    """fp16 needs dynamic loss scaling (fp16's range underflows small gradients); bf16 and fp32 do not. FSDP2's
+    sharded gradients need the scaler that agrees on inf/nan across ranks."""
+    d = PLAN["decisions"]
+    if d["precision"] != "fp16-mixed":
+        return None
+    if d["engine"] == "fsdp2":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def sync_gradients(model, last):
+    """DDP all-reduces once per optimizer step, on the last micro-batch (what the plan's time counts).
+    FSDP2 keeps reduce-scattering every micro-batch: skipping it (set_requires_gradient_sync(False)) would
+    hold unsharded gradients until the last one, which the plan's memory does not count."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def batches(vocab, args, device):
@@ -235,11 +267,13 @@ def main():
     if d["compile"]:
         for layer in decoder_layers(model):  # per block, as torchtitan compiles
             layer.compile()
-    optimizer = optimizer_for(model)
+    optimizer = optimizer_for(model, args.lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    scaler = loss_scaler(device)
     half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
     data = batches(vocab, args, device)
-    saved, seconds = [0], []
+    saved, seconds, norms, lrs = [0], [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
@@ -249,12 +283,25 @@ def main():
             context = torch.autocast(device.type, dtype=half) if autocast else contextlib.nullcontext()
             watch = saved_bytes(model, (ids, labels), saved) if args.report and step + micro == 0 else \
                 contextlib.nullcontext()
-            with context, watch:
-                loss = model(input_ids=ids, labels=labels, use_cache=False).loss / d["grad_accum"]
-            loss.backward()
+            with sync_gradients(model, micro == d["grad_accum"] - 1):
+                with context, watch:
+                    loss = model(input_ids=ids, labels=labels, use_cache=False).loss / d["grad_accum"]
+                (scaler.scale(loss) if scaler else loss).backward()
         params = sum(local_bytes(p) for p in model.parameters())
         grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        optimizer.step()
+        if scaler:
+            scaler.unscale_(optimizer)  # clip the true gradients
+        lrs.append(optimizer.param_groups[0]["lr"])
+        if args.max_grad_norm > 0:  # works on DTensor (TP/FSDP2) parameters too
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                  args.max_grad_norm)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        warmup.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
@@ -270,9 +317,11 @@ def main():
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
             json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
-                       "saved_activation_bytes": saved[0], "step_seconds": seconds,
+                       "saved_activation_bytes": saved[0], "step_seconds": seconds, "grad_norms": norms,
+                       "learning_rates": lrs, "loss_scale": scaler.get_scale() if scaler else None,
                        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}, handle)
+    dist.barrier()  # no rank tears its process group down while another still talks to it
     dist.destroy_process_group()
 
 
@@ -286,10 +335,12 @@ def emit(plan: Plan) -> dict[str, str]:
     # repr() of a str is always a valid Python literal of that str, so user text never becomes code; one pass, so
     # a placeholder inside user text is never substituted.
     values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len})),
-              "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary()}
-    script = re.sub(r"__(PLAN|MODEL|SUMMARY)__", lambda match: values[match.group(1)], SCRIPT)
-    cluster = plan.inputs.cluster
-    argv = ["torchrun", "--nnodes", str(cluster.nodes), "--nproc_per_node", str(cluster.gpus_per_node),
-            "train_fitplan.py", *option("--model", plan.inputs.model)]
-    launch = launch_script(argv, about=about(plan))
-    return {"train_fitplan.py": script, "torchrun_launch.sh": launch}
+              "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary(), "LR": repr(LEARNING_RATE),
+              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM)}
+    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM)__", lambda match: values[match.group(1)], SCRIPT)
+    program = ["train_fitplan.py", *option("--model", plan.inputs.model)]
+    launch = launch_script([*torchrun_argv(plan), *program], about=about(plan), forward=True, notes=nodes_note(plan))
+    files = {"train_fitplan.py": script, "torchrun_launch.sh": launch}
+    if plan.inputs.cluster.nodes > 1:
+        files["slurm_launch.sh"] = slurm_script(plan, program, about=about(plan))
+    return files

@@ -36,13 +36,17 @@ LAUNCHERS = ["deepspeed", "hf", "accelerate", "torchrun", "megatron"]
 # HF Trainer's own files are YAML/JSON; under DeepSpeed it also gets the DeepSpeed launch script, tested here too.
 PINS = {"hf": ["--engine", "deepspeed"]}
 PROGRAMS = ["deepspeed", "torchrun", "accelerate", "python", "python3"]
+# One node: NODE_RANK, MASTER_ADDR and MASTER_PORT unset take their one-node defaults.
+TORCHRUN_ONE_NODE = ["--nnodes", "1", "--nproc_per_node", "8", "--node_rank", "0", "--master_addr", "127.0.0.1",
+                     "--master_port", "29500"]
 # The argv fitplan means each launch script to run, word for word; {model} is the plan's model path.
 EXPECTED_ARGV = {
     "deepspeed_launch.sh": ["deepspeed", "--num_nodes", "1", "--num_gpus", "8", "train.py", "--deepspeed",
                             "ds_config.json"],
-    "accelerate_launch.sh": ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "train.py"],
-    "torchrun_launch.sh": ["torchrun", "--nnodes", "1", "--nproc_per_node", "8", "train_fitplan.py", "--model",
-                           "{model}"],
+    "accelerate_launch.sh": ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "--num_machines", "1",
+                             "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29500",
+                             "train.py"],
+    "torchrun_launch.sh": ["torchrun", *TORCHRUN_ONE_NODE, "train_fitplan.py", "--model", "{model}"],
 }
 
 
@@ -107,8 +111,9 @@ def check_scripts(folder: Path, model: str, tmp_path: Path) -> None:
         assert len(calls) == 1, calls  # one command: nothing in the model started a second
         expected = [word.replace("{model}", model) for word in EXPECTED_ARGV.get(script.name, [])]
         if script.name == "megatron_launch.sh":  # the launch line passes the args file's words unchanged
-            flags = shlex.split((folder / "megatron_args.txt").read_text())
-            expected = ["torchrun", "--nproc_per_node", "8", "--nnodes", "1", "pretrain_gpt.py", *flags]
+            # newline="": a "\r\n" in the file (a model name may hold one) stays as bash reads it
+            flags = shlex.split((folder / "megatron_args.txt").open(newline="").read())
+            expected = ["torchrun", *TORCHRUN_ONE_NODE, "pretrain_gpt.py", *flags]
         assert calls[0] == expected
         if "{model}" in EXPECTED_ARGV.get(script.name, []):
             assert calls[0].count(model) == 1

@@ -1,0 +1,88 @@
+"""Megatron-LM builds the model from its own flags: the emitted shape flags must describe the Hugging Face model.
+
+Megatron's argument parser (megatron/training/arguments.py) is not in the megatron-core wheel, so flag names are
+checked against `megatron.KNOWN_FLAGS` (copied from that file) and the values against the transformers model
+itself, built on the meta device: its norm classes, MLP projections, rotary module, tied weights and biases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphs import FitplanError, resolve
+from solver import solve
+from solver.launchers import emit, megatron
+
+MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B", "gpt2", "Qwen/Qwen2.5-0.5B"]
+
+
+def flag_values(arguments: list[str]) -> dict[str, str | bool]:
+    values: dict[str, str | bool] = {}
+    for i, token in enumerate(arguments):
+        if token.startswith("--"):
+            following = arguments[i + 1] if i + 1 < len(arguments) else "--"
+            values[token] = True if following.startswith("--") else following
+    return values
+
+
+def reference_model(name: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = resolve(name).as_dict()
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        return config, AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_megatron_shape_flags_describe_the_transformers_model(name):
+    plan = solve(name, "8xH100", launcher="megatron", seq_len=1024, global_batch=64, time_limit=10)
+    arguments = megatron.arguments(plan)
+    assert [a for a in arguments if a.startswith("--") and a not in megatron.KNOWN_FLAGS] == []
+    flags = flag_values(arguments)
+    config, model = reference_model(name)
+    text = config.get_text_config()
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    block = layers[0]
+    linears = {n.rsplit(".", 1)[-1]: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    conv1d = [m for m in block.modules() if type(m).__name__ == "Conv1D"]  # GPT-2's projections
+    assert int(flags["--num-layers"]) == len(layers) == text.num_hidden_layers
+    assert int(flags["--hidden-size"]) == text.hidden_size
+    assert int(flags["--num-attention-heads"]) == text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    assert int(flags.get("--num-query-groups", text.num_attention_heads)) == kv
+    assert ("--group-query-attention" in flags) == (kv != text.num_attention_heads)
+    up = linears.get("up_proj") or linears.get("c_fc")
+    ffn = up.out_features if up is not None else conv1d[-2].weight.shape[1]
+    assert int(flags["--ffn-hidden-size"]) == ffn
+    assert ("--swiglu" in flags) == ("gate_proj" in linears)
+    norms = {type(m).__name__ for m in block.modules() if "norm" in type(m).__name__.lower()}
+    assert flags["--normalization"] == ("RMSNorm" if any("RMSNorm" in n for n in norms) else "LayerNorm")
+    rotary = any("Rotary" in type(m).__name__ for m in model.modules())
+    assert flags["--position-embedding-type"] == ("rope" if rotary else "learned_absolute")
+    if rotary:
+        theta = getattr(text, "rope_theta", None) or text.rope_parameters["rope_theta"]
+        assert int(flags["--rotary-base"]) == int(theta)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert ("--untie-embeddings-and-output-weights" in flags) == (not tied)
+    if linears:
+        assert ("--disable-bias-linear" in flags) == (linears["o_proj"].bias is None and
+                                                      linears["down_proj"].bias is None)
+        assert ("--add-qkv-bias" in flags) == (linears["q_proj"].bias is not None and linears["o_proj"].bias is None)
+    else:
+        assert "--disable-bias-linear" not in flags and all(m.bias is not None for m in conv1d)
+    assert int(flags["--seq-length"]) == plan.inputs.seq_len <= int(flags["--max-position-embeddings"])
+    assert flags["--tokenizer-model"] == name
+    assert int(flags["--micro-batch-size"]) * plan.decisions.grad_accum * plan.decisions.dp == \
+        int(flags["--global-batch-size"]) == plan.inputs.global_batch
+    assert emit(plan, "megatron")["megatron_args.txt"].split() == arguments
+
+
+def test_a_plan_without_a_shape_is_refused_with_a_way_out():
+    import dataclasses
+
+    plan = solve("gpt2", "8xH100", launcher="megatron", seq_len=1024, global_batch=64, time_limit=10)
+    old = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs, shape=None))
+    with pytest.raises(FitplanError, match="Re-plan"):
+        emit(old, "megatron")
