@@ -17,7 +17,7 @@ from .compute import KernelSpeed, kernel_speed, work_seconds
 from .config import Config, Engine, Offload, Workload
 from .offload import offload_seconds
 from .tensor_parallel import tp_node_seconds
-from .zero import dp_traffic, local_elements, sharding
+from .zero import dp_traffic, local_elements, reduce_bucket_elements, sharding
 
 # The optimizer step streams each local parameter's states: fp32 param, grad, 2 moments read and param and
 # moments written (28 bytes), plus the 16-bit copy and master weights under mixed precision (an upper bound;
@@ -146,25 +146,64 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
                 backward: float) -> tuple[float, float, float]:
     """(exposed per micro-batch, exposed per step, total) data-parallel collective seconds.
 
-    ZeRO-3/FSDP2 gathers and reduce-scatters overlap the compute of the same pass (prefetching); the DDP /
-    ZeRO-0/1 all-reduce overlaps the last micro-batch's backward (bucketed); ZeRO-1/2's parameter all-gather
-    after the step is exposed.
+    What each engine overlaps: ZeRO-3/FSDP2 prefetch the next unit's all-gather behind the current unit's
+    compute and reduce-scatter each unit's gradients behind the next unit's backward, so all but the edges
+    hide while compute lasts; the first gather of a pass has nothing to hide behind (the root unit: embeddings,
+    final norm and head, with the first layer) and neither does the last reduce-scatter (the same units, after
+    the last backward). DDP and ZeRO-0/1 all-reduce in buckets during the last micro-batch's backward; the last
+    bucket is exposed. ZeRO-2 reduce-scatters its buckets during every backward, the last one exposed; ZeRO-1/2's
+    all-gather of the updated parameters after the step is exposed whole.
     """
     elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False)
     trainable = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=1, engine=config.engine,
                                sharded=False)
-    traffic = dp_traffic(config, param_bytes=elements * precision.compute_itemsize(config.precision),
-                         grad_bytes=trainable * _reduce_itemsize(config))
+    param_itemsize, grad_itemsize = precision.compute_itemsize(config.precision), _reduce_itemsize(config)
+    traffic = dp_traffic(config, param_bytes=elements * param_itemsize, grad_bytes=trainable * grad_itemsize)
     group = dp_group(cluster, config.tp, config.dp)
     gather_f = all_gather_seconds(cluster, group, traffic.forward_gather)
     gather_b = all_gather_seconds(cluster, group, traffic.backward_gather)
     reduce_b = reduce_scatter_seconds(cluster, group, traffic.backward_reduce)
     allreduce = all_reduce_seconds(cluster, group, traffic.step_allreduce)
     gather_step = all_gather_seconds(cluster, group, traffic.step_gather)
-    per_mb = max(0.0, gather_f - forward) + max(0.0, gather_b + reduce_b - backward)
-    per_step = max(0.0, allreduce - backward) + gather_step
+    edge_params, edge_grads = _edge_elements(graph, config)
+    first_gather = all_gather_seconds(cluster, group, edge_params * param_itemsize) if gather_f else 0.0
+    last_reduce = 0.0
+    if reduce_b:
+        bucketed = config.engine is Engine.DEEPSPEED and config.zero == 2
+        last = min(trainable, reduce_bucket_elements(graph.dims.hidden)) if bucketed else edge_grads
+        last_reduce = reduce_scatter_seconds(cluster, group, last * grad_itemsize)
+    last_bucket = 0.0
+    if allreduce:
+        bucket = _allreduce_bucket_elements(graph, config)
+        last_bucket = all_reduce_seconds(cluster, group, min(trainable, bucket) * grad_itemsize)
+    per_mb = (first_gather + max(0.0, gather_f - first_gather - forward)
+              + last_reduce + max(0.0, gather_b + reduce_b - last_reduce - backward))
+    per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step
     total = config.grad_accum * (gather_f + gather_b + reduce_b) + allreduce + gather_step
     return per_mb, per_step, total
+
+
+def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
+    """(parameter, trainable) elements of the units at the edges of a pass: the root unit (every non-decoder
+    node: embeddings, final norm, head) with the first decoder layer, unsharded within the TP shard."""
+    layers = graph.decoder_layers()
+    edge = [p for layer in graph.nodes() if layer.role is not Role.DECODER for p in layer.params]
+    edge += list(layers[0].params) if layers else []
+    count = local_elements(edge, tp=config.tp, dp=1, engine=config.engine, sharded=False)
+    trainable = local_elements([p for p in edge if p.trainable], tp=config.tp, dp=1, engine=config.engine,
+                               sharded=False)
+    return count, trainable
+
+
+# DDP's gradient buckets hold 25 MB (`bucket_cap_mb=25`, torch.nn.parallel.DistributedDataParallel); DeepSpeed
+# ZeRO-0/1 reduces `reduce_bucket_size` elements at a time (the HF integration's hidden^2, `zero.py`).
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def _allreduce_bucket_elements(graph: LayerGraph, config: Config) -> int:
+    if config.engine is Engine.DEEPSPEED:
+        return reduce_bucket_elements(graph.dims.hidden)
+    return DDP_BUCKET_BYTES // _reduce_itemsize(config)
 
 
 def _reduce_itemsize(config: Config) -> int:

@@ -12,9 +12,10 @@ from costmodels.collectives import (
     LINK_EFFICIENCY,
     all_gather_seconds,
     dp_group,
+    reduce_scatter_seconds,
     tp_group,
 )
-from graphs import lower
+from graphs import Role, lower
 
 SIZE = 2**30
 
@@ -61,3 +62,22 @@ def test_one_more_node_costs_at_most_the_bandwidth_ratio(gpu, zero):
     bandwidth_ratio = max(1.0, cluster.gpu.intra_node_bandwidth / (8 * cluster.inter_node_bandwidth))
     ring_ratio = (15 / 16) / (7 / 8)  # (n-1)/n of the buffer per rank, 16 ranks against 8
     assert seconds[2] <= seconds[1] * bandwidth_ratio * ring_ratio * 1.05  # 5%: per-step latencies
+
+
+def test_fsdp_exposes_the_first_gather_and_the_last_reduce_scatter():
+    # Prefetching hides every unit's all-gather behind the previous unit's compute except the first, and every
+    # reduce-scatter behind the next backward except the last: the root unit (embeddings, norm, head) with the
+    # first layer. Before, all of it hid whenever the pass lasted longer than its collectives.
+    graph = lower("meta-llama/Llama-2-13b-hf", dtype="bfloat16")
+    cluster = parse_cluster("8xH100")
+    config = Config(engine=Engine.FSDP2, zero=3, dp=8, micro_batch=2, grad_accum=2, precision=Precision.BF16_MIXED,
+                    optimizer=Optimizer.ADAMW)
+    result = estimate(graph, cluster, Workload(seq_len=2048, global_batch=32), config)
+    edge = [p for layer in graph.nodes() if layer.role is not Role.DECODER for p in layer.params]
+    edge += list(graph.decoder_layers()[0].params)
+    elements = sum(p.numel for p in edge)
+    group = dp_group(cluster, tp=1, dp=8)
+    per_micro_batch = all_gather_seconds(cluster, group, 2 * elements) + reduce_scatter_seconds(cluster, group,
+                                                                                               4 * elements)
+    assert result.time.communication == pytest.approx(2 * per_micro_batch, rel=1e-9)
+    assert result.time.communication < dict(result.time.details)["dp_collectives_total"] / 5
