@@ -11,6 +11,9 @@ from __future__ import annotations
 from .config import Config, Engine
 
 COMPILED_MEMORY_BOUND_SPEEDUP = 2.0
+# torch.compile adds compile time and occasional graph breaks; "auto" keeps it only when the cost model expects
+# at least this step-time saving (a policy, not a measurement).
+COMPILE_MIN_SAVING = 0.03
 
 
 def compile_credited(config: Config) -> bool:

@@ -207,7 +207,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.compile,
                    input_tokens_per_s=input_rate, allowed_optimizers=pins.optimizers, lora=lora is not None,
                    headroom=headroom)
-    if guide.compile != config.compile:  # "auto" judged the saving too small
+    if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)
     adapters = None if lora is None else LoraDecision(rank=lora.rank, alpha=lora.alpha, targets=lora.targets,

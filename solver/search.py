@@ -59,7 +59,7 @@ def build_tables(space: Space, graphs: Callable[[Outer], LayerGraph], cluster: C
         if deadline is not None and tables and time.perf_counter() > deadline:
             break
         tables.append(build_table(graphs(space.outers[index]), cluster, workload, space.outers[index], rank=index,
-                                  headroom=headroom))
+                                  headroom=headroom, compile_auto=space.compile_auto))
     return tie_break_ranks(tables)
 
 

@@ -40,7 +40,7 @@ class Pins:
     """Optimizers allowed (the solver never changes the training algorithm on its own)."""
     sequence_parallel: bool | None = None
     compile: str = "auto"
-    """torch.compile: "on", "off" or "auto" (on when it saves enough, see `advice.COMPILE_MIN_SAVING`)."""
+    """torch.compile: "on", "off" or "auto" (on when it saves enough, see `compilation.COMPILE_MIN_SAVING`)."""
     launcher: str | None = None
     """Restrict to what one launcher can express."""
 
@@ -117,6 +117,8 @@ class Space:
     modes: tuple[Checkpoint, ...]
     """Per-layer modes the solver may use."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    compile_auto: bool = False
+    """torch.compile is "auto": each table keeps it only where it saves enough (`tables.build_table`)."""
 
 
 def engine_stages(pins: Pins) -> list[tuple[Engine, int]]:
@@ -192,7 +194,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     """Every outer configuration, in a fixed order (the order breaks ties: simpler first), that an allowed
     launcher can run as emitted (`capability.unsupported`)."""
     precisions = supported_precisions(cluster, pins.precisions or default_precisions(cluster))
-    compiled = pins.compile != "off"  # compile only saves time in the model; "auto" may turn it off afterwards
+    # "auto" compiles where the tables find it saves enough (`tables.build_table`); never on the CPU test device.
+    compiled = pins.compile == "on" or (pins.compile == "auto" and cluster.gpu.vendor != "cpu")
     optimizers = tuple(dict.fromkeys(o for allowed in pins.optimizers for o in SAME_MATH.get(allowed, (allowed,))))
     outers = []
     for engine, zero in engine_stages(pins):
@@ -219,7 +222,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
             # to: without a pin it plans with none/full only.
             modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
-    return Space(tuple(outers), modes)
+    return Space(tuple(outers), modes, compile_auto=pins.compile == "auto")
 
 
 def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: bool) -> list[Outer]:

@@ -7,12 +7,13 @@ The CP-SAT model and the enumeration both read these tables, so comparing them i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Workload, check
+from costmodels.compilation import COMPILE_MIN_SAVING
 from costmodels.memory import MemoryTerms, allocated_peak, memory_terms, offload_bytes
 from costmodels.states import ModelStates, model_states
-from costmodels.timing import time_terms
+from costmodels.timing import TimeTerms, time_terms
 from costmodels.verdict import host_fits, memory_budget
 from graphs import Checkpoint, LayerGraph
 
@@ -68,10 +69,17 @@ class Table:
 
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
-                headroom: float) -> Table:
+                headroom: float, compile_auto: bool = False) -> Table:
+    """One configuration's table. With `compile_auto` a compiled configuration keeps torch.compile only where
+    it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs."""
     config = outer.config()
     check(graph, cluster, workload, config)
     terms = time_terms(graph, cluster, workload, config)
+    if compile_auto and outer.compile:
+        eager_config = replace(config, compile=False)
+        eager = time_terms(graph, cluster, workload, eager_config)
+        if 1 - fastest_step(terms) / fastest_step(eager) < COMPILE_MIN_SAVING:
+            outer, config, terms = replace(outer, compile=False), eager_config, eager
     fixed = ticks(terms.fixed.step_time)
     layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.selective or
                          mode is not Checkpoint.SELECTIVE) for options in terms.layers)
@@ -81,6 +89,11 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     host_ok = host_fits(cpu, nvme, cluster)
     return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
                  host_ok=host_ok, host_bytes=cpu, build_memory=lambda: memory_terms(graph, workload, config))
+
+
+def fastest_step(terms: TimeTerms) -> float:
+    """Seconds of the step with every layer in its fastest mode."""
+    return terms.fixed.step_time + sum(min(t.total for _, t in options) for options in terms.layers)
 
 
 def table_modes(table: Table, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:

@@ -95,3 +95,15 @@ def test_bad_pins_are_user_errors():
         solve(MODEL, "8xA100", seq_len=1024, global_batch=64, bogus=1)
     with pytest.raises(FitplanError):
         solve(MODEL, "8xA100", seq_len=1024, global_batch=64, engine=Engine.DDP, offload=Offload.NVME)
+
+
+@pytest.mark.parametrize(("model", "gpus"), [
+    ("meta-llama/Llama-3.2-1B", "2xCPU"), ("meta-llama/Llama-3.2-1B", "8xA100"), ("meta-llama/Llama-3.1-8B", "1xH100"),
+])
+def test_auto_compile_is_decided_in_the_search_so_no_alternative_is_faster(model, gpus):
+    # "auto" used to be decided after the search: a plan whose compile was then turned off could be slower than an
+    # alternative the search had ranked behind it (2xCPU: 0.0078 s against 0.0073 s).
+    plan = solve(model, gpus, seq_len=1024, global_batch=16, alternatives_count=6)
+    faster = [a for a in plan.alternatives if a.fits and a.step_time < plan.estimate.time.step_time * (1 - 1e-6)]
+    assert not faster, faster
+    assert plan.solver.objective_seconds == pytest.approx(plan.estimate.time.step_time, abs=1e-5)
