@@ -63,7 +63,9 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     need, least = min(hosted, key=lambda pair: (pair[1] - pair[0].budget, pair[0].rank))
     budget = need.budget
     binding = "host RAM for offloaded states" if host_binds else "GPU memory"
-    ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds)
+    # What sharding over more GPUs cannot remove: the peak less the (fully shardable) persistent states.
+    floor = least - need.states.gpu_total
+    ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds, floor=floor)
     checkpointed = "every layer checkpointed" if lean[0] is Checkpoint.FULL else f"checkpointing pinned to {lean[0]}"
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "
                f"the host can hold ({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
@@ -97,7 +99,8 @@ def blocking_pins(pins: Pins, rebuild: Callable[[Pins], Space]) -> Iterator[tupl
             yield name, shown
 
 
-def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool) -> list[str]:
+def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool,
+              floor: int) -> list[str]:
     ways = []
     cluster = inputs.cluster
     if host_binds:
@@ -111,11 +114,15 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
         ways.append(f"larger GPUs: {', '.join(enough[:3])} would hold {least / GIB:.1f} GiB")
     ratio = least / max(1, budget)
     gpus = cluster.nodes * cluster.gpus_per_node
-    ways.append(f"more GPUs: model states shard with ZeRO-3/FSDP; try about {max(2 * gpus, int(gpus * ratio) + 1)} "
-                "GPUs of this kind")
+    if floor <= budget:
+        ways.append(f"more GPUs: model states shard with ZeRO-3/FSDP; try about {max(2 * gpus, int(gpus * ratio) + 1)}"
+                    " GPUs of this kind")
+    else:  # activations and temporaries alone exceed a GPU: data parallelism cannot divide them
+        ways.append(f"not more GPUs: even with the model states sharded away, activations and temporaries need "
+                    f"{floor / GIB:.1f} GiB per GPU (context parallelism is not modelled yet)")
     if pins.offload is Offload.NONE or pins.param_offload is Offload.NONE:
         ways.append("offload: --offload cpu / --offload-params cpu (ZeRO-3) were pinned off")
-    if not lora:
+    if not lora and floor <= budget:  # adapters drop states, not activations
         ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
                     "optimizer memory")
     if pins.checkpoint is not None and pins.checkpoint is not Checkpoint.FULL:
