@@ -73,6 +73,11 @@ def _deepspeed(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool)
     return problems
 
 
+# fitplan prices LoRA under TP as PEFT's LoraParallelLinear splits it (graphs.structure.lora_style), which wraps
+# Megatron's parallel layers; the HF TP plan and the generated script shard plain Linear modules, not PEFT's wrappers.
+_LORA_TP = "LoRA with tensor parallelism (PEFT's parallel LoRA layers need Megatron's; HF TP plans shard plain Linears)"
+
+
 def _hf_or_accelerate(launcher: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = []
     if launcher == "hf" and d.tp > 1:
@@ -89,6 +94,8 @@ def _hf_or_accelerate(launcher: str, d: Knobs, checkpoint: tuple[Checkpoint, ...
         problems.append("pure bf16 training (TrainingArguments/accelerate bf16 means mixed precision)")
     if d.sequence_parallel:
         problems.append("sequence parallelism")
+    if lora and d.tp > 1:
+        problems.append(_LORA_TP)
     if d.precision is Precision.FP8:
         if launcher == "hf":
             problems.append("fp8 (TrainingArguments has no fp8 switch; the accelerate or torchrun files run it)")
@@ -111,6 +118,8 @@ def _torchrun(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) 
     if d.precision is Precision.FP8 and d.tp > 1:
         problems.append("fp8 with tensor parallelism (the script's TP plan uses plain Colwise/RowwiseParallel, not "
                         "torchao's Float8 styles)")
+    if lora and d.tp > 1:
+        problems.append(_LORA_TP)
     return problems
 
 

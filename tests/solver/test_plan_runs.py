@@ -155,3 +155,16 @@ def test_torchrun_script_runs_fp8_through_torchao_or_stops(tmp_path):
     assert done.returncode != 0
     assert "fp8 through torchao float8, which is not importable" in done.stdout + done.stderr
     assert "step 1" not in done.stdout  # it never trained in bf16 instead
+
+
+def test_lora_with_tensor_parallelism_is_priced_but_never_planned():
+    # The cost model splits adapters as PEFT's LoraParallelLinear does; no emitted launcher runs that split.
+    from graphs import LoraSpec
+
+    cluster = parse_cluster("8xH100")
+    graph = lower_resolved(resolve("meta-llama/Llama-3.2-1B"), lora=LoraSpec(rank=16))
+    assert 8 in graph.tp_degrees  # measured, so `estimate` prices it
+    space = outer_space(graph, cluster, Workload(seq_len=2048, global_batch=32), Pins())
+    assert space.outers and all(o.tp == 1 for o in space.outers)
+    with pytest.raises(FitplanError):
+        api.solve("meta-llama/Llama-3.2-1B", "8xH100", seq_len=2048, global_batch=32, lora=LoraSpec(rank=16), tp=8)
