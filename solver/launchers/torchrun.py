@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import time
 
 import torch
@@ -45,14 +46,30 @@ def parse():
     return p.parse_args()
 
 
+def on_meta():
+    """FSDP2 plans build the model on the meta device and allocate only each rank's shard (FSDP2's documented
+    pattern: fully_shard, then to_empty, then initialise or load), so no rank ever holds the whole model. LoRA
+    adapters are created by peft on the base weights' device, so LoRA plans build as before."""
+    d = PLAN["decisions"]
+    return d["engine"] == "fsdp2" and not d["lora"]
+
+
+def model_kwargs():
+    d = PLAN["decisions"]
+    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32  # masters stay fp32 when mixed
+    return {"dtype": weights, "attn_implementation": d["attention"]}
+
+
 def build(args, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = PLAN["decisions"]
-    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32  # masters stay fp32 when mixed
-    kwargs = {"dtype": weights, "attn_implementation": d["attention"]}
+    kwargs = model_kwargs()
+    path = args.model if not args.model.endswith(".json") else os.path.dirname(args.model) or "."
+    if on_meta():
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
     if args.from_config:
-        path = args.model if not args.model.endswith(".json") else os.path.dirname(args.model) or "."
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
@@ -64,6 +81,27 @@ def build(args, device):
         model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
                                                  lora_dropout=lora["dropout"], task_type="CAUSAL_LM"))
     return model.to(device)
+
+
+def materialize(model, args, device):
+    """Allocate this rank's shards of a meta-built, sharded model and fill them: random weights from the config, or
+    the checkpoint read on rank 0 and scattered shard by shard (torch.distributed.checkpoint.state_dict)."""
+    model.to_empty(device=device)
+    rotary = [m for m in model.modules() if "RotaryEmbedding" in type(m).__name__]
+    with torch.no_grad():
+        if args.from_config:
+            model.initialize_weights()  # transformers' per-module init, on each rank's DTensor shards
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from transformers import AutoModelForCausalLM
+
+            full = AutoModelForCausalLM.from_pretrained(args.model, **model_kwargs()).state_dict() \
+                if dist.get_rank() == 0 else {}
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                       broadcast_from_rank0=True))
+            del full
+            for module in rotary:  # non-persistent buffers (rotary inv_freq) are not in the checkpoint
+                model._init_weights(module)
 
 
 def decoder_layers(model):
@@ -261,6 +299,8 @@ def main():
         apply_tensor_parallel(model, mesh["tp"])
     if d["engine"] == "fsdp2":
         apply_fsdp(model, mesh["dp"])
+        if on_meta():
+            materialize(model, args, device)
     elif d["dp"] > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     model.train()
@@ -274,6 +314,7 @@ def main():
     autocast = half is not None and d["engine"] == "ddp"
     data = batches(vocab, args, device)
     saved, seconds, norms, lrs = [0], [], [], []
+    params = grads = 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
@@ -319,6 +360,7 @@ def main():
             json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
                        "saved_activation_bytes": saved[0], "step_seconds": seconds, "grad_norms": norms,
                        "learning_rates": lrs, "loss_scale": scaler.get_scale() if scaler else None,
+                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}, handle)
     dist.barrier()  # no rank tears its process group down while another still talks to it
