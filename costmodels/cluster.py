@@ -172,7 +172,8 @@ def _from_spec(spec: str, options: ClusterOptions) -> Cluster:
     if any(count is not None and int(count) < 1 for count in match.groups()[:2]):
         raise InvalidCluster(f"Cluster {spec!r} has a zero count; counts must be at least 1.", _forms_hint())
     gpu = find_gpu(name := match.group(3))
-    assumptions = [] if name.lower() in {gpu.id, gpu.name.lower()} else [f"{name} means {gpu.name}"]
+    assumptions = [] if name.lower() in {gpu.id, gpu.name.lower()} else \
+        [f"{name} means {gpu.name} (name the exact GPU, e.g. {gpu.id}, for another)"]
     layout = _layout(spec.strip(), match.groups(), options, gpu, assumptions)
     return _assemble(gpu, layout, options, assumptions)
 
@@ -217,14 +218,15 @@ def _layout(spec: str, groups: tuple[str | None, ...], options: ClusterOptions, 
     typical = gpu.typical_node
     if typical is None or count <= typical.gpus_per_node:
         if count > 1 and typical is not None:
-            assumptions.append(f"{count} GPUs in one node (up to {typical.gpus_per_node}: {typical.name})")
+            assumptions.append(f"{count} GPUs in one node (up to {typical.gpus_per_node}: {typical.name}; "
+                               "--gpus-per-node to change)")
         return 1, count
     per = typical.gpus_per_node
     if count % per:
         fit = max(d for d in (1, 2, 4, 8, 16, 32, 64) if d <= per and count % d == 0)
         raise InvalidCluster(f"{spec} is not a whole number of {per}-GPU nodes.",
                              f"Write {count // fit}x{fit}x{name} or pass --gpus-per-node {fit}.")
-    assumptions.append(f"{count} GPUs = {count // per} nodes of {per} ({typical.name})")
+    assumptions.append(f"{count} GPUs = {count // per} nodes of {per} ({typical.name}; --gpus-per-node to change)")
     return count // per, per
 
 

@@ -89,7 +89,7 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
     if seq_len is None:
         limit = resolved.as_dict().get("max_position_embeddings") or resolved.as_dict().get("n_positions")
         seq_len = min(DEFAULT_SEQ_LEN, int(limit)) if isinstance(limit, int) and limit > 0 else DEFAULT_SEQ_LEN
-        assumed.append(f"sequence length {seq_len} tokens (none given)")
+        assumed.append(f"sequence length {seq_len} tokens (none given; --seq-len)")
     if tokens_per_step is not None:
         if global_batch is not None:
             raise FitplanError("Give either --global-batch or --tokens-per-step, not both.",
@@ -98,7 +98,7 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
         assumed.append(f"global batch {global_batch} sequences = {tokens_per_step} tokens / {seq_len}")
     if global_batch is None:
         global_batch = max(DEFAULT_GLOBAL_BATCH, cluster.world_size)
-        assumed.append(f"global batch {global_batch} sequences per step (none given)")
+        assumed.append(f"global batch {global_batch} sequences per step (none given; --global-batch)")
     try:
         workload = Workload(seq_len=seq_len, global_batch=global_batch)
     except ValueError as err:
@@ -247,10 +247,10 @@ def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins:
                        cpu_ram_per_node_bytes=cluster.cpu_ram_per_node,
                        inter_node_bytes_per_s=cluster.inter_node_bandwidth, nvme_bytes_per_s=cluster.nvme_bandwidth,
                        assumptions=cluster.assumptions)
-    defaults = [*assumed, f"memory headroom {headroom:.0%} of each GPU kept free"]
+    defaults = [*assumed, f"memory headroom {headroom:.0%} of each GPU kept free (--headroom)"]
     if not pins.precisions:
         defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
-                        "(pure bf16 and fp8 only when allowed)")
+                        "(pure bf16 and fp8 only when allowed: --precision)")
     return Inputs(model=resolved.id, model_source=resolved.source, architecture=graph.architecture,
                   layer_class=graph.layer_class, hidden_size=graph.dims.hidden, num_layers=graph.dims.layers,
                   cluster=info, seq_len=workload.seq_len,
