@@ -195,7 +195,8 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     found = search(tables, kinds, space.modes, time_limit=search_limit, configurations=len(space.outers))
     result = found.result
     if result.table is None and result.status == "INFEASIBLE":  # proven over the whole space
-        message, hint, diagnosis = diagnose(found, inputs, pins, space, lora=lora is not None)
+        message, hint, diagnosis = diagnose(found, inputs, pins, space, lora=lora is not None,
+                                            tp_degrees=any_graph.tp_degrees)
         raise Infeasible(message, hint, {**diagnosis, "explored": len(tables), "configurations": len(space.outers)})
     if result.table is None:
         raise NoPlanInTime(time_limit, len(tables), len(space.outers))

@@ -37,9 +37,11 @@ class NoPlanInTime(FitplanError):
 
 
 def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Space, *, lora: bool = False,
-             rebuild: Callable[[Pins], Space] | None = None) -> tuple[str, str, dict[str, Any]]:
+             rebuild: Callable[[Pins], Space] | None = None, tp_degrees: tuple[int, ...] = (1,)
+             ) -> tuple[str, str, dict[str, Any]]:
     """(message, hint, diagnosis) for a request with no feasible configuration (the whole space searched);
-    `rebuild` makes the space for other pins, to name the pins that leave nothing."""
+    `rebuild` makes the space for other pins, to name the pins that leave nothing; `tp_degrees` are the model's
+    (more GPUs help activations only through more tensor parallelism)."""
     cluster = inputs.cluster
     if found is None or not found.tables:
         culprits = list(blocking_pins(pins, rebuild)) if rebuild is not None else []
@@ -63,9 +65,15 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     need, least = min(hosted, key=lambda pair: (pair[1] - pair[0].budget, pair[0].rank))
     budget = need.budget
     binding = "host RAM for offloaded states" if host_binds else "GPU memory"
-    # What sharding over more GPUs cannot remove: the peak less the (fully shardable) persistent states.
+    # What sharding over more GPUs cannot remove: the peak less the (fully shardable) persistent states. More GPUs
+    # still help where they allow more tensor parallelism (which divides activations) than this cluster does.
     floor = least - need.states.gpu_total
-    ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds, floor=floor)
+    catalog_gpu = load_gpus().get(cluster.gpu)  # a custom GPU from a cluster file is not in the catalog
+    node = catalog_gpu.typical_node if catalog_gpu else None
+    node_gpus = max(cluster.gpus_per_node, node.gpus_per_node if node else 1)
+    more_tp = max((t for t in tp_degrees if t <= node_gpus), default=1) > max(t.outer.tp for t in found.tables)
+    ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds,
+                     sharding_helps=floor <= budget or more_tp, floor=floor)
     checkpointed = "every layer checkpointed" if lean[0] is Checkpoint.FULL else f"checkpointing pinned to {lean[0]}"
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "
                f"the host can hold ({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
@@ -100,7 +108,7 @@ def blocking_pins(pins: Pins, rebuild: Callable[[Pins], Space]) -> Iterator[tupl
 
 
 def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool,
-              floor: int) -> list[str]:
+              sharding_helps: bool, floor: int) -> list[str]:
     ways = []
     cluster = inputs.cluster
     if host_binds:
@@ -114,7 +122,7 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
         ways.append(f"larger GPUs: {', '.join(enough[:3])} would hold {least / GIB:.1f} GiB")
     ratio = least / max(1, budget)
     gpus = cluster.nodes * cluster.gpus_per_node
-    if floor <= budget:
+    if sharding_helps:
         ways.append(f"more GPUs: model states shard with ZeRO-3/FSDP; try about {max(2 * gpus, int(gpus * ratio) + 1)}"
                     " GPUs of this kind")
     else:  # activations and temporaries alone exceed a GPU: data parallelism cannot divide them
@@ -122,7 +130,7 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
                     f"{floor / GIB:.1f} GiB per GPU (context parallelism is not modelled yet)")
     if pins.offload is Offload.NONE or pins.param_offload is Offload.NONE:
         ways.append("offload: --offload cpu / --offload-params cpu (ZeRO-3) were pinned off")
-    if not lora and floor <= budget:  # adapters drop states, not activations
+    if not lora and sharding_helps:  # adapters drop states, not activations
         ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
                     "optimizer memory")
     if pins.checkpoint is not None and pins.checkpoint is not Checkpoint.FULL:
