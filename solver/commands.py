@@ -193,8 +193,9 @@ def explain_plan(path: Path) -> list[str]:
              f"{e.tokens_per_second:,.0f} tokens/s, MFU {e.mfu:.1%}).",
              f"Binding constraint: {plan.binding}.",
              f"Memory per GPU: device peak {e.memory.device_peak / GIB:.2f} GiB of "
-             f"{plan.inputs.cluster.gpu_memory_bytes / GIB:.0f} GiB (allocated {e.memory.allocated_peak / GIB:.2f} GiB "
-             f"at {e.memory.peak_at}).", "Alternatives:"]
+             f"{plan.inputs.cluster.gpu_memory_bytes / GIB:.2f} GiB, {plan.inputs.headroom:.0%} of it kept free "
+             f"(allocated {e.memory.allocated_peak / GIB:.2f} GiB at {e.memory.peak_at}).",
+             f"Solver: {plan.solver.summary()}.", "Alternatives:"]
     lines += [f"  - {a.decisions}: {a.why}" for a in plan.alternatives] or ["  (none)"]
     if plan.advice:
         lines.append("Guide methods:")
