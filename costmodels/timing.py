@@ -13,7 +13,7 @@ from .breakdown import TimeBreakdown
 from .cluster import Cluster
 from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
 from .compilation import memory_bound_speedup
-from .compute import KernelSpeed, kernel_speed, work_seconds
+from .compute import KernelSpeed, kernel_speed, reduction_width, work_seconds
 from .config import Config, Engine, Offload, Workload
 from .offload import offload_seconds
 from .tensor_parallel import tp_node_seconds
@@ -58,9 +58,26 @@ def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s:
         (dims.hidden, dims.intermediate // config.tp, dims.heads * dims.head_dim // config.tp)
     factor = alignment_factor(cluster.gpu, dtype, (b * s, *widths))
     attention = precision.attention_dtype_on(config.precision, cluster.gpu)
+    layers = graph.decoder_layers()
+    width = dims.hidden if head or not layers else reduction_width(layer_gemms(layers[0], config.tp))
     return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention,
-                        tokens=b * s, width=max(1, dims.hidden // config.tp), alignment=factor,
-                        profile=cluster.profile)
+                        tokens=b * s, width=width, alignment=factor, profile=cluster.profile)
+
+
+def layer_gemms(layer: Layer, tp: int) -> list[tuple[int, int, int]]:
+    """(weight, n, k) of each matmul weight of a decoder layer on one TP rank: a Linear weight is (n, k) =
+    (out, in), an expert stack (experts, n, k) of which `top_k` run per token. Column-parallel splits n and
+    keeps the whole reduction k; row-parallel splits k (Shoeybi et al. 2019)."""
+    top_k = layer.moe.top_k if layer.moe else 1
+    gemms = []
+    for tensor in layer.params:
+        if len(tensor.shape) not in (2, 3):
+            continue
+        n, k = tensor.shape[-2:]
+        dim = None if tensor.tp_dim is None else tensor.tp_dim - (len(tensor.shape) - 2)
+        n, k = (-(-n // tp), k) if dim == 0 else (n, -(-k // tp)) if dim == 1 else (n, k)
+        gemms.append((top_k if len(tensor.shape) == 3 else 1, n, k))
+    return gemms
 
 
 def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
