@@ -14,7 +14,8 @@ from .cluster import Cluster
 from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
 from .compilation import memory_bound_speedup
 from .compute import KernelSpeed, kernel_speed, reduction_width, work_seconds
-from .config import Config, Engine, Offload, Workload
+from .config import Config, Engine, Offload, Precision, Workload
+from .fp8 import cast_bytes
 from .offload import offload_seconds
 from .tensor_parallel import tp_node_seconds
 from .zero import dp_traffic, local_elements, reduce_bucket_elements, sharding
@@ -23,6 +24,17 @@ from .zero import dp_traffic, local_elements, reduce_bucket_elements, sharding
 # moments written (28 bytes), plus the 16-bit copy and master weights under mixed precision (an upper bound;
 # ZeRO paper's accounting of Adam state traffic).
 OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """One matmul weight of a layer on one rank: `n` outputs over a reduction of `k`, run on `routed` times the
+    tokens (an expert stack's top-k, else 1) and held `copies` times (the experts of a stack, else 1)."""
+
+    n: int
+    k: int
+    routed: int = 1
+    copies: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,22 +64,26 @@ class TimeTerms:
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
               head: bool = False) -> KernelSpeed:
     """Kernel rates for decoder layers (or, with `head`, for the LM head, whose GEMM spans the vocabulary)."""
-    dtype = precision.matmul_dtype_on(config.precision, cluster.gpu)
+    # fp8 converts the decoder layers' linears; the LM head stays in the compute dtype (as the torchrun script
+    # and torchao's README leave it), which is the attention kernels' dtype.
+    dtype = precision.attention_dtype_on(config.precision, cluster.gpu) if head else \
+        precision.matmul_dtype_on(config.precision, cluster.gpu)
     dims = graph.dims
     widths = (dims.hidden, dims.vocab // config.tp) if head else \
         (dims.hidden, dims.intermediate // config.tp, dims.heads * dims.head_dim // config.tp)
     factor = alignment_factor(cluster.gpu, dtype, (b * s, *widths))
     attention = precision.attention_dtype_on(config.precision, cluster.gpu)
     layers = graph.decoder_layers()
-    width = dims.hidden if head or not layers else reduction_width(layer_gemms(layers[0], config.tp))
+    width = dims.hidden if head or not layers else \
+        reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layers[0], config.tp)])
     return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention,
                         tokens=b * s, width=width, alignment=factor, profile=cluster.profile)
 
 
-def layer_gemms(layer: Layer, tp: int) -> list[tuple[int, int, int]]:
-    """(weight, n, k) of each matmul weight of a decoder layer on one TP rank: a Linear weight is (n, k) =
-    (out, in), an expert stack (experts, n, k) of which `top_k` run per token. Column-parallel splits n and
-    keeps the whole reduction k; row-parallel splits k (Shoeybi et al. 2019)."""
+def layer_gemms(layer: Layer, tp: int) -> list[Gemm]:
+    """The matmul weights of a decoder layer on one TP rank: a Linear weight is (n, k) = (out, in), an expert
+    stack (experts, n, k) of which `top_k` run per token. Column-parallel splits n and keeps the whole reduction
+    k; row-parallel splits k (Shoeybi et al. 2019)."""
     top_k = layer.moe.top_k if layer.moe else 1
     gemms = []
     for tensor in layer.params:
@@ -76,7 +92,8 @@ def layer_gemms(layer: Layer, tp: int) -> list[tuple[int, int, int]]:
         n, k = tensor.shape[-2:]
         dim = None if tensor.tp_dim is None else tensor.tp_dim - (len(tensor.shape) - 2)
         n, k = (-(-n // tp), k) if dim == 0 else (n, -(-k // tp)) if dim == 1 else (n, k)
-        gemms.append((top_k if len(tensor.shape) == 3 else 1, n, k))
+        stack = len(tensor.shape) == 3
+        gemms.append(Gemm(n=n, k=k, routed=top_k if stack else 1, copies=tensor.shape[0] if stack else 1))
     return gemms
 
 
@@ -86,10 +103,23 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
     kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
               "memory_speedup": memory_speedup}
     ga = config.grad_accum
+    cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+    recast = cast_fwd if mode is Checkpoint.FULL else 0.0  # full recompute reruns the forward's casts
     return NodeTime(compute=ga * (work_seconds(cost.forward, speed, **kwargs)
-                                  + work_seconds(cost.backward, speed, **kwargs)),
-                    recompute=ga * work_seconds(cost.recompute, speed, **kwargs),
+                                  + work_seconds(cost.backward, speed, **kwargs) + cast_fwd + cast_bwd),
+                    recompute=ga * (work_seconds(cost.recompute, speed, **kwargs) + recast),
                     tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s))
+
+
+def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,
+                     memory_speedup: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) seconds of the fp8 casts of a decoder layer's matmul operands per micro-batch
+    (memory-bound; torch.compile fuses them like the other element-wise kernels). Zero outside fp8."""
+    if config.precision is not Precision.FP8 or layer.role is not Role.DECODER:
+        return 0.0, 0.0
+    forward, backward = cast_bytes(layer_gemms(layer, config.tp), b * s)
+    rate = speed.memory_bandwidth * memory_speedup
+    return forward / rate, backward / rate
 
 
 def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeTerms:
@@ -113,8 +143,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
             if layer.kind not in by_kind:  # layers of one kind cost the same
                 options = tuple((mode, node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
                                                  memory_speedup=memory_speedup)) for mode in layer.checkpoint_modes)
-                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs),
-                                       work_seconds(layer.cost().backward, speed, **kwargs))
+                cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs) + cast_fwd,
+                                       work_seconds(layer.cost().backward, speed, **kwargs) + cast_bwd)
             options, layer_fwd, layer_bwd = by_kind[layer.kind]
             layers.append(options)
             fwd, bwd = fwd + layer_fwd, bwd + layer_bwd

@@ -27,8 +27,8 @@ def test_column_parallel_gemms_keep_the_whole_reduction_under_tensor_parallelism
     graph = lower("meta-llama/Llama-3.1-70B")
     layer = graph.decoder_layers()[0]
     hidden, ffn = graph.dims.hidden, graph.dims.intermediate
-    gemms = {(n, k) for _, n, k in layer_gemms(layer, 8)}
+    gemms = {(g.n, g.k) for g in layer_gemms(layer, 8)}
     assert (hidden // 8, hidden) in gemms  # q_proj: column-parallel, K = hidden
     assert (hidden, ffn // 8) in gemms  # down_proj: row-parallel, K = ffn / 8
-    assert reduction_width(layer_gemms(layer, 8)) > 4 * hidden // 8
-    assert reduction_width(layer_gemms(layer, 8)) < reduction_width(layer_gemms(layer, 1))
+    widths = {tp: reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layer, tp)]) for tp in (1, 8)}
+    assert 4 * hidden // 8 < widths[8] < widths[1]
