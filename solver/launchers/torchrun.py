@@ -216,7 +216,16 @@ def optimizer_for(model, lr):
     # Not under FSDP2's fp16 ShardedGradScaler: its found_inf has shape [1], which fused Adam's step update
     # refuses (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]"); same update, foreach.
     fused = d["optimizer"] == "adamw-fused" and not (d["engine"] == "fsdp2" and d["precision"] == "fp16-mixed")
-    return torch.optim.AdamW(params, lr=lr, fused=fused or None)
+    return torch.optim.AdamW(by_tensor_kind(params), lr=lr, fused=fused or None)
+
+
+def by_tensor_kind(params):
+    """DTensor and plain parameters in separate groups: the fused and foreach kernels refuse a list that mixes
+    them (TP leaves norms and, without FSDP2, other small weights plain)."""
+    from torch.distributed.tensor import DTensor
+
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": group} for group in groups if group]
 
 
 def loss_scaler(device):
@@ -273,6 +282,21 @@ def saved_bytes(model, batch, found):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def clip_gradients(model, max_norm):
+    """Clip the global gradient norm; returns it. Gradients may be DTensors on different meshes (TP layers on the
+    2-D mesh, FSDP2's root on the data-parallel one), which one `clip_grad_norm_` cannot combine: each tensor's
+    norm is made whole first, then all are scaled by one plain factor."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g.float()) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    factor = max_norm / (total + 1e-6)
+    if factor < 1.0:
+        for g in grads:
+            g.mul_(factor)
+    return total
 
 
 def main():
@@ -333,10 +357,8 @@ def main():
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients
         lrs.append(optimizer.param_groups[0]["lr"])
-        if args.max_grad_norm > 0:  # works on DTensor (TP/FSDP2) parameters too
-            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                  args.max_grad_norm)
-            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        if args.max_grad_norm > 0:
+            norms.append(clip_gradients(model, args.max_grad_norm))
         if scaler:
             scaler.step(optimizer)
             scaler.update()

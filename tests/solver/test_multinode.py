@@ -127,7 +127,7 @@ def test_two_node_gloo_run_from_the_emitted_torchrun_script(engine, tmp_path):
     model_dir = write_config(tmp_path / "tiny-llama", tiny_values("llama"))
     # States stay on the device, so the report's local bytes compare with the device estimate.
     plan = solve(str(model_dir), f"{NODES}x{PER_NODE}xCPU", seq_len=64, global_batch=8, time_limit=5, engine=engine,
-                 offload="none", param_offload="none")
+                 offload="none", param_offload="none", tp=1)
     assert plan.decisions.dp == NODES * PER_NODE
     folder = tmp_path / "out"
     emit_files(plan, "torchrun", folder)
