@@ -10,9 +10,9 @@ from costmodels import Cluster, Estimate, Workload, estimate
 from graphs import Checkpoint, LayerGraph
 
 from .plan import Alternative, decisions_of
-from .search import SearchResult, quick_plan
+from .search import SearchResult, fastest_modes, quick_plan
 from .space import Outer, leanest_modes
-from .tables import TICK_SECONDS, Table, objective
+from .tables import TICK_SECONDS, Table, objective, table_modes
 
 GIB = 2**30
 
@@ -60,8 +60,12 @@ def _fitting_per_family(found: SearchResult, kinds: list[int], modes: tuple[Chec
         family = table.outer.family
         if family != winner and family not in best and table.states_fit:
             untried.setdefault(family, []).append(k)
+    def fastest(i: int) -> int:  # the table's step with every layer in its fastest runnable mode
+        table = found.tables[i]
+        return table.time_of(fastest_modes(table, kinds, table_modes(table, modes)))
+
     for family, indices in untried.items():
-        for k in sorted(indices, key=lambda i: found.tables[i].time_of(_fastest(found.tables[i]))):
+        for k in sorted(indices, key=fastest):
             if _past(deadline):
                 return best
             plan = quick_plan(found.tables[k], kinds, modes)
@@ -69,10 +73,6 @@ def _fitting_per_family(found: SearchResult, kinds: list[int], modes: tuple[Chec
                 best[family] = (objective(found.tables[k], plan, tie_weight=found.weight), k, plan)
                 break
     return best
-
-
-def _fastest(table: Table) -> tuple[Checkpoint, ...]:
-    return tuple(min(options, key=lambda option: option[1])[0] for options in table.layer_ticks)
 
 
 def _modes_of(found: SearchResult, chosen: int, kinds: list[int]) -> tuple[Checkpoint, ...]:
