@@ -1,0 +1,206 @@
+"""Pipeline parallelism's costs: activations each rank holds at its peak, and the step time of a schedule with
+uneven stages (its bubble included), simulated over the real action order of `pipeline_schedule`.
+
+Weights, gradients and optimizer states per stage are the engine modules' business (see the issue-13 report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .collectives import INTER_NODE_LATENCY, INTRA_NODE_LATENCY, LINK_EFFICIENCY
+from .pipeline_schedule import Op, Schedule, interleaved_warmup, schedule_order, schedule_problem, stage_ranks
+
+
+def in_flight_micro_batches(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[int, ...]:
+    """Per rank i, the most (stage, micro-batch) activation sets held at once (each set one of the rank's chunks
+    when it runs several): closed forms of the torch 2.13 orders, checked against them in the tests."""
+    if (problem := schedule_problem(schedule, pp, m, v)) is not None:
+        raise ValueError(problem)
+    match schedule:
+        case Schedule.GPIPE:
+            return (m,) * pp
+        case Schedule.ONE_F_ONE_B:
+            # Warm-up of pp - i forwards before the first backward (Narayanan et al. 2021, section 2.2).
+            return tuple(min(pp - i, m) for i in range(pp))
+        case Schedule.INTERLEAVED_1F1B:
+            # Warm-up forwards, then one more forward before each backward of the steady phase.
+            return tuple(min(interleaved_warmup(i, pp, m, v, factor=2) + 1, m * v) for i in range(pp))
+        case Schedule.INTERLEAVED_ZB:
+            # ZB1P: warm-up with one hop per rank, and rank i defers its first i weight steps (which free).
+            return tuple(min(interleaved_warmup(i, pp, m, v, factor=1) + 1 + i, m * v) for i in range(pp))
+        case Schedule.ZBV:
+            # ZB-V holds pp micro-batches' worth, 2 pp half-stage sets, once m >= 2 pp - 1 (Qi et al. 2024, s. 6).
+            return tuple(min(m + 1 + i, 2 * pp, 2 * m) for i in range(pp))
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def held_activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
+                          stage_bytes: Sequence[int]) -> tuple[int, ...]:
+    """Per rank, the peak bytes of saved activations over one step, where `stage_bytes[s]` is what global stage
+    s keeps for backward per micro-batch. A forward adds its stage's bytes; a full backward (B) frees them; a
+    split backward frees them at its weight step (W): torch's `stage_backward_input` keeps the graph for W."""
+    ranks = stage_ranks(schedule, pp, v)
+    if len(stage_bytes) != len(ranks):
+        raise ValueError(f"stage_bytes has {len(stage_bytes)} entries for {len(ranks)} stages")
+    peaks = []
+    for ops in schedule_order(schedule, pp, m, v):
+        held = peak = 0
+        for op in ops:
+            held += stage_bytes[op.stage] * {"F": 1, "B": -1, "I": 0, "W": -1}[op.kind]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineTime:
+    """One step of a pipeline schedule, simulated."""
+
+    step: float
+    """Seconds from the first forward to the last backward on any rank."""
+    busy: tuple[float, ...]
+    """Compute seconds of each rank."""
+
+    @property
+    def bubble(self) -> float:
+        """Seconds the busiest rank waits: the step less its compute."""
+        return self.step - max(self.busy)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time: 1 - sum(busy) / (pp * step); (pp - 1) / (m + pp - 1) for even 1F1B."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.step) if self.step > 0 else 0.0
+
+
+# A matmul's backward is two GEMMs of the forward's size, input gradient and weight gradient (dX = dY W^T,
+# dW = X^T dY), so a zero-bubble W is half of a transformer stage's backward unless the caller measured it.
+DEFAULT_WEIGHT_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageTimes:
+    """Seconds one micro-batch spends in each global stage."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    """Full backward (input and weight gradients, recompute included)."""
+    weight: tuple[float, ...] | None = None
+    """The weight-gradient part of `backward` (zero-bubble W); None takes DEFAULT_WEIGHT_SHARE of it."""
+    p2p: tuple[float, ...] = ()
+    """Seconds to move one micro-batch's activation (or its gradient) across boundary s -> s + 1 when the two
+    stages sit on different ranks; empty means free."""
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        if len(self.backward) != n or (self.weight is not None and len(self.weight) != n):
+            raise ValueError("forward, backward and weight need one entry per stage")
+        if self.p2p and len(self.p2p) != n - 1:
+            raise ValueError(f"p2p needs {n - 1} boundary entries for {n} stages, got {len(self.p2p)}")
+        if any(t < 0 for t in (*self.forward, *self.backward, *(self.weight or ()), *self.p2p)):
+            raise ValueError("stage times must be non-negative")
+
+
+def op_seconds(op: Op, times: StageTimes) -> float:
+    """Compute seconds of one action. The first stage's I is empty in torch (no input gradient), so its W runs
+    the whole backward (`backward_one_chunk(full_backward=False)` skips the input pass on the first stage)."""
+    full = times.backward[op.stage]
+    weight = times.weight[op.stage] if times.weight is not None else DEFAULT_WEIGHT_SHARE * full
+    match op.kind:
+        case "F":
+            return times.forward[op.stage]
+        case "B":
+            return full
+        case "I":
+            return 0.0 if op.stage == 0 else full - weight
+        case _:
+            return full if op.stage == 0 else weight
+
+
+def pipeline_time(schedule: Schedule, pp: int, m: int, *, v: int = 1, times: StageTimes) -> PipelineTime:
+    """Simulate one step: each rank runs its actions in torch's order, each as soon as its input has arrived
+    (a forward after the previous stage's forward, a backward after the next stage's, plus the p2p hop between
+    ranks), so uneven stages give their real bubble instead of a flat (pp - 1) / m."""
+    ranks = stage_ranks(schedule, pp, v)
+    if len(times.forward) != len(ranks):
+        raise ValueError(f"times cover {len(times.forward)} stages; {schedule} with pp={pp}, v={v} has {len(ranks)}")
+    orders = schedule_order(schedule, pp, m, v)
+    done: dict[tuple[str, int, int], float] = {}
+    clock, busy, next_op = [0.0] * pp, [0.0] * pp, [0] * pp
+    remaining = sum(len(ops) for ops in orders)
+    while remaining:
+        progressed = False
+        for rank, ops in enumerate(orders):
+            while next_op[rank] < len(ops) and (ready := _ready_at(ops[next_op[rank]], done, ranks, times)) is not None:
+                op = ops[next_op[rank]]
+                seconds = op_seconds(op, times)
+                clock[rank] = max(clock[rank], ready) + seconds
+                busy[rank] += seconds
+                done["G" if op.kind in "BI" else op.kind, op.stage, op.micro_batch] = clock[rank]
+                next_op[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"{schedule} order deadlocks with pp={pp}, m={m}, v={v}")
+    return PipelineTime(step=max(clock), busy=tuple(busy))
+
+
+def _ready_at(op: Op, done: dict[tuple[str, int, int], float], ranks: tuple[int, ...],
+              times: StageTimes) -> float | None:
+    """When `op`'s input is on its rank (None while its producer has not run): F needs the previous stage's F,
+    B or I the next stage's input gradient (the last stage its own F), W its own I."""
+    s, j = op.stage, op.micro_batch
+    match op.kind:
+        case "F" if s == 0:
+            return 0.0
+        case "F":
+            source, hop = ("F", s - 1, j), s - 1
+        case "W":
+            source, hop = ("G", s, j), None
+        case _ if s == len(ranks) - 1:
+            source, hop = ("F", s, j), None
+        case _:
+            source, hop = ("G", s + 1, j), s
+    if source not in done:
+        return None
+    crossing = hop is not None and times.p2p and ranks[hop] != ranks[hop + 1]
+    return done[source] + (times.p2p[hop] if crossing else 0.0)
+
+
+def p2p_activation_bytes(*, micro_batch: int, seq_len: int, hidden: int, dtype_bytes: int, tp: int = 1,
+                         cp: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes each GPU sends across one stage boundary per micro-batch (and receives back as its gradient): the
+    hidden states [seq / cp (/ tp under sequence parallelism), micro_batch, hidden], as Megatron-core's
+    `get_tensor_shapes` sizes its p2p buffers; without sequence parallelism every TP rank sends a full copy."""
+    seq = seq_len // cp // (tp if sequence_parallel else 1)
+    return micro_batch * seq * hidden * dtype_bytes
+
+
+def p2p_seconds(nbytes: int, *, bandwidth: float, latency: float) -> float:
+    """Seconds of one point-to-point send of `nbytes` over a link of `bandwidth` bytes/s."""
+    return nbytes / bandwidth + latency if nbytes > 0 else 0.0
+
+
+def boundary_p2p_seconds(cluster: Cluster, nbytes: int, *, crosses_nodes: bool) -> float:
+    """One boundary's send on this cluster: NVLink inside a node, each GPU's own NIC across nodes (rail-optimised
+    fabrics give every GPU of a stage its own NIC, so the TP ranks' sends run in parallel)."""
+    if crosses_nodes:
+        return p2p_seconds(nbytes, bandwidth=cluster.inter_node_bandwidth * LINK_EFFICIENCY,
+                           latency=INTER_NODE_LATENCY)
+    return p2p_seconds(nbytes, bandwidth=cluster.gpu.intra_node_bandwidth * LINK_EFFICIENCY,
+                       latency=INTRA_NODE_LATENCY)
+
+
+def boundaries_crossing_nodes(schedule: Schedule, pp: int, *, v: int = 1, gpus_per_rank: int,
+                              gpus_per_node: int) -> tuple[bool, ...]:
+    """Per stage boundary, whether it leaves a node when the pipeline dimension is outermost (Megatron's
+    tp-cp-ep-dp-pp order, torchtitan's mesh): GPU k of pipeline rank r is global rank r * gpus_per_rank + k."""
+    ranks = stage_ranks(schedule, pp, v)
+
+    def crosses(a: int, b: int) -> bool:
+        return any((a * gpus_per_rank + k) // gpus_per_node != (b * gpus_per_rank + k) // gpus_per_node
+                   for k in range(gpus_per_rank))
+
+    return tuple(crosses(ranks[s], ranks[s + 1]) for s in range(len(ranks) - 1))
