@@ -15,11 +15,21 @@ BNB_MIN_8BIT_SIZE = 4096
 # Both 8-bit states share the 256-entry fp32 dynamic quantisation maps (qmap1, qmap2), once per optimizer.
 BNB_QMAP_BYTES = 2 * 256 * 4
 
+# bitsandbytes' paged AdamW (`PagedAdamW8bit`, `PagedAdamW32bit`, bitsandbytes/optim/adamw.py 0.50.2) keep the
+# states of `AdamW8bit` / `AdamW32bit`; only where they live differs (costmodels/paging.py). Named by value until
+# the knob declaration gives them `Optimizer` members (the enum is a str enum, so members compare equal).
+PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+PAGED_ADAMW_32BIT = "paged-adamw-32bit"
+PAGED_OPTIMIZERS = (PAGED_ADAMW_8BIT, PAGED_ADAMW_32BIT)
 
-def state_bytes(optimizer: Optimizer, shape: tuple[int, ...], itemsize: int) -> int:
+
+def state_bytes(optimizer: Optimizer | str, shape: tuple[int, ...], itemsize: int) -> int:
     """Bytes of optimizer state for one tensor of `shape` whose states are kept at `itemsize` bytes."""
     numel = math.prod(shape)
     match optimizer:
+        case "paged-adamw-32bit":
+            # bitsandbytes 32-bit states are fp32 whatever the parameter dtype (`Optimizer2State.init_state`).
+            return 2 * numel * 4
         case Optimizer.ADAMW | Optimizer.ADAMW_FUSED:
             return 2 * numel * itemsize  # exp_avg, exp_avg_sq (torch.optim.AdamW)
         case Optimizer.SGD:
@@ -28,14 +38,14 @@ def state_bytes(optimizer: Optimizer, shape: tuple[int, ...], itemsize: int) -> 
             if len(shape) >= 2:  # torch.optim.Adafactor: row_var (..., r, 1) and col_var (..., 1, c)
                 return (numel // shape[-1] + numel // shape[-2]) * itemsize
             return numel * itemsize  # variance
-        case Optimizer.ADAMW_8BIT:
+        case Optimizer.ADAMW_8BIT | "paged-adamw-8bit":
             if numel < BNB_MIN_8BIT_SIZE:
                 return 2 * numel * 4
             return 2 * numel + 2 * math.ceil(numel / BNB_BLOCK) * 4
     raise ValueError(f"unknown optimizer {optimizer}")
 
 
-def step_counter_bytes(optimizer: Optimizer, tensors: int) -> int:
+def step_counter_bytes(optimizer: Optimizer | str, tensors: int) -> int:
     """Per-tensor `step` counters that live on the device: fused AdamW keeps them there as fp32 scalars.
 
     The foreach implementations keep `step` on the CPU (torch `_get_scalar_dtype`, capturable=False).
@@ -43,17 +53,17 @@ def step_counter_bytes(optimizer: Optimizer, tensors: int) -> int:
     return 4 * tensors if optimizer is Optimizer.ADAMW_FUSED else 0
 
 
-def fixed_state_bytes(optimizer: Optimizer) -> int:
-    """State shared by all tensors (bitsandbytes' quantisation maps)."""
-    return BNB_QMAP_BYTES if optimizer is Optimizer.ADAMW_8BIT else 0
+def fixed_state_bytes(optimizer: Optimizer | str) -> int:
+    """State shared by all tensors of one optimizer instance (bitsandbytes' quantisation maps)."""
+    return BNB_QMAP_BYTES if optimizer in (Optimizer.ADAMW_8BIT, PAGED_ADAMW_8BIT) else 0
 
 
-def step_temp_bytes(optimizer: Optimizer, shapes: Iterable[tuple[int, ...]], itemsize: int) -> int:
+def step_temp_bytes(optimizer: Optimizer | str, shapes: Iterable[tuple[int, ...]], itemsize: int) -> int:
     """Peak temporary bytes of one optimizer step over local tensors of `shapes` (states at `itemsize`).
 
     The foreach kernels (the CUDA default) materialise one intermediate per tensor for the whole list at once:
     AdamW's `exp_avg_sq.sqrt()` and Adafactor's row x column variance estimate (torch 2.13 `_multi_tensor_*`).
-    Fused AdamW, SGD and the bitsandbytes kernels update in place.
+    Fused AdamW, SGD and the bitsandbytes kernels (paged ones included) update in place.
     """
     numels = [math.prod(s) for s in shapes]
     if optimizer in (Optimizer.ADAMW, Optimizer.ADAFACTOR):

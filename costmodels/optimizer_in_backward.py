@@ -1,0 +1,86 @@
+"""Optimizer-in-backward: each parameter is stepped, and its gradient freed, as soon as backward has produced it.
+
+torchtune's `optimizer_in_bwd: True` (torchtune 0.6.1 training/memory.py `register_optim_in_bwd_hooks`) builds one
+optimizer per parameter and registers `param.register_post_accumulate_grad_hook(optim_step)`, where `optim_step`
+calls that optimizer's `step()` then `zero_grad()` (set_to_none). No gradient persists between steps: a
+parameter's gradient lives from the moment autograd accumulates it until its hook has stepped, on top of what the
+backward of its node holds anyway. Under FSDP2 the hooks run after the unit's reduce-scatter
+(torch `_fsdp_collectives.foreach_reduce` calls `_post_accumulate_grad_hooks`), and the unit's sharded gradients
+are views of one reduce-scatter output, freed together once all of them have stepped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from graphs import LayerGraph
+
+from . import optimizers, precision
+from .config import Config, Engine, Offload, Precision
+from .memory import MemoryTerms
+from .states import ModelStates
+from .zero import local_elements, local_shape
+
+
+def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
+    """Why `config` cannot step its optimizer in backward (empty when it can). `clip_grad_norm` says whether the
+    run clips gradients (HF Trainer's default `max_grad_norm=1.0` does)."""
+    reasons = []
+    if config.grad_accum > 1:
+        # torchtune 0.6.1 recipes/full_finetune_single_device.py and full_finetune_distributed.py raise
+        # "Gradient accumulation is not supported with optimizer in bwd."
+        reasons.append(f"grad_accum={config.grad_accum}: each gradient is consumed as soon as it is produced, "
+                       "so micro-batches cannot accumulate (torchtune refuses it)")
+    if clip_grad_norm:
+        # Same recipes: "Gradient clipping is not supported with optimizer in bwd."
+        reasons.append("gradient clipping needs the norm over all gradients before any step (torchtune refuses it)")
+    if config.engine is Engine.DEEPSPEED:
+        reasons.append("DeepSpeed steps its own (partitioned) optimizer after backward; it has no per-parameter "
+                       "hook path")
+    if config.engine is Engine.DDP and config.dp > 1:
+        # torch DistributedDataParallel all-reduces buckets from its own autograd hooks; a post-accumulate-grad
+        # hook would step on the unreduced local gradient (DDP uses these hooks only for compiled autograd).
+        reasons.append(f"DDP with dp={config.dp} reduces gradients after the hooks would have stepped them; "
+                       "use FSDP2 (which runs the hooks after its reduce-scatter)")
+    if config.optimizer_offload is not Offload.NONE:
+        reasons.append("offloaded optimizer steps are priced as one host step per optimizer step, not per "
+                       "parameter during backward")
+    if config.precision is Precision.FP16_MIXED:
+        reasons.append("fp16 loss scaling unscales and checks all gradients for inf/NaN before stepping")
+    return reasons
+
+
+def in_backward_states(graph: LayerGraph, config: Config, states: ModelStates) -> ModelStates:
+    """No persistent or accumulating gradients; one optimizer per parameter tensor (bitsandbytes keeps
+    quantisation maps per optimizer instance).
+
+    Each step's temporary is one tensor's (a one-tensor foreach step). It exists only while that tensor's
+    gradient is alive, a moment inside its node's backward window but not at that node's peak (measured:
+    adding it to the node's backward peak overshoots MemTracker by the temporary); it stays a candidate peak
+    of its own above the persistent states, as the whole-list step is for ordinary optimizers.
+    """
+    tensors = sum(n for _, n in graph.tensor_groups(trainable=True))
+    extra_maps = (tensors - 1) * optimizers.fixed_state_bytes(config.optimizer) if states.optimizer else 0
+    itemsize = precision.state_itemsize(config.precision)
+    temp = max((optimizers.step_temp_bytes(config.optimizer, [local_shape(t, tp=config.tp, dp=config.dp,
+                                                                          engine=config.engine)], itemsize)
+                for t, _ in graph.tensor_groups(trainable=True)), default=0)
+    return replace(states, grads=0, accumulating_grads=0, step_temp=temp, optimizer=states.optimizer + extra_maps)
+
+
+def node_backward_extra(graph: LayerGraph, config: Config) -> list[int]:
+    """Per node, bytes added to its backward transient: under FSDP2, the unit's sharded gradients (the
+    reduce-scatter output, in the reduce dtype) that stay allocated until every hook of the unit has run."""
+    if config.engine is not Engine.FSDP2:
+        return [0] * len(graph.nodes())
+    reduce = 4 if precision.is_mixed(config.precision) else precision.compute_itemsize(config.precision)
+    return [reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=config.dp,
+                                    engine=config.engine, sharded=True) for layer in graph.nodes()]
+
+
+def in_backward_terms(graph: LayerGraph, config: Config, terms: MemoryTerms) -> MemoryTerms:
+    """`memory_terms(graph, workload, config)` as an optimizer-in-backward run allocates them: one timeline in
+    which each node's new gradients are handed off at once (to the hook, which steps and frees them)."""
+    extra = tuple((fwd, kept, bwd + add) for (fwd, kept, bwd), add
+                  in zip(terms.extra, node_backward_extra(graph, config), strict=True))
+    return replace(terms, states=in_backward_states(graph, config, terms.states), extra=extra, walks=((False, 0),))
