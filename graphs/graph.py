@@ -65,6 +65,8 @@ class LayerGraph:
     """Tensor-parallel degrees the model's TP plan and head counts allow."""
     published_params: int | None = None
     versions: tuple[tuple[str, str], ...] = ()
+    runtime: str = "hf"
+    """The code path traced: "hf" (transformers modeling code) or "torchtitan" (`graphs/titan.py`)."""
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -118,6 +120,8 @@ class LayerGraph:
             # Layers of one kind share their costs: store them once per kind (fast cache loads).
             "kind_modes": {str(layer.kind): _modes_json(layer) for layer in reversed(self.decoder_layers())},
             "nodes": [_layer_json(layer) for layer in self.nodes()],
+            # Written only when not "hf", so graphs cached before the field existed still round-trip.
+            **({"runtime": self.runtime} if self.runtime != "hf" else {}),
         }
 
     @classmethod
@@ -135,7 +139,7 @@ class LayerGraph:
             forward_shared=Poly.from_json(data["forward_shared"]),
             tp_splits_activations=data["tp_splits_activations"], tp_degrees=tuple(data["tp_degrees"]),
             published_params=data["published_params"], versions=tuple(sorted(data["versions"].items())),
-            graph=chain_graph(layers))
+            runtime=data.get("runtime", "hf"), graph=chain_graph(layers))
 
 
 def group_tensors(tensors: Iterable[ParamTensor]) -> tuple[tuple[ParamTensor, int], ...]:

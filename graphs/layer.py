@@ -18,6 +18,9 @@ class Checkpoint(str, Enum):
     NONE = "none"
     SELECTIVE = "selective"  # recompute the attention core only (Korthikanti et al. 2022)
     FULL = "full"  # keep only the layer input, recompute the layer in backward
+    # Op-level selective activation checkpointing: PyTorch's `create_selective_checkpoint_contexts` with
+    # torchtitan's policy (keep matmul and attention outputs, every second matmul recomputed; `graphs/sac.py`).
+    OP_SELECTIVE = "op_selective"
 
     def __str__(self) -> str:
         return self.value

@@ -1,0 +1,365 @@
+"""Lower a model through torchtitan's own model code and activation-checkpoint policies (the torchtitan launcher).
+
+A catalog config becomes torchtitan's `Llama3Model` / `Qwen3Model` config, built on meta and traced on fake CPU
+tensors like the HF path (`probe`, `fit`), with each trace layer wrapped by torchtitan's own `FullAC` or
+`SelectiveAC` (op-level SAC). Corrections for what the CPU cannot run, each named where it is applied:
+- attention runs as torchtitan's SDPA module (CPU flash kernel) instead of compiled FlexAttention, which has no
+  CPU backward; both keep q, k, v, the output and an fp32 (b, h, s) logsumexp for backward
+  (torch/_higher_order_ops/flex_attention.py `FlexAttentionAutogradOp`), and under SAC the CPU kernel is treated
+  as the GPU kernel torchtitan's save list names (`sac.GPU_EQUIVALENT_OPS`). FlexAttention's block mask (a few
+  int32 tensors of (s/128)^2 elements, under 0.2 MiB at 8k tokens) is left out;
+- the loss is torchtitan's plain `cross_entropy_loss` (sum, fp32 upcast); its `ChunkedLossWrapper` is not traced.
+Tensor parallelism is not measured here: the graph offers tp=1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .errors import UnsupportedModel
+from .fit import Probes, model_wide_bytes, segment_costs
+from .graph import LayerGraph
+from .layer import Checkpoint, ParamTensor
+from .poly import Poly
+from .probe import MODEL_WIDE, Recording, TraceSlot, model_wide
+from .recorder import ScopeTracker
+from .sac import SacRecorder, observing
+from .sources import ResolvedModel, resolve
+from .structure import layer_signature
+
+# The checkpoint modes torchtitan runs: none, `FullAC` and `SelectiveAC` (op-level SAC).
+TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
+# HF model_type -> torchtitan model family (torchtitan 0.3.0 `torchtitan/models/`).
+TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3"}
+PROBE_BATCH = 2
+PROBE_SEQ = 32
+# torchtitan's TP plan (decoder_sharding.py): column-wise projections shard their output rows, row-wise ones
+# their input columns; the embedding is sharded on the vocabulary.
+_TP_STYLES = {"wqkv": ("colwise", 0), "w1": ("colwise", 0), "w3": ("colwise", 0), "lm_head": ("colwise", 0),
+              "wo": ("rowwise", 1), "w2": ("rowwise", 1), "tok_embeddings": ("embedding_rowwise", 0)}
+
+
+def lower_titan(model: str, *, dtype: str = "bfloat16", use_cache: bool = True) -> LayerGraph:
+    """Lower `model` (catalog id, local path or cached Hub id) through torchtitan's model code."""
+    return lower_titan_resolved(resolve(model), dtype=dtype, use_cache=use_cache)
+
+
+@functools.lru_cache(maxsize=16)
+def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", use_cache: bool = True) -> LayerGraph:
+    from .cache import cache_key, load_cached, store_cached
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
+    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention="torchtitan", lora=None,
+                    probes=(PROBE_BATCH, PROBE_SEQ, _titan_version_tag()))
+    if use_cache and (cached := load_cached(key)) is not None:
+        return cached
+    graph = _measure(resolved, dtype=dtype)
+    if use_cache:
+        store_cached(key, graph)
+    return graph
+
+
+def _titan_version_tag() -> int:
+    from importlib.metadata import version
+
+    major, minor, *_ = (int(p) for p in version("torchtitan").split(".")[:3] if p.isdigit())
+    return 1000 * major + minor
+
+
+def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
+    from .lower import assemble, dims_of
+    from .measure import Study, _versions, transformers_config
+
+    config = transformers_config(resolved)
+    dims = dims_of(config)
+    family = TITAN_FAMILIES.get(config.model_type)
+    if family is None or dims.experts:
+        raise UnsupportedModel(f"torchtitan has no dense model for {config.model_type!r} ({resolved.id})",
+                               f"The torchtitan launcher runs {', '.join(sorted(TITAN_FAMILIES))} (dense) models.")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_titan(titan_config(config, family=family, layers=dims.layers))
+    kinds = _kinds(model)
+    slots = [TraceSlot(None, Checkpoint.NONE)] + [TraceSlot(k, m) for k in sorted(set(kinds)) for m in TITAN_MODES]
+    params = _param_tensors(model, dtype)
+    trace = trace_model(model, kinds, slots)
+    _to_fake(trace, fake, getattr(torch, dtype))
+
+    def run(b: int, s: int) -> Recording:
+        with fake:
+            return run_titan_pass(trace, slots, b=b, s=s, vocab=dims.vocab)
+
+    base = run(PROBE_BATCH, PROBE_SEQ)
+    probes = Probes(base, run(PROBE_BATCH, 2 * PROBE_SEQ), run(PROBE_BATCH, 3 * PROBE_SEQ),
+                    run(2 * PROBE_BATCH, PROBE_SEQ), None)
+    costs = segment_costs(probes)
+    wide = model_wide_bytes(probes)
+    wide["shared"] = wide["shared"] + rope_cache_bytes(model)
+    block = next(iter(model.layers.values()))
+    study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention="flex",
+                  dims=dims, itemsize=torch.finfo(getattr(torch, dtype)).bits // 8, params=params, kinds=kinds,
+                  slot_scopes={(s.kind, s.mode): f"layers.{j}" for j, s in enumerate(slots) if s.kind is not None},
+                  costs=costs, rowwise_modules=[_rowwise(layer) for layer in model.layers.values()], moe={},
+                  model_wide=wide, widened=False, tp_degrees=(1,),
+                  versions=(*_versions(), ("torchtitan", _package_version("torchtitan"))))
+    graph = assemble(resolved, study, dtype=dtype, autocast=None, lora=None)
+    return _with_runtime(graph)
+
+
+def _with_runtime(graph: LayerGraph) -> LayerGraph:
+    import dataclasses
+
+    return dataclasses.replace(graph, runtime="torchtitan")
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def titan_config(config: Any, *, family: str, layers: int) -> Any:
+    """torchtitan's model config for a transformers config: the same shapes, norms, RoPE and tying."""
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+
+    from .lower import dims_of
+
+    text = config.get_text_config()
+    dims = dims_of(config)
+    eps = float(getattr(text, "rms_norm_eps", 1e-5))
+    theta = float(_rope_theta(text))
+    max_seq = int(getattr(text, "max_position_embeddings", 8192))
+    if family == "llama3":
+        rope = ComplexRoPE.Config(dim=dims.head_dim, max_seq_len=max_seq, theta=theta, **_llama_scaling(text))
+        (model_cls, block_cls), qk_norm = _llama_classes(), None
+    else:
+        rope = CosSinRoPE.Config(dim=dims.head_dim, max_seq_len=max_seq, theta=theta)
+        model_cls, block_cls = _qwen3_classes()
+        qk_norm = RMSNorm.Config(normalized_shape=dims.head_dim, eps=eps)
+    norm = RMSNorm.Config(normalized_shape=dims.hidden, eps=eps)
+    init = {"weight": torch.nn.init.normal_}
+    blocks = [block_cls.Config(
+        attention_norm=norm, ffn_norm=norm,
+        attention=make_gqa_config(dim=dims.hidden, n_heads=dims.heads, n_kv_heads=dims.kv_heads,
+                                  head_dim=dims.head_dim if dims.head_dim * dims.heads != dims.hidden else None,
+                                  wqkv_param_init=init, wo_param_init=init,
+                                  inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True, rope=rope,
+                                  qk_norm=qk_norm),
+        feed_forward=make_ffn_config(dim=dims.hidden, hidden_dim=dims.intermediate, w1_param_init=init,
+                                     w2w3_param_init=init)) for _ in range(layers)]
+    return model_cls.Config(dim=dims.hidden, vocab_size=dims.vocab,
+                            enable_weight_tying=bool(getattr(text, "tie_word_embeddings", False)),
+                            tok_embeddings=Embedding.Config(num_embeddings=dims.vocab, embedding_dim=dims.hidden),
+                            norm=norm, lm_head=Linear.Config(in_features=dims.hidden, out_features=dims.vocab),
+                            layers=blocks)
+
+
+def _llama_classes() -> tuple[Any, Any]:
+    from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+
+    return Llama3Model, Llama3TransformerBlock
+
+
+def _qwen3_classes() -> tuple[Any, Any]:
+    from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+
+    return Qwen3Model, Qwen3TransformerBlock
+
+
+def _rope_theta(text: Any) -> float:
+    params = getattr(text, "rope_parameters", None) or {}
+    return params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0
+
+
+def _llama_scaling(text: Any) -> dict[str, Any]:
+    """Llama 3.1's RoPE frequency scaling in torchtitan's field names (none for other Llamas)."""
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if params.get("rope_type") != "llama3":
+        return {}
+    return {"scaling": "llama", "scaling_factor": float(params["factor"]),
+            "low_freq_factor": float(params["low_freq_factor"]),
+            "high_freq_factor": float(params["high_freq_factor"]),
+            "original_max_position_embeddings": int(params["original_max_position_embeddings"])}
+
+
+def build_titan(config: Any) -> torch.nn.Module:
+    """Instantiate the torchtitan model on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        model = config.build()
+    model.train()
+    return model
+
+
+def _kinds(model: torch.nn.Module) -> list[int]:
+    seen: dict[tuple[Any, ...], int] = {}
+    return [seen.setdefault(layer_signature(layer), len(seen)) for layer in model.layers.values()]
+
+
+def trace_model(model: torch.nn.Module, kinds: list[int], slots: list[TraceSlot]) -> torch.nn.Module:
+    """Swap the decoder stack for one block per slot, each wrapped by torchtitan's own checkpoint policy."""
+    import copy
+
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    blocks = list(model.layers.values())
+    stack = torch.nn.ModuleDict()
+    for j, slot in enumerate(slots):
+        kind = kinds[0] if slot.kind is None else slot.kind
+        block = copy.deepcopy(blocks[kinds.index(kind)])
+        if slot.mode is Checkpoint.FULL:
+            block = FullAC(FullAC.Config())._wrap_block(block, base_fqn=f"layers.{j}")
+        elif slot.mode is Checkpoint.OP_SELECTIVE:
+            block = SelectiveAC(SelectiveAC.Config())._wrap_block(block, base_fqn=f"layers.{j}")
+        stack[str(j)] = block
+    trace = copy.copy(model)
+    trace._modules = dict(model._modules)
+    trace._modules["layers"] = stack
+    return trace
+
+
+def _to_fake(model: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> None:
+    """Fake parameters in the compute dtype (FSDP2's mixed-precision `param_dtype`); buffers (RoPE caches)
+    keep their own dtype, as FSDP leaves them."""
+    memo: dict[int, torch.Tensor] = {}
+    for sub in model.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                if id(param) not in memo:
+                    meta = param.detach().to(dtype)
+                    memo[id(param)] = torch.nn.Parameter(_fake_cpu(mode, meta))
+                sub._parameters[name] = memo[id(param)]
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                if id(buffer) not in memo:
+                    memo[id(buffer)] = _fake_cpu(mode, buffer)
+                sub._buffers[name] = memo[id(buffer)]
+
+
+def _fake_cpu(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    return mode.fake_tensor_converter.from_meta_and_device(mode, tensor.detach(), torch.device("cpu"))
+
+
+def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s: int, vocab: int) -> Recording:
+    """Record one training pass as torchtitan's trainer runs it: model(tokens, positions), its cross-entropy
+    loss (sum), backward."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    for param in model.parameters():
+        param.grad = None
+    recorder = SacRecorder([*model.parameters(), *model.buffers()])
+    layers = list(model.layers.values())
+    scopes: dict[torch.nn.Module, str] = {}
+    for j, layer in enumerate(layers):
+        scopes[layer] = f"layers.{j}"
+        inner = getattr(layer, "_checkpoint_wrapped_module", None)
+        if inner is not None:
+            scopes[inner] = f"layers.{j}"
+    scopes[model.lm_head] = "head"
+    tracker = ScopeTracker(recorder, scopes, dynamic={model.tok_embeddings, model.norm}, head=model.lm_head)
+    boundary: list[int | None] = []
+
+    def note_boundary(module: torch.nn.Module, args: Any) -> None:
+        if not boundary and args and isinstance(args[0], torch.Tensor):
+            boundary.append(recorder.storage_index(args[0]))
+
+    handle = layers[0].register_forward_pre_hook(note_boundary)
+    with _marking_recompute(layers, recorder), observing(recorder), recorder, _quiet():
+        tokens = torch.randint(0, vocab, (b, s))
+        labels = torch.randint(0, vocab, (b, s))
+        # torchtitan's dataloaders always emit per-document positions (torchtitan/hf_datasets/text_datasets.py).
+        positions = torch.arange(s).repeat(b, 1)
+        with tracker.active():
+            with recorder.saving():
+                pred = model(tokens, positions, None)
+                loss = cross_entropy_loss(pred, labels)
+                del pred
+            tracker.enter_backward()
+            loss.backward()
+        del loss, tokens, labels, positions
+    handle.remove()
+    recorder.mark_grads(model.parameters())
+    lifetimes = model_wide(recorder, slots, boundary[0] if boundary else None)
+    names = {"tok_embeddings": tracker.dynamic_names.get(id(model.tok_embeddings), "embed"),
+             "norm": tracker.dynamic_names.get(id(model.norm), "norm")}
+    return Recording(b, s, recorder.ops, recorder.storages, lifetimes, names)
+
+
+@contextlib.contextmanager
+def _marking_recompute(layers: list[torch.nn.Module], recorder: SacRecorder) -> Iterator[None]:
+    """Mark the ops a checkpointed block reruns in backward as recompute (forward hooks on the wrapped block)."""
+    from .fake import in_backward
+
+    stack: list[contextlib.AbstractContextManager[None]] = []
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        context = recorder.recomputing() if in_backward() else contextlib.nullcontext()
+        context.__enter__()
+        stack.append(context)
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for layer in layers:
+        inner = getattr(layer, "_checkpoint_wrapped_module", None)
+        if inner is not None:
+            handles += [inner.register_forward_pre_hook(enter), inner.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.utils.checkpoint")
+        yield
+
+
+def rope_cache_bytes(model: torch.nn.Module) -> Poly:
+    """Bytes of the per-layer RoPE caches as a polynomial in s: torchtitan's trainer rebuilds each cache for
+    `training.seq_len` positions (`Decoder.Config.update_from_config`), and FSDP leaves buffers unsharded."""
+    per_position = 0
+    for name, buffer in model.named_buffers():
+        if name.endswith("rope.cache"):
+            per_position += buffer.nbytes // buffer.shape[0]
+    return Poly.of({(0, 1, 0): per_position})
+
+
+def _param_tensors(model: torch.nn.Module, dtype: str) -> list[ParamTensor]:
+    """Every parameter once, owned by its graph node, with torchtitan's TP split."""
+    itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
+    tensors, seen = [], set()
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        parts = fqn.split(".")
+        node = {"tok_embeddings": "embed", "norm": "norm", "lm_head": "head"}.get(parts[0], "")
+        node = node or f"layers.{parts[1]}"
+        module = parts[-2] if len(parts) > 1 else parts[0]
+        style, dim = _TP_STYLES.get(module, ("replicate", None))
+        tensors.append(ParamTensor(name=fqn, node=node, shape=tuple(int(d) for d in param.shape), trainable=True,
+                                   itemsize=itemsize, tp_style=style, tp_dim=dim))
+    return tensors
+
+
+def _rowwise(layer: torch.nn.Module) -> int:
+    """Row-parallel projections in a block (`wo`, `w2`): each all-reduces its output under TP."""
+    return sum(1 for name, _ in layer.named_modules() if name.rpartition(".")[2] in ("wo", "w2"))
+
+
+__all__ = ["MODEL_WIDE", "TITAN_FAMILIES", "TITAN_MODES", "build_titan", "lower_titan", "run_titan_pass",
+           "titan_config", "trace_model"]
