@@ -168,7 +168,8 @@ def _precision(precision: Precision) -> dict[str, Any]:
 
 def _assets(inputs: Inputs) -> str:
     """The HF assets folder (tokenizer, config, safetensors): the model's own folder when local, else where
-    torchtitan's scripts/download_hf_assets.py puts a Hub repo (./assets/hf/<name>)."""
+    torchtitan's scripts/download_hf_assets.py puts a Hub repo (./assets/hf/<name>, as its llama3_8b job points at
+    ./assets/hf/Llama-3.1-8B)."""
     if inputs.model_source == "local":
         return inputs.model
     return f"./assets/hf/{inputs.model.rstrip('/').rsplit('/', 1)[-1]}"
@@ -332,8 +333,10 @@ def _notes(plan: Plan) -> str:
     rope = f" with RoPE scaling {flavor['rope_scaling']}" if flavor.get("rope_scaling") else ""
     return (f"{nodes_note(plan)}\nRun from the folder holding {JOB_FILE} and {MODULE}.py (torchtitan {TORCHTITAN}; "
             f"torchao for fp8). torchtitan builds its own {flavor.get('module')} {flavor.get('flavor')} model"
-            f"{rope}; tokenizer from hf_assets_path. To start from the HF weights add --checkpoint.enable "
-            "--checkpoint.initial-load-path /abs/path/to/hf/folder --checkpoint.initial-load-in-hf.")
+            f"{rope}; the tokenizer comes from hf_assets_path ({_assets(plan.inputs)}; for a Hub model: python "
+            f"scripts/download_hf_assets.py --repo_id {plan.inputs.model} --assets tokenizer, from a torchtitan "
+            "checkout). To start from the HF weights add --checkpoint.enable --checkpoint.initial-load-path "
+            "/abs/path/to/hf/folder --checkpoint.initial-load-in-hf.")
 
 
 def emit(plan: Plan) -> dict[str, str]:
