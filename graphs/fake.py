@@ -79,9 +79,10 @@ def _selective(attention: Callable[..., Any],
     return attention_with_recompute
 
 
-def full_checkpoint_function(on_recompute: Callable[[], contextlib.AbstractContextManager[None]]
-                             ) -> Callable[..., Any]:
-    """A `_gradient_checkpointing_func` for transformers layers that marks the backward-time recompute."""
+def full_checkpoint_function(on_recompute: Callable[[], contextlib.AbstractContextManager[None]],
+                             **checkpoint_kwargs: Any) -> Callable[..., Any]:
+    """A `_gradient_checkpointing_func` for transformers layers that marks the backward-time recompute
+    (`checkpoint_kwargs`, e.g. a SAC `context_fn`, go to `torch.utils.checkpoint.checkpoint`)."""
 
     def run_checkpointed(function: Callable[..., Any], *args: Any) -> Any:
         def replay(*inner: Any) -> Any:
@@ -89,7 +90,7 @@ def full_checkpoint_function(on_recompute: Callable[[], contextlib.AbstractConte
                 return function(*inner)
 
         # transformers 5 defaults to non-reentrant checkpointing (`{"use_reentrant": False}`).
-        return checkpoint(replay, *args, use_reentrant=False)
+        return checkpoint(replay, *args, use_reentrant=False, **checkpoint_kwargs)
 
     return run_checkpointed
 

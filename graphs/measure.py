@@ -69,7 +69,7 @@ def transformers_config(resolved: ResolvedModel) -> Any:
 
 
 def study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
-          b0: int, s0: int, widen: int) -> Study:
+          b0: int, s0: int, widen: int, op_selective: bool = False) -> Study:
     from .lower import dims_of, widened_config
 
     dims = dims_of(config)
@@ -81,7 +81,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
     params = param_tensors(wide.model, _owners(wide), plan)
     rowwise = [_count_rowwise(wide, i, plan) for i in range(dims.layers)]
     moe = _moe(wide, kinds, dims)
-    slots = trace_slots(kinds, selective=True)
+    slots = trace_slots(kinds, selective=True, op_selective=op_selective)
     trace = build_trace_model(wide, kinds, slots)
     run = _runner(trace, slots, dims.vocab, fake, autocast)
     probes = Probes(run(b0, s0), run(b0, 2 * s0), run(b0, 3 * s0), run(2 * b0, s0), None)

@@ -17,6 +17,7 @@ import torch
 from .fake import full_checkpoint_function, quirks
 from .layer import Checkpoint
 from .recorder import OpRecord, Recorder, ScopeTracker, StorageRecord
+from .sac import SacRecorder, op_sac_context_fn
 from .structure import ModelParts
 
 
@@ -42,8 +43,9 @@ class Recording:
     """Base-model children (by attribute name) and the scope they ran in: "embed" or "norm"."""
 
 
-def trace_slots(kinds: list[int], selective: bool) -> list[TraceSlot]:
+def trace_slots(kinds: list[int], selective: bool, op_selective: bool = False) -> list[TraceSlot]:
     modes = [Checkpoint.NONE, Checkpoint.FULL] + ([Checkpoint.SELECTIVE] if selective else [])
+    modes += [Checkpoint.OP_SELECTIVE] if op_selective else []
     slots = [TraceSlot(None, Checkpoint.NONE)]
     for kind in sorted(set(kinds)):
         slots.extend(TraceSlot(kind, mode) for mode in modes)
@@ -79,7 +81,7 @@ def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab
     """Record a forward and backward pass of the trace model at micro-batch b and sequence length s."""
     for param in parts.model.parameters():
         param.grad = None
-    recorder = Recorder([*parts.model.parameters(), *parts.model.buffers()])
+    recorder = SacRecorder([*parts.model.parameters(), *parts.model.buffers()])
     _set_modes(parts, slots, recorder)
     scopes: dict[torch.nn.Module, str] = {layer: f"layers.{i}" for i, layer in enumerate(parts.layers)}
     scopes[parts.head] = "head"
@@ -140,10 +142,13 @@ def _autocast(dtype: str | None) -> contextlib.AbstractContextManager[None]:
     return torch.autocast("cpu", dtype=getattr(torch, dtype))
 
 
-def _set_modes(parts: ModelParts, slots: list[TraceSlot], recorder: Recorder) -> None:
+def _set_modes(parts: ModelParts, slots: list[TraceSlot], recorder: SacRecorder) -> None:
     checkpoint_function = full_checkpoint_function(recorder.recomputing)
+    # Op-level SAC: the whole layer checkpointed with torchtitan's policy as `context_fn` (graphs/sac.py).
+    op_sac_function = full_checkpoint_function(recorder.recomputing, context_fn=op_sac_context_fn(recorder))
     for layer, slot in zip(parts.layers, slots, strict=True):
-        layer.gradient_checkpointing = slot.mode is Checkpoint.FULL
-        layer._gradient_checkpointing_func = checkpoint_function
+        layer.gradient_checkpointing = slot.mode in (Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
+        layer._gradient_checkpointing_func = (op_sac_function if slot.mode is Checkpoint.OP_SELECTIVE
+                                              else checkpoint_function)
         for module in layer.modules():
             module._fitplan_selective = slot.mode is Checkpoint.SELECTIVE

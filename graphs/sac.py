@@ -117,14 +117,56 @@ def _capturing(captured: list[Policy]) -> Iterator[None]:
         titan_ac.create_selective_checkpoint_contexts = original
 
 
-def titan_context_fn(recorder: SacRecorder | None = None) -> Callable[[], Any]:
-    """A `context_fn` for `torch.utils.checkpoint.checkpoint` that applies torchtitan's op-SAC policy (what the
-    generated torchrun script passes for HF layers), observed by `recorder` when given."""
+def save_ops() -> set[Any]:
+    """The ops whose outputs op-level SAC keeps: torchtitan 0.3.0's `_get_default_save_ops` (the partitioner's
+    compute-intensive ops, attention kernels, `max` for low-precision scales, linear, topk, and the
+    reduce-scatter / all-to-all collectives), without torchtitan."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops: set[Any] = {op.default for op in get_default_op_list().compute_intensive_ops}
+    ops |= {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_attention_math.default,
+            aten._scaled_dot_product_fused_attention_overrideable.default, aten.max.default,
+            torch._higher_order_ops.flex_attention, aten.linear.default, aten.topk.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default,
+            torch.ops._c10d_functional.all_to_all_single.default}
+    compiled = getattr(torch._higher_order_ops, "inductor_compiled_code", None)
+    return ops | ({compiled} if compiled is not None else set())
+
+
+_MM_OPS = (aten.mm.default, aten.linear.default)
+
+
+def op_sac_policy(ops: set[Any] | None = None) -> Policy:
+    """torchtitan's op-SAC policy for one checkpointed forward: keep the outputs of `save_ops`, but recompute
+    every second matmul (counted separately in forward and recompute), and keep device-to-host copies. The
+    transcription the HF path and the generated torchrun script use; `titan_policy` is torchtitan's own."""
+    keep = save_ops() if ops is None else ops
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func == aten._to_copy.default and "cuda" in str(args[0].device) and str(kwargs.get("device")) == "cpu":
+            return CheckpointPolicy.MUST_SAVE
+        phase = "recompute" if ctx.is_recompute else "forward"
+        if func in _MM_OPS:
+            counts[phase] += 1
+        if func in keep:
+            if func in _MM_OPS and counts[phase] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def op_sac_context_fn(recorder: SacRecorder | None = None) -> Callable[[], Any]:
+    """A `context_fn` for `torch.utils.checkpoint.checkpoint` applying `op_sac_policy` (a fresh one per
+    checkpointed forward, as torchtitan does), observed by `recorder` when given."""
 
     def context_fn() -> Any:
-        return create_selective_checkpoint_contexts(observed_policy(titan_policy(), recorder))
+        return create_selective_checkpoint_contexts(observed_policy(op_sac_policy(), recorder))
 
     return context_fn
 
 
-__all__ = ["GPU_EQUIVALENT_OPS", "SacRecorder", "observed_policy", "observing", "titan_context_fn", "titan_policy"]
+__all__ = ["GPU_EQUIVALENT_OPS", "SacRecorder", "observed_policy", "observing", "op_sac_context_fn", "op_sac_policy",
+           "save_ops", "titan_policy"]
