@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Annotated
 
 from graphs import Checkpoint
+
+from .knobs import Knob
 
 
 def require_positive_int(name: str, value: object) -> None:
@@ -76,31 +79,47 @@ class Workload:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """One way to run the job: every knob the planner decides."""
+    """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
-    tp: int = 1
-    """Tensor-parallel degree (inside a node)."""
-    dp: int = 1
-    """Data-parallel degree; tp * dp is the world size."""
-    engine: Engine = Engine.DDP
-    zero: int = 0
-    """ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until backward)."""
-    optimizer_offload: Offload = Offload.NONE
-    """Where optimizer states (and fp32 master weights) live."""
-    param_offload: Offload = Offload.NONE
-    """Where sharded parameters live between uses (ZeRO-3 / FSDP2 only)."""
-    micro_batch: int = 1
-    """Sequences per rank per forward pass."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    checkpoint: tuple[Checkpoint, ...] = ()
-    """Checkpoint mode of each decoder layer, in layer order."""
-    precision: Precision = Precision.BF16_MIXED
-    optimizer: Optimizer = Optimizer.ADAMW
-    sequence_parallel: bool = False
-    """Shard the activations outside attention/MLP across TP ranks (Megatron-style SP)."""
-    compile: bool = False
-    """torch.compile the model."""
+    tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
+                            reads=("activations", "estimate", "memory", "optimizer_in_backward", "overhead",
+                                   "states", "tensor_parallel", "timing"), high=1024)] = 1
+    dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
+                            reads=("estimate", "optimizer_in_backward", "overhead", "states", "timing", "zero"))] = 1
+    engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
+                                   reads=("compilation", "estimate", "memory", "offload", "optimizer_in_backward",
+                                          "states", "timing", "zero"))] = Engine.DDP
+    zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
+                              "backward).", low=0, high=3,
+                              reads=("compilation", "memory", "states", "timing", "zero"))] = 0
+    optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
+                                               flag="offload", reads=("offload", "optimizer_in_backward", "states",
+                                                                      "timing"))] = Offload.NONE
+    param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",
+                                           flag="offload-params", reads=("offload", "states"))] = Offload.NONE
+    micro_batch: Annotated[int, Knob("Sequences per rank per forward pass (must divide the batch per "
+                                     "data-parallel rank).", high=2**20,
+                                     reads=("estimate", "memory", "timing"))] = 1
+    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20,
+                                    reads=("estimate", "memory", "offload", "optimizer_in_backward", "states",
+                                           "timing"))] = 1
+    checkpoint: Annotated[tuple[Checkpoint, ...], Knob(
+        "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).",
+        reads=("estimate", "memory", "timing"))] = ()
+    precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
+                                         "allowed ones.", pin="set",
+                                         reads=("estimate", "memory", "optimizer_in_backward", "states",
+                                                "tensor_parallel", "timing"))
+                         ] = Precision.BF16_MIXED
+    optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
+                                         pin="set", flag="optimizers",
+                                         reads=("offload", "optimizer_in_backward", "states"))
+                         ] = Optimizer.ADAMW
+    sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
+                                            "(Megatron-style sequence parallelism).",
+                                            reads=("activations", "memory", "timing"))] = False
+    compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
+                                  reads=("compilation",))] = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "micro_batch", "grad_accum"):

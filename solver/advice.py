@@ -36,7 +36,7 @@ def dataloader_workers(cluster: Cluster) -> int:
 
 
 def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate, *,
-           compile_pin: str, input_tokens_per_s: float | None, allowed_optimizers: tuple[Optimizer, ...],
+           compile_pin: bool | None, input_tokens_per_s: float | None, allowed_optimizers: tuple[Optimizer, ...],
            lora: bool, headroom: float = DEFAULT_HEADROOM) -> GuideDecisions:
     lines = [_batch(graph, cluster, workload, config, chosen, headroom), _checkpointing(config),
              _precision(cluster, config), _optimizer(graph, cluster, workload, config, chosen, allowed_optimizers),
@@ -120,14 +120,15 @@ def _zero(config: Config, chosen: Estimate) -> str:
 
 
 def _compile(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate,
-             pin: str) -> tuple[bool, str]:
-    if pin == "off":
+             pin: bool | None) -> tuple[bool, str]:
+    """Whether to compile and why; `pin` is the user's on (True) / off (False), None under auto."""
+    if pin is False:
         return False, "torch.compile: off (pinned)"
     if not compile_credited(replace(config, compile=True)):
         reason = "DeepSpeed ZeRO-3's torch.compile support is experimental, so no speed-up is credited"
-        return (True, f"torch.compile: on (pinned); {reason}") if pin == "on" else \
+        return (True, f"torch.compile: on (pinned); {reason}") if pin else \
             (False, f"torch.compile: off ({reason})")
-    if cluster.gpu.vendor == "cpu" and pin == "auto":
+    if cluster.gpu.vendor == "cpu" and pin is None:
         return False, "torch.compile: off (CPU test cluster)"
     # Under "auto" the search already decided, per configuration, with the rule below (tables.build_table).
     other = _try(graph, cluster, workload, replace(config, compile=not config.compile))

@@ -10,11 +10,8 @@ from typing import Any
 from costmodels import (
     Cluster,
     Config,
-    Engine,
     Estimate,
     Offload,
-    Optimizer,
-    Precision,
     Workload,
     load_cluster_file,
     parse_cluster,
@@ -34,9 +31,10 @@ from .bounds import check_workload
 from .diagnose import Infeasible, NoPlanInTime, diagnose
 from .launchers.support import runnable_by
 from .model_shape import model_shape
+from .pins import KNOBS, Pins
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from .search import build_tables, search
-from .space import Outer, Pins, outer_space
+from .space import Outer, outer_space
 from .tables import TICK_SECONDS
 
 # Common fine-tuning practice when the user gives no workload: 4096-token sequences (or the model's limit)
@@ -122,11 +120,11 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
           tokens_per_step: int | None = None, headroom: float = DEFAULT_HEADROOM,
           time_limit: float = DEFAULT_TIME_LIMIT, lora: LoraSpec | None = None, allow_lora: bool = False,
           attention: str | None = None, alternatives_count: int = 3, input_tokens_per_s: float | None = None,
-          cluster_options: dict[str, Any] | None = None, **pins: Any) -> Plan:
+          cluster_options: dict[str, Any] | None = None, pins: Pins | None = None, **knobs: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
-    Pins: tp, engine, zero, offload, param_offload, micro_batch, grad_accum, checkpoint, precisions,
-    optimizers, sequence_parallel, compile, launcher (see `space.Pins`). `input_tokens_per_s` is the rate one
+    Pins: `pins`, or knob values by name (`costmodels.knobs`: tp=2, engine="fsdp2", precision=("bf16-mixed",
+    "fp8"), compile="off", checkpoint="full", ...) and `launcher` (see `Pins.of`). `input_tokens_per_s` is the rate one
     data-loading worker supplies (for the input-pipeline check). `cluster_options` override what a cluster
     string assumes (cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps, inter_node_gbps; see `parse_cluster`).
     """
@@ -136,7 +134,9 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     resolved = resolve(model)
     cluster = cluster_from(gpus, **(cluster_options or {}))
     workload, assumed = _workload(resolved, cluster, seq_len, global_batch, tokens_per_step)
-    pin = _pins(pins)
+    if pins is not None and knobs:
+        raise FitplanError("Give pins either as `pins=` or as knob keywords, not both.", "Use one of the two.")
+    pin = pins if pins is not None else _pins(knobs)
     try:
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=lora,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
@@ -152,21 +152,8 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
 
 
 def _pins(pins: dict[str, Any]) -> Pins:
-    known = set(Pins.__dataclass_fields__)
-    unknown = set(pins) - known
-    if unknown:
-        raise FitplanError(f"Unknown pin(s): {', '.join(sorted(unknown))}", f"Pins are: {', '.join(sorted(known))}.")
     try:
-        converted = dict(pins)
-        for name, kind in (("engine", Engine), ("offload", Offload), ("param_offload", Offload),
-                           ("checkpoint", Checkpoint)):
-            if converted.get(name) is not None:
-                converted[name] = kind(converted[name])
-        if converted.get("precisions"):
-            converted["precisions"] = tuple(Precision(p) for p in converted["precisions"])
-        if converted.get("optimizers"):
-            converted["optimizers"] = tuple(Optimizer(o) for o in converted["optimizers"])
-        return Pins(**converted)
+        return Pins.of(**pins)
     except ValueError as err:
         raise FitplanError(f"Invalid pin: {err}", "Check the value against `solve --help`.") from err
 
@@ -176,8 +163,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
            alternatives_count: int, gpus: str | Cluster, input_rate: float | None) -> Plan:
     cache: dict = {}
     graph_of = _graph_for(resolved, lora, attention, cache)
-    any_graph = graph_of(Outer(1, 1, Engine.DDP, 0, Offload.NONE, Offload.NONE, 1, 1, Precision.BF16_MIXED,
-                               Optimizer.ADAMW))
+    any_graph = graph_of(Outer())
     space = outer_space(any_graph, cluster, workload, pins)
     inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, any_graph)
     if not space.outers:
@@ -205,8 +191,9 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     graph = graph_of(outer)
     config = outer.config(result.modes)
     estimate = estimate_config(graph, cluster, workload, config)
-    guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.compile,
-                   input_tokens_per_s=input_rate, allowed_optimizers=pins.optimizers, lora=lora is not None,
+    guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.value("compile"),
+                   input_tokens_per_s=input_rate, allowed_optimizers=pins.allowed("optimizer") or
+                   (Config().optimizer,), lora=lora is not None,
                    headroom=headroom)
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         config = replace(config, compile=guide.compile)
@@ -239,9 +226,6 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,
             assumed: list[str], gpus: str | Cluster, graph: LayerGraph) -> Inputs:
-    unpinned = Pins()
-    pinned = {name: getattr(pins, name) for name in Pins.__dataclass_fields__
-              if getattr(pins, name) != getattr(unpinned, name)}
     info = ClusterInfo(spec=gpus if isinstance(gpus, str) else f"{cluster.world_size}x{cluster.gpu.id}",
                        gpu=cluster.gpu.id, gpu_name=cluster.gpu.name, nodes=cluster.nodes,
                        gpus_per_node=cluster.gpus_per_node, gpu_memory_bytes=cluster.gpu.memory_bytes,
@@ -249,14 +233,14 @@ def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins:
                        inter_node_bytes_per_s=cluster.inter_node_bandwidth, nvme_bytes_per_s=cluster.nvme_bandwidth,
                        assumptions=cluster.assumptions)
     defaults = [*assumed, f"memory headroom {headroom:.0%} of each GPU kept free (--headroom)"]
-    if not pins.precisions:
+    if pins.allowed("precision") is None:
         defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
                         "(pure bf16 and fp8 only when allowed: --precision)")
     return Inputs(model=resolved.id, model_source=resolved.source, architecture=graph.architecture,
                   layer_class=graph.layer_class, hidden_size=graph.dims.hidden, num_layers=graph.dims.layers,
                   cluster=info, seq_len=workload.seq_len,
                   global_batch=workload.global_batch, tokens_per_step=workload.tokens_per_step, headroom=headroom,
-                  pins={k: (list(v) if isinstance(v, tuple) else v) for k, v in pinned.items()},
+                  pins=pins.shown(),
                   assumed=tuple(defaults), shape=model_shape(graph, resolved.as_dict(), seq_len=workload.seq_len))
 
 
@@ -279,23 +263,18 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
 
 
 def config_from(config: Config | dict[str, Any], *, layers: int | None) -> Config:
-    """A `Config` from a dict (CLI flags, a JSON file); a single checkpoint mode applies to every layer."""
+    """A `Config` from a dict of knob values (CLI flags, a JSON file), each parsed as the knob record declares;
+    a single checkpoint mode applies to every layer."""
     if isinstance(config, Config):
         return config
     values = dict(config)
-    converters = {"engine": Engine, "optimizer_offload": Offload, "param_offload": Offload,
-                  "precision": Precision, "optimizer": Optimizer}
     try:
-        for name, kind in converters.items():
-            if name in values:
-                values[name] = kind(values[name])
+        unknown = set(values) - set(KNOBS)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
         mode = values.get("checkpoint")
         if isinstance(mode, str):
             values["checkpoint"] = () if layers is None else (Checkpoint(mode),) * layers
-        elif mode is not None:
-            values["checkpoint"] = tuple(Checkpoint(m) for m in mode)
-        return Config(**values)
+        return Config(**{name: KNOBS[name].parse(value) for name, value in values.items()})
     except (TypeError, ValueError) as err:
-        raise FitplanError(f"Invalid configuration: {err}",
-                           "Fields: tp, dp, engine, zero, optimizer_offload, param_offload, micro_batch, "
-                           "grad_accum, checkpoint, precision, optimizer, sequence_parallel.") from err
+        raise FitplanError(f"Invalid configuration: {err}", f"Fields: {', '.join(KNOBS)}.") from err

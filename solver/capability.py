@@ -1,42 +1,28 @@
 """What each launcher can run as emitted: the one place launcher capabilities are written.
 
 `space.py` asks it per outer configuration (so the search only considers what some allowed launcher runs) and
-`plan.py`/`launchers` per plan; it imports neither, so there is no import cycle.
+`plan.py`/`launchers` per plan, both `Config`s; it imports neither, so there is no import cycle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
-from costmodels import Engine, Offload, Precision
+from costmodels import Config, Engine, Offload, Precision
 from graphs import Checkpoint
 
 # Launchers and what each can express (DESIGN.md: a plan records which launchers can run it).
 LAUNCHERS = ("deepspeed", "hf", "accelerate", "torchrun", "megatron")
 
 
-class Knobs(Protocol):
-    """The knobs a launcher's capability depends on (`space.Outer` and `plan.Decisions` both have them)."""
-
-    tp: int
-    dp: int
-    engine: Engine
-    zero: int
-    optimizer_offload: Offload
-    param_offload: Offload
-    precision: Precision
-    sequence_parallel: bool
-
-
-def unsupported(launcher: str, d: Knobs, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False) -> list[str]:
+def unsupported(launcher: str, d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False) -> list[str]:
     """What `launcher` cannot express of these knobs, per-layer `checkpoint` modes and LoRA (empty: it runs them)."""
     rules = {"deepspeed": _deepspeed, "hf": _hf_or_accelerate, "accelerate": _hf_or_accelerate,
              "torchrun": _torchrun, "megatron": _megatron}
     return rules[launcher](launcher, d, tuple(checkpoint), lora)
 
 
-def runnable_by(d: Knobs, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False,
+def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False,
                 launchers: Sequence[str] = LAUNCHERS) -> tuple[str, ...]:
     """The `launchers` that run these knobs as emitted."""
     return tuple(name for name in launchers if not unsupported(name, d, checkpoint=checkpoint, lora=lora))
@@ -52,13 +38,13 @@ def selective_runners(launchers: Sequence[str], *, all_layers: bool) -> tuple[st
 _FP8_DEEPSPEED = "fp8 with DeepSpeed (ds_config.json has no fp8 field; the Megatron launcher runs it)"
 
 
-def _pure_bf16_zero0(d: Knobs) -> bool:
+def _pure_bf16_zero0(d: Config) -> bool:
     # DeepSpeed 0.19 keeps bf16 master weights only under ZeRO 1-3 (runtime/config.py rejects
     # bf16_master_weights_and_grads at stage 0); at stage 0 its bf16 optimizers keep an fp32 copy.
     return d.engine is Engine.DEEPSPEED and d.zero == 0 and d.precision is Precision.BF16
 
 
-def _deepspeed(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
+def _deepspeed(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = []
     if d.engine is not Engine.DEEPSPEED:
         problems.append(f"engine {d.engine} (the deepspeed launcher runs DeepSpeed ZeRO)")
@@ -78,7 +64,7 @@ def _deepspeed(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool)
 _LORA_TP = "LoRA with tensor parallelism (PEFT's parallel LoRA layers need Megatron's; HF TP plans shard plain Linears)"
 
 
-def _hf_or_accelerate(launcher: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
+def _hf_or_accelerate(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = []
     if launcher == "hf" and d.tp > 1:
         problems.append("tensor parallelism in TrainingArguments (use the accelerate config)")
@@ -107,7 +93,7 @@ def _hf_or_accelerate(launcher: str, d: Knobs, checkpoint: tuple[Checkpoint, ...
     return problems
 
 
-def _torchrun(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
+def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = []
     if d.engine is Engine.DEEPSPEED:
         problems.append("DeepSpeed ZeRO (torchrun runs plain PyTorch / FSDP2)")
@@ -123,7 +109,7 @@ def _torchrun(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) 
     return problems
 
 
-def _megatron(_: str, d: Knobs, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
+def _megatron(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = []
     if d.engine is not Engine.DEEPSPEED or d.zero > 1:
         problems.append("sharding beyond Megatron's distributed optimizer (ZeRO-1)")

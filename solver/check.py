@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from costmodels import Config, shared_lowering
 from costmodels.activations import evaluate
+from costmodels.knobs import declared
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
 from graphs.files import parse_json, read_text
 from graphs.lower import lower_resolved
@@ -140,11 +141,7 @@ def run_plan(plan: Plan, folder: Path, *, device: str, ranks: int, steps: int) -
 
 def plan_config(plan: Plan) -> Config:
     """The costmodels configuration a plan's decisions describe."""
-    d = plan.decisions
-    return Config(tp=d.tp, dp=d.dp, engine=d.engine, zero=d.zero, optimizer_offload=d.optimizer_offload,
-                  param_offload=d.param_offload, micro_batch=d.micro_batch, grad_accum=d.grad_accum,
-                  checkpoint=d.checkpoint, precision=d.precision, optimizer=d.optimizer,
-                  sequence_parallel=d.sequence_parallel, compile=d.compile)
+    return Config(**{name: getattr(plan.decisions, name) for name in declared(Config)})
 
 
 def plan_graph(plan: Plan, config: Config) -> LayerGraph:

@@ -18,11 +18,11 @@ import typer.rich_utils
 from rich.console import Console
 
 import costmodels.cluster as C
-from costmodels import Engine, Offload, Optimizer, Precision
-from graphs import Checkpoint, FitplanError, LoraSpec
+from graphs import FitplanError, LoraSpec
 
 from . import bounds as B
 from .conflicts import check_pins
+from .knob_options import estimate_parameters, knob_values, pins_from_options, solve_parameters, with_knob_options
 from .options import Text, help_width, number, text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # planning never downloads
@@ -40,8 +40,6 @@ Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100
                            "a JSON/YAML cluster file, or auto (the GPUs of this machine).", "--gpus", "-g")]
 SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
                                       "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
-MicroBatch = Annotated[int, number(int, 1, B.MAX_GLOBAL_BATCH, "Micro-batch.")]
-GradAccum = Annotated[int, number(int, 1, B.MAX_GLOBAL_BATCH, "Gradient accumulation.")]
 LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
 Launcher = Literal["deepspeed", "hf", "accelerate", "torchrun", "megatron"]  # solver.space.LAUNCHERS
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
@@ -106,38 +104,14 @@ def _check_lora_flags(rank: int | None, alpha: int | None, targets: str) -> None
                            "Add --lora-rank R (e.g. 16), or drop the option.")
 
 
-def _csv(value: str | None, kind: type) -> tuple[Any, ...]:
-    if not value:
-        return ()
-    try:
-        return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
-    except ValueError as error:
-        choices = ", ".join(member.value for member in kind)  # type: ignore[attr-defined]
-        raise FitplanError(f"{value!r} is not valid: {error}", f"Choose from: {choices}.") from error
-
-
 @app.command("solve")
+@with_knob_options(solve_parameters())
 def solve_command(
     model: Model, gpus: Gpus,
     seq_len: SeqLen = None,
     global_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Sequences per optimizer step.")] = None,
     tokens_per_step: Annotated[int | None, number(int, 1, B.MAX_TOKENS_PER_STEP, "Tokens per optimizer step "
                                                   "(instead of --global-batch).")] = None,
-    tp: Annotated[int | None, number(int, 1, B.MAX_TP, "Pin the tensor-parallel degree (must divide the GPUs of a "
-                                     "node).")] = None,
-    engine: Annotated[Engine | None, typer.Option(help="Pin the engine.")] = None,
-    zero: Annotated[int | None, number(int, 0, B.MAX_ZERO, "Pin the ZeRO stage (FSDP2: 2 or 3).")] = None,
-    offload: Annotated[Offload | None, typer.Option(help="Pin optimizer-state offload.")] = None,
-    offload_params: Annotated[Offload | None, typer.Option(help="Pin parameter offload (ZeRO-3).")] = None,
-    micro_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Pin the micro-batch (must divide the "
-                                              "batch per data-parallel rank).")] = None,
-    grad_accum: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Pin gradient accumulation.")] = None,
-    checkpoint: Annotated[Literal["auto", "none", "full", "selective"], typer.Option(
-        help="none|full|selective pins every layer; auto decides per layer.")] = "auto",
-    precision: Annotated[str | None, text(200, "Allowed precisions, comma-separated (bf16-mixed, fp16-mixed, tf32, "
-                                          "fp32, bf16, fp8).")] = None,
-    optimizers: Annotated[str, text(200, "Allowed optimizers, comma-separated (adamw, adamw-fused, adafactor, "
-                                    "adamw-8bit, sgd); never changed silently.")] = "adamw",
     launcher: Annotated[Launcher | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
     lora_rank: LoraRank = None,
     lora_alpha: Annotated[int | None, number(int, 1, B.MAX_LORA_ALPHA, "LoRA alpha (default 2 x rank; needs "
@@ -149,8 +123,6 @@ def solve_command(
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
                                         "excluded).", lo_open=True)] = 10.0,
     attention: Annotated[Literal["sdpa", "eager"] | None, typer.Option(help="Attention implementation.")] = None,
-    compile: Annotated[Literal["auto", "on", "off"], typer.Option(help="torch.compile: auto (when it saves >= 3%), "
-                                                                  "on or off.")] = "auto",
     input_tokens_per_s: Annotated[float | None, number(float, 0, B.MAX_INPUT_TOKENS_PER_S, "Tokens/s one "
                                                        "data-loading worker supplies (default 1M, a fast "
                                                        "tokenizer).", lo_open=True)] = None,
@@ -163,6 +135,7 @@ def solve_command(
     force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
     cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
     nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
+    **knobs: Any,
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from .api import solve
@@ -172,11 +145,7 @@ def solve_command(
         _check_lora_flags(lora_rank, lora_alpha, lora_targets)
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
                                                      targets=tuple(t.strip() for t in lora_targets.split(",")))
-        pins = {"tp": tp, "engine": engine, "zero": zero, "offload": offload, "param_offload": offload_params,
-                "micro_batch": micro_batch, "grad_accum": grad_accum, "launcher": launcher,
-                "checkpoint": None if checkpoint == "auto" else Checkpoint(checkpoint),
-                "precisions": _csv(precision, Precision), "compile": compile,
-                "optimizers": _csv(optimizers.replace("_", "-"), Optimizer)}
+        pins = pins_from_options(knob_values(knobs), launcher=launcher)
         check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
         if not as_json:
@@ -185,7 +154,7 @@ def solve_command(
                      headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
                      attention=attention, input_tokens_per_s=input_tokens_per_s,
                      cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
-                                                      inter_node_gbps, profile), **pins)
+                                                      inter_node_gbps, profile), pins=pins)
         for line in write_outputs(plan, targets, force=force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:
@@ -199,22 +168,11 @@ def solve_command(
 
 
 @app.command("estimate")
+@with_knob_options(estimate_parameters())
 def estimate_command(
     model: Model, gpus: Gpus,
     config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields, or a plan written "
                                                 "by `solve -o`.")] = None,
-    tp: Annotated[int, number(int, 1, B.MAX_TP, "Tensor-parallel degree.")] = 1,
-    dp: Annotated[int | None, number(int, 1, B.MAX_DP, "Data-parallel degree (default: the rest of the GPUs).")
-                  ] = None,
-    engine: Annotated[Engine, typer.Option(help="Engine.")] = Engine.DDP,
-    zero: Annotated[int, number(int, 0, B.MAX_ZERO, "ZeRO stage.")] = 0,
-    offload: Annotated[Offload, typer.Option(help="Optimizer offload.")] = Offload.NONE,
-    offload_params: Annotated[Offload, typer.Option(help="Parameter offload.")] = Offload.NONE,
-    micro_batch: MicroBatch = 1,
-    grad_accum: GradAccum = 1,
-    checkpoint: Annotated[Checkpoint, typer.Option(help="Checkpoint mode of every layer.")] = Checkpoint.NONE,
-    precision: Annotated[Precision, typer.Option(help="Precision.")] = Precision.BF16_MIXED,
-    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer.")] = Optimizer.ADAMW,
     headroom: Annotated[float | None, number(float, 0, 1, "Fraction of GPU memory kept free, as in solve (default "
                                              "0.05, or the plan's when --config is a plan).", hi_open=True)] = None,
     seq_len: SeqLen = None,
@@ -222,14 +180,13 @@ def estimate_command(
     as_json: AsJson = False,
     cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
     nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
+    **knobs: Any,
 ) -> None:
     """Memory and time of one configuration: will it fit, and where does the memory go?"""
     from .commands import estimate_report
 
     try:
-        flags = {"tp": tp, "dp": dp, "engine": engine, "zero": zero, "optimizer_offload": offload,
-                 "param_offload": offload_params, "micro_batch": micro_batch, "grad_accum": grad_accum,
-                 "checkpoint": checkpoint.value, "precision": precision, "optimizer": optimizer}
+        flags = knob_values(knobs)
         report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, headroom=headroom,
                                  cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
                                                                   inter_node_gbps, profile))
@@ -327,7 +284,7 @@ def choose_command(
     from .choose_report import plot_choice, render_choice
 
     try:
-        pins = {"precisions": _csv(precision, Precision), "optimizers": _csv(optimizers.replace("_", "-"), Optimizer),
+        pins = {"pins": pins_from_options({"precision": precision, "optimizer": optimizers}, launcher=None),
                 "lora": None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=2 * lora_rank)}
         shown = None if as_json else lambda p: err.print(f"[dim]{p.gpus} x {p.gpu_name}: {p.status}[/]")
         choice = choose(model, tokens, gpu_types=gpu_types.split(","), max_gpus=max_gpus, prices=prices, spot=spot,

@@ -12,6 +12,8 @@ from typing import Any
 from costmodels import Config, Engine, Offload
 from graphs import FitplanError
 
+from .pins import Pins
+
 # Unpinned knobs are completed most permissive first, with the stages each engine has, so the rule reported is
 # one the pins themselves break.
 _ENGINES = (Engine.DEEPSPEED, Engine.FSDP2, Engine.DDP)
@@ -19,21 +21,22 @@ _STAGES = {Engine.DEEPSPEED: (3, 2, 1, 0), Engine.FSDP2: (3, 2), Engine.DDP: (0,
 _OFFLOADS = (Offload.NONE, Offload.CPU, Offload.NVME)
 
 
-def check_pins(pins: dict[str, Any], *, global_batch: int | None) -> None:
+def check_pins(pins: Pins, *, global_batch: int | None) -> None:
     """Raise FitplanError when no engine, ZeRO stage and offload completes the pins, or when pinned micro-batch
     and accumulation cannot multiply into the global batch (global batch = micro-batch x accumulation x dp)."""
     _check_engine(pins)
     if global_batch is not None:
-        _check_batch(pins.get("micro_batch"), pins.get("grad_accum"), global_batch)
+        _check_batch(pins.value("micro_batch"), pins.value("grad_accum"), global_batch)
 
 
-def _check_engine(pins: dict[str, Any]) -> None:
-    def choices(name: str, every: tuple[Any, ...]) -> tuple[Any, ...]:
-        return every if pins.get(name) is None else (pins[name],)
-
+def _check_engine(pins: Pins) -> None:
     first_error = None
+    def choices(name: str, every: tuple[Any, ...]) -> tuple[Any, ...]:
+        return pins.allowed(name) or every  # a pinned value is tried even where it breaks a rule, to name it
+
     combinations = ((engine, zero, opt, param) for engine in choices("engine", _ENGINES)
-                    for zero, opt, param in product(choices("zero", _STAGES[engine]), choices("offload", _OFFLOADS),
+                    for zero, opt, param in product(choices("zero", _STAGES[engine]),
+                                                    choices("optimizer_offload", _OFFLOADS),
                                                     choices("param_offload", _OFFLOADS)))
     for engine, zero, opt, param in combinations:
         try:
@@ -41,9 +44,8 @@ def _check_engine(pins: dict[str, Any]) -> None:
             return
         except ValueError as error:
             first_error = first_error or error
-    given = " ".join(f"--{name.replace('_', '-')} {pins[name]}" for name in ("engine", "zero", "offload",
-                                                                               "param_offload") if pins.get(name)
-                     is not None).replace("--param-offload", "--offload-params")
+    involved = ("engine", "zero", "optimizer_offload", "param_offload")
+    given = Pins(tuple((n, v) for n, v in pins.fixed if n in involved)).flags()
     raise FitplanError(f"The pins {given} contradict each other: {first_error}.",
                        "Change or drop one of them (`solve --help` lists what each engine supports).")
 

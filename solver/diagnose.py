@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 from costmodels import Offload, load_gpus, precision
 from graphs import Checkpoint, FitplanError
 
+from .pins import KNOBS, Pins
 from .plan import Inputs
 from .search import SearchResult
-from .space import DEFAULT_PRECISIONS, Pins, Space, leanest_modes
+from .space import DEFAULT_PRECISIONS, Space, leanest_modes
 
 GIB = 2**30
 
@@ -45,7 +45,7 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     cluster = inputs.cluster
     if found is None or not found.tables:
         culprits = list(blocking_pins(pins, rebuild)) if rebuild is not None else []
-        named = "; ".join(f"--{name.replace('_', '-')} {value}" for name, value in culprits)
+        named = "; ".join(f"{KNOBS[name].option if name in KNOBS else '--' + name} {value}" for name, value in culprits)
         message = (f"No configuration is possible for {inputs.model} on {cluster.spec}: "
                    + (f"the pins leave nothing; dropping any one of these would leave some: {named}." if culprits else
                       f"the pins and divisibility rules leave nothing (global batch {inputs.global_batch} over the "
@@ -93,16 +93,14 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
 
 def blocking_pins(pins: Pins, rebuild: Callable[[Pins], Space]) -> Iterator[tuple[str, object]]:
     """Pins whose removal alone makes the space non-empty: the ones to name when nothing is possible."""
-    unpinned = Pins()
-    for name in Pins.__dataclass_fields__:
-        value = getattr(pins, name)
-        if value == getattr(unpinned, name):
-            continue
+    names = [name for name, _ in pins.fixed] + (["launcher"] if pins.launcher else [])
+    for name in names:
         try:
-            relaxed = rebuild(replace(pins, **{name: getattr(unpinned, name)}))
+            relaxed = rebuild(pins.without(name))
         except FitplanError:
             continue
         if relaxed.outers:
+            value = pins.launcher if name == "launcher" else pins.allowed(name)
             shown = ",".join(str(v) for v in value) if isinstance(value, tuple) else value
             yield name, shown
 
@@ -113,7 +111,7 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
     cluster = inputs.cluster
     if host_binds:
         ways.append("more host RAM: if the node has more than assumed, pass its real RAM with --cpu-ram-gib")
-    allowed = pins.precisions or DEFAULT_PRECISIONS
+    allowed = pins.allowed("precision") or DEFAULT_PRECISIONS
     bigger = sorted((g.memory_bytes, g.name) for g in load_gpus().values()
                     if g.vendor != "cpu" and g.memory_bytes > cluster.gpu_memory_bytes
                     and any(g.peak_flops(precision.matmul_dtype_on(p, g)) is not None for p in allowed))
@@ -128,14 +126,14 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
     else:  # activations and temporaries alone exceed a GPU: data parallelism cannot divide them
         ways.append(f"not more GPUs: even with the model states sharded away, activations and temporaries need "
                     f"{floor / GIB:.1f} GiB per GPU (context parallelism is not modelled yet)")
-    if pins.offload is Offload.NONE or pins.param_offload is Offload.NONE:
+    if Offload.NONE in (pins.value("optimizer_offload"), pins.value("param_offload")):
         ways.append("offload: --offload cpu / --offload-params cpu (ZeRO-3) were pinned off")
     if not lora and sharding_helps:  # adapters drop states, not activations
         ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
                     "optimizer memory")
-    if pins.checkpoint is not None and pins.checkpoint is not Checkpoint.FULL:
-        ways.append(f"activation checkpointing: --checkpoint auto or full (pinned to {pins.checkpoint})")
+    if not pins.allows("checkpoint", Checkpoint.FULL):
+        ways.append(f"activation checkpointing: --checkpoint auto or full (pinned to {pins.value('checkpoint')})")
     ways.append(f"shorter sequences: --seq-len {max(128, inputs.seq_len // 2)} halves activation memory")
-    if pins.micro_batch and pins.micro_batch > 1:
-        ways.append(f"a smaller micro-batch: --micro-batch {pins.micro_batch // 2}")
+    if (pins.value("micro_batch") or 1) > 1:
+        ways.append(f"a smaller micro-batch: --micro-batch {pins.value('micro_batch') // 2}")
     return ways

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter
 
-from costmodels import Engine, Estimate, Offload, Optimizer, Precision
+from costmodels import Config, Engine, Estimate, Offload
+from costmodels.knobs import Knob, declared
 from graphs import Checkpoint, FitplanError
 
-if TYPE_CHECKING:
-    from .space import Outer
-
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "2.0"
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -103,29 +101,16 @@ class LoraDecision:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Decisions:
-    """Every knob of the chosen configuration."""
+class Decisions(Config):
+    """Every knob of the chosen configuration: the knob record's `Config` and what only the plan records."""
     __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
-    tp: int
-    dp: int
-    engine: Engine
-    zero: int
-    optimizer_offload: Offload
-    param_offload: Offload
-    micro_batch: int
-    grad_accum: int
-    precision: Precision
-    optimizer: Optimizer
-    sequence_parallel: bool
-    checkpoint: tuple[Checkpoint, ...]
-    """Mode of each decoder layer, in order."""
-    lora: LoraDecision | None = None
-    attention: str = "sdpa"
-    compile: bool = False
-    """torch.compile the model."""
-    dataloader_num_workers: int = 2
-    """Data-loading worker processes per GPU (sized from the node's CPU cores)."""
-    dataloader_pin_memory: bool = True
+    lora: Annotated[LoraDecision | None, Knob("LoRA adapters trained instead of the full model (--lora-rank, "
+                                              "--allow-lora).", pin="derived")] = None
+    attention: Annotated[str, Knob("Attention implementation the model was lowered with (--attention).",
+                                   pin="derived")] = "sdpa"
+    dataloader_num_workers: Annotated[int, Knob("Data-loading worker processes per GPU (sized from the node's CPU "
+                                                "cores).", pin="derived")] = 2
+    dataloader_pin_memory: Annotated[bool, Knob("Pinned host memory for input batches.", pin="derived")] = True
 
     def summary(self) -> str:
         ckpt = {m: sum(c is m for c in self.checkpoint) for m in Checkpoint}
@@ -144,14 +129,11 @@ class Decisions:
         return " ".join(parts)
 
 
-def decisions_of(outer: Outer, checkpoint: tuple[Checkpoint, ...], *, lora: LoraDecision | None = None,
+def decisions_of(outer: Config, checkpoint: tuple[Checkpoint, ...], *, lora: LoraDecision | None = None,
                  attention: str = "sdpa") -> Decisions:
     """The decisions of one outer configuration with its per-layer checkpoint modes."""
-    return Decisions(tp=outer.tp, dp=outer.dp, engine=outer.engine, zero=outer.zero,
-                     optimizer_offload=outer.optimizer_offload, param_offload=outer.param_offload,
-                     micro_batch=outer.micro_batch, grad_accum=outer.grad_accum, precision=outer.precision,
-                     optimizer=outer.optimizer, sequence_parallel=outer.sequence_parallel, checkpoint=checkpoint,
-                     lora=lora, attention=attention, compile=outer.compile)
+    knobs = {name: getattr(outer, name) for name in declared(Config) if name != "checkpoint"}
+    return Decisions(**knobs, checkpoint=checkpoint, lora=lora, attention=attention)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,22 +207,41 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
-        """The plan of `solve -o`; a plan of another major schema version, or a newer minor one, is refused
-        (its fields may mean something this version does not know)."""
-        check_schema_version(data.get("schema_version") if isinstance(data, dict) else None)
-        return _ADAPTER.validate_python(data)
+        """The plan of `solve -o`; a 1.x plan is read with its pins renamed to the knob record's names, and a
+        plan of a newer schema is refused (its fields may mean something this version does not know)."""
+        major = check_schema_version(data.get("schema_version") if isinstance(data, dict) else None)
+        return _ADAPTER.validate_python(upgrade_1x(data) if major == 1 else data)
 
 
-def check_schema_version(version: object) -> None:
-    """Raise FitplanError unless `version` is "MAJOR.MINOR" with this major and at most this minor."""
+# Schema 2.0 records pins by knob name (costmodels.knobs); 1.x used these names.
+_PINS_1X = {"offload": "optimizer_offload", "precisions": "precision", "optimizers": "optimizer"}
+
+
+def upgrade_1x(data: dict[str, Any]) -> dict[str, Any]:
+    """A 1.x plan's JSON in the 2.0 form: the same decisions and estimate, pins under the knobs' names."""
+    inputs = data.get("inputs")
+    if not isinstance(inputs, dict) or not isinstance(inputs.get("pins"), dict):
+        return data
+    pins = {_PINS_1X.get(name, name): value for name, value in inputs["pins"].items()
+            if not (name == "compile" and value == "auto")}
+    if pins.get("compile") in ("on", "off"):
+        pins["compile"] = pins["compile"] == "on"
+    return {**data, "inputs": {**inputs, "pins": pins}}
+
+
+def check_schema_version(version: object) -> int:
+    """The major version of `version` ("MAJOR.MINOR"); FitplanError unless this fitplan reads it: 1.x, and 2.x up
+    to this minor."""
     ours = tuple(int(part) for part in SCHEMA_VERSION.split("."))
     parts = version.split(".") if isinstance(version, str) else []
     theirs = tuple(int(p) for p in parts if p.isdigit() and len(p) <= 6)
-    if len(theirs) != 2 or len(parts) != 2 or theirs[0] != ours[0] or theirs[1] > ours[1]:
+    if len(theirs) != 2 or len(parts) != 2 or theirs[0] not in (1, ours[0]) or \
+            (theirs[0] == ours[0] and theirs[1] > ours[1]):
         shown = repr(version)[:40]
         raise FitplanError(f"The plan's schema_version {shown} is not one this fitplan reads: it reads "
-                           f"{ours[0]}.0 to {SCHEMA_VERSION}.",
+                           f"1.x and {ours[0]}.0 to {SCHEMA_VERSION}.",
                            "Re-create the plan with this fitplan (`solve ... -o plan.json`), or upgrade fitplan.")
+    return theirs[0]
 
 
 _ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)

@@ -11,77 +11,26 @@ from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
-from costmodels.config import require_positive_int
 from graphs import Checkpoint, FitplanError, LayerGraph
 
 from .capability import LAUNCHERS, runnable_by, selective_runners
+from .pins import KNOBS, Pins
 
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Pins:
-    """Knobs the user fixed; None leaves a knob to the solver."""
+class Outer(Config):
+    """One outer configuration: a `Config` whose per-layer checkpoint modes the inner search decides."""
 
-    tp: int | None = None
-    engine: Engine | None = None
-    zero: int | None = None
-    offload: Offload | None = None
-    """Optimizer-state offload."""
-    param_offload: Offload | None = None
-    micro_batch: int | None = None
-    grad_accum: int | None = None
-    checkpoint: Checkpoint | None = None
-    """All decoder layers in this mode; None lets the solver pick per layer ("auto")."""
-    precisions: tuple[Precision, ...] = ()
-    """Precisions allowed; empty means every default precision the GPU supports."""
-    optimizers: tuple[Optimizer, ...] = (Optimizer.ADAMW,)
-    """Optimizers allowed (the solver never changes the training algorithm on its own)."""
-    sequence_parallel: bool | None = None
-    compile: str = "auto"
-    """torch.compile: "on", "off" or "auto" (on when it saves enough, see `compilation.COMPILE_MIN_SAVING`)."""
-    launcher: str | None = None
-    """Restrict to what one launcher can express."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "micro_batch", "grad_accum"):
-            if getattr(self, name) is not None:
-                require_positive_int(name, getattr(self, name))
-        if self.zero is not None and self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile={self.compile!r} must be auto, on or off")
-        if self.launcher is not None and self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher={self.launcher!r} must be one of {', '.join(LAUNCHERS)}")
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Outer:
-    """One outer configuration: everything but the per-layer checkpoint modes."""
-
-    tp: int
-    dp: int
-    engine: Engine
-    zero: int
-    optimizer_offload: Offload
-    param_offload: Offload
-    micro_batch: int
-    grad_accum: int
-    precision: Precision
-    optimizer: Optimizer
-    sequence_parallel: bool = False
-    compile: bool = False
     selective: bool = True
     """Whether a launcher that runs this configuration can also run selective recompute on the layers the
     search picks (`capability.selective_runners`); without one the search leaves SELECTIVE out."""
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
-        return Config(tp=self.tp, dp=self.dp, engine=self.engine, zero=self.zero,
-                      optimizer_offload=self.optimizer_offload, param_offload=self.param_offload,
-                      micro_batch=self.micro_batch, grad_accum=self.grad_accum, checkpoint=checkpoint,
-                      precision=self.precision, optimizer=self.optimizer, sequence_parallel=self.sequence_parallel,
-                      compile=self.compile)
+        """The `Config` of these knobs with per-layer `checkpoint` modes."""
+        return Config(**{name: getattr(self, name) for name in KNOBS if name != "checkpoint"}, checkpoint=checkpoint)
 
     @property
     def family(self) -> tuple[object, ...]:
@@ -132,7 +81,7 @@ def engine_stages(pins: Pins) -> list[tuple[Engine, int]]:
         "megatron": [(Engine.DEEPSPEED, 0), (Engine.DEEPSPEED, 1)],  # Megatron's (distributed) optimizer
     }[pins.launcher]
     return [(e, z) for e, z in allowed
-            if (pins.engine is None or e is pins.engine) and (pins.zero is None or z == pins.zero)]
+            if pins.allows("engine", e) and pins.allows("zero", z)]
 
 
 def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tuple[Offload, Offload]]:
@@ -147,12 +96,12 @@ def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tu
                 continue
             pairs.append((opt, param))
     return [(o, p) for o, p in pairs
-            if (pins.offload is None or o is pins.offload) and (pins.param_offload is None or p is pins.param_offload)]
+            if pins.allows("optimizer_offload", o) and pins.allows("param_offload", p)]
 
 
 def _compiles(engine: Engine, zero: int, pins: Pins) -> bool:
     """Compile where it is credited, or where the user pinned it on (`compilation.compile_credited`)."""
-    return pins.compile == "on" or compile_credited(Config(engine=engine, zero=zero, compile=True))
+    return pins.value("compile") is True or compile_credited(Config(engine=engine, zero=zero, compile=True))
 
 
 @functools.cache
@@ -174,14 +123,13 @@ def tp_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, engine: Engine) 
     degrees = [t for t in graph.tp_degrees if t <= cluster.gpus_per_node and cluster.world_size % t == 0]
     if engine is Engine.DEEPSPEED and pins.launcher != "megatron":
         degrees = [1]  # fitplan emits DeepSpeed plans for HF models without AutoTP
-    return [t for t in degrees if pins.tp is None or t == pins.tp]
+    return pins.keep("tp", degrees)
 
 
 def micro_batches(per_rank: int, pins: Pins) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) pairs whose product is the sequences each data-parallel rank processes."""
     pairs = [(mb, per_rank // mb) for mb in divisors(per_rank)]
-    return [(mb, ga) for mb, ga in pairs if (pins.micro_batch is None or mb == pins.micro_batch)
-            and (pins.grad_accum is None or ga == pins.grad_accum)]
+    return [(mb, ga) for mb, ga in pairs if pins.allows("micro_batch", mb) and pins.allows("grad_accum", ga)]
 
 
 def divisors(n: int) -> list[int]:
@@ -193,10 +141,12 @@ def divisors(n: int) -> list[int]:
 def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins) -> Space:
     """Every outer configuration, in a fixed order (the order breaks ties: simpler first), that an allowed
     launcher can run as emitted (`capability.unsupported`)."""
-    precisions = supported_precisions(cluster, pins.precisions or default_precisions(cluster))
+    precisions = supported_precisions(cluster, pins.allowed("precision") or default_precisions(cluster))
     # "auto" compiles where the tables find it saves enough (`tables.build_table`); never on the CPU test device.
-    compiled = pins.compile == "on" or (pins.compile == "auto" and cluster.gpu.vendor != "cpu")
-    optimizers = tuple(dict.fromkeys(o for allowed in pins.optimizers for o in SAME_MATH.get(allowed, (allowed,))))
+    compile_pin = pins.value("compile")
+    compiled = compile_pin is True or (compile_pin is None and cluster.gpu.vendor != "cpu")
+    optimizers = tuple(dict.fromkeys(o for allowed in pins.allowed("optimizer") or (KNOBS["optimizer"].default,)
+                                     for o in SAME_MATH.get(allowed, (allowed,))))
     outers = []
     for engine, zero in engine_stages(pins):
         for tp in tp_degrees(graph, cluster, pins, engine):
@@ -208,21 +158,25 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                     for prec in precisions:
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(tp, pins):
-                                outers.append(Outer(tp, dp, engine, zero, opt_off, param_off, mb, ga, prec,
-                                                    optimizer, sp, compiled and _compiles(engine, zero, pins)))
-    modes = (pins.checkpoint,) if pins.checkpoint else graph.checkpoint_modes()
+                                outers.append(Outer(tp=tp, dp=dp, engine=engine, zero=zero,
+                                                    optimizer_offload=opt_off, param_offload=param_off,
+                                                    micro_batch=mb, grad_accum=ga, precision=prec,
+                                                    optimizer=optimizer, sequence_parallel=sp,
+                                                    compile=compiled and _compiles(engine, zero, pins)))
+    pinned_mode = pins.value("checkpoint")
+    modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     outers = _runnable(outers, pins, modes, lora=graph.lora is not None)
     if pins.launcher is not None:
         whole_layers = pins.launcher in ("hf", "accelerate", "deepspeed")  # HF models checkpoint whole layers
-        if whole_layers and pins.checkpoint is Checkpoint.SELECTIVE:
+        if whole_layers and pinned_mode is Checkpoint.SELECTIVE:
             raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (transformers "
                                "checkpoints whole layers).", "Use --checkpoint full or auto, or --launcher megatron "
                                "or torchrun.")
-        if whole_layers or (pins.launcher == "megatron" and pins.checkpoint is None):
+        if whole_layers or (pins.launcher == "megatron" and pinned_mode is None):
             # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
             # to: without a pin it plans with none/full only.
             modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
-    return Space(tuple(outers), modes, compile_auto=pins.compile == "auto")
+    return Space(tuple(outers), modes, compile_auto=compile_pin is None)
 
 
 def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: bool) -> list[Outer]:
@@ -247,8 +201,8 @@ def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *,
 def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:
     if tp == 1:
         return [False]
-    if pins.sequence_parallel is not None:
-        return [pins.sequence_parallel]
+    if pins.allowed("sequence_parallel") is not None:
+        return list(pins.allowed("sequence_parallel"))
     return [False]  # HF TP plans do not shard sequences; Megatron/torchtitan users can pin it on
 
 

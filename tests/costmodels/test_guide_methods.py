@@ -12,7 +12,8 @@ from costmodels.compute import kernel_speed
 from costmodels.optimizers import state_bytes
 from graphs import Checkpoint, lower
 from solver import solve
-from solver.space import Pins, outer_space
+from solver.pins import Pins
+from solver.space import outer_space
 
 LLAMA = "meta-llama/Llama-3.2-1B"
 
@@ -79,7 +80,7 @@ def test_torch_compile_speeds_up_the_memory_bound_part_only(graphs_by_dtype):
 def test_fp8_is_only_offered_on_gpus_with_fp8_tensor_cores(graphs_by_dtype):
     graph = graphs_by_dtype["bfloat16"]
     workload = Workload(seq_len=1024, global_batch=8)
-    pins = Pins(precisions=(Precision.BF16_MIXED, Precision.FP8))
+    pins = Pins.of(precision=(Precision.BF16_MIXED, Precision.FP8))
     h100 = {o.precision for o in outer_space(graph, parse_cluster("8xH100"), workload, pins).outers}
     a100 = {o.precision for o in outer_space(graph, parse_cluster("8xA100"), workload, pins).outers}
     assert Precision.FP8 in h100 and Precision.FP8 not in a100

@@ -18,7 +18,7 @@ MODEL = "meta-llama/Llama-3.2-1B"
 @pytest.mark.parametrize("pins", [
     {"tp": 2}, {"engine": "fsdp2", "zero": 2}, {"engine": "deepspeed", "zero": 1}, {"micro_batch": 2},
     {"grad_accum": 4}, {"checkpoint": "full"}, {"offload": "cpu", "engine": "deepspeed"},
-    {"precisions": ("fp16-mixed",)},
+    {"precision": ("fp16-mixed",)},
 ])
 def test_every_pin_is_respected(pins):
     plan = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, **pins)
@@ -28,7 +28,7 @@ def test_every_pin_is_respected(pins):
     for name, value in pins.items():
         if name == "checkpoint":
             assert set(d.checkpoint) == {Checkpoint(value)}
-        elif name == "precisions":
+        elif name == "precision":
             assert d.precision in {Precision(p) for p in value}
         else:
             assert expected[name] == value

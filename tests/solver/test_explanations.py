@@ -15,8 +15,9 @@ from solver import Infeasible, solve
 from solver.alternatives import misfit_reason
 from solver.api import _graph_for
 from solver.cli import app
+from solver.pins import Pins
 from solver.search import build_tables
-from solver.space import Pins, leanest_modes, outer_space
+from solver.space import leanest_modes, outer_space
 
 GIB = 2**30
 
@@ -82,7 +83,7 @@ def test_larger_gpu_suggestions_run_the_pinned_precision():
     hints = {}
     for pinned in ((), ("bf16-mixed",)):
         with pytest.raises(Infeasible) as caught:
-            solve("meta-llama/Llama-3.2-1B", "1xL4", seq_len=1024, global_batch=8, precisions=pinned,
+            solve("meta-llama/Llama-3.2-1B", "1xL4", seq_len=1024, global_batch=8, precision=pinned,
                   checkpoint="none", offload="none", param_offload="none")
         hints[pinned] = caught.value.hint
     assert "V100" in hints[()]  # fp16-mixed runs there
@@ -101,7 +102,7 @@ def test_misfit_reason_numbers_are_the_estimate_numbers():
     cluster = parse_cluster("1xT4")
     workload = Workload(seq_len=4096, global_batch=16)
     graph = lower_resolved(resolved)
-    space = outer_space(graph, cluster, workload, Pins(checkpoint=Checkpoint.NONE))
+    space = outer_space(graph, cluster, workload, Pins.of(checkpoint=Checkpoint.NONE))
     graph_of = _graph_for(resolved, None, None, {})
     tables = build_tables(space, graph_of, cluster, workload, headroom=0.05)
     lean = leanest_modes(space.modes, len(graph.decoder_layers()))

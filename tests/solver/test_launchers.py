@@ -38,7 +38,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ddp-full-ckpt": ("gpt2", "8xA100", {**GPT2, "engine": "ddp", "checkpoint": "full"}),
     # DeepSpeed ZeRO-0 so that DeepSpeed and Megatron can both run it (on one GPU FSDP2 ties and, holding less
     # memory, would win the tie).
-    "t4-fp16": ("gpt2", "1xT4", {"seq_len": 512, "global_batch": 8, "time_limit": 5, "precisions": ("fp16-mixed",),
+    "t4-fp16": ("gpt2", "1xT4", {"seq_len": 512, "global_batch": 8, "time_limit": 5, "precision": ("fp16-mixed",),
                                  "engine": "deepspeed", "zero": 0}),
     "lora": ("gpt2", "8xA100", {**GPT2, "lora": LoraSpec(rank=8)}),
     "tp2": ("Qwen/Qwen2.5-0.5B", "8xA100", {**GPT2, "tp": 2}),
@@ -46,10 +46,10 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "partial-ckpt": ("Qwen/Qwen2.5-0.5B", "1xT4", {"seq_len": 2048, "global_batch": 8, "time_limit": 5,
                                                    "engine": "deepspeed", "offload": "none",
                                                    "param_offload": "none"}),
-    "pure-bf16-zero2": ("gpt2", "8xA100", {**GPT2, "engine": "deepspeed", "zero": 2, "precisions": ("bf16",)}),
+    "pure-bf16-zero2": ("gpt2", "8xA100", {**GPT2, "engine": "deepspeed", "zero": 2, "precision": ("bf16",)}),
     "megatron-selective": ("gpt2", "1xT4", {"seq_len": 512, "global_batch": 8, "time_limit": 5,
                                             "launcher": "megatron", "checkpoint": "selective"}),
-    "megatron-fp8-zero1": ("gpt2", "8xH100", {**GPT2, "launcher": "megatron", "zero": 1, "precisions": ("fp8",),
+    "megatron-fp8-zero1": ("gpt2", "8xH100", {**GPT2, "launcher": "megatron", "zero": 1, "precision": ("fp8",),
                                               "checkpoint": "full"}),
 }
 
@@ -480,7 +480,7 @@ def test_every_launcher_the_plan_lists_emits_it(name, plans):
 
 @pytest.mark.parametrize(("launcher", "gpus", "pins"), [
     ("hf", "1xT4", {"checkpoint": "selective"}),
-    ("deepspeed", "1xA100", {"precisions": ("bf16",)}),  # picks ZeRO-0 pure bf16
+    ("deepspeed", "1xA100", {"precision": ("bf16",)}),  # picks ZeRO-0 pure bf16
 ])
 def test_solve_for_a_launcher_returns_a_plan_it_can_emit(launcher, gpus, pins):
     try:
@@ -497,7 +497,7 @@ def test_tf32_compile_and_dataloader_settings_reach_trainingarguments_and_accele
     import transformers.training_args
     from accelerate.commands.config.config_args import load_config_from_file
 
-    plan = solve("gpt2", "8xA100", seq_len=512, global_batch=64, precisions=("tf32",), compile="on", time_limit=5)
+    plan = solve("gpt2", "8xA100", seq_len=512, global_batch=64, precision=("tf32",), compile="on", time_limit=5)
     assert plan.decisions.precision.value == "tf32" and plan.decisions.compile
     # tf32 needs an Ampere GPU at construction time; this machine has none, so the probe is stood in for.
     monkeypatch.setattr(transformers.training_args, "is_torch_tf32_available", lambda: True)
@@ -508,7 +508,7 @@ def test_tf32_compile_and_dataloader_settings_reach_trainingarguments_and_accele
     folder = write(emit(plan, "accelerate"), tmp_path / "acc")
     loaded = load_config_from_file(str(folder / "accelerate_config.yaml"))
     assert str(loaded.dynamo_config.get("dynamo_backend", "")).upper().endswith("INDUCTOR")
-    fsdp = solve("gpt2", "8xA100", seq_len=512, global_batch=64, precisions=("tf32",), compile="on", time_limit=5,
+    fsdp = solve("gpt2", "8xA100", seq_len=512, global_batch=64, precision=("tf32",), compile="on", time_limit=5,
                  launcher="torchrun")
     script = emit(fsdp, "torchrun")["train_fitplan.py"]
     assert "allow_tf32 = d[\"precision\"] == \"tf32\"" in script and "layer.compile()" in script

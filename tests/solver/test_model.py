@@ -10,9 +10,10 @@ from costmodels import Engine, Offload, Precision, Workload, parse_cluster
 from graphs import Checkpoint, resolve
 from graphs.lower import lower_resolved
 from solver.api import _graph_for
+from solver.pins import Pins
 from solver.reference import enumerate_best
 from solver.search import build_tables, search
-from solver.space import Pins, all_counts, canonical_modes, outer_space
+from solver.space import all_counts, canonical_modes, outer_space
 from solver.tables import TICK_SECONDS, objective, tie_weight
 
 SMALL_MODELS = ["gpt2", "facebook/opt-125m", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B",
@@ -32,7 +33,7 @@ def instance(seed: int) -> dict:
     return {
         "model": model, "cluster": cluster,
         "workload": Workload(seq_len=rng.choice([256, 512, 1024, 2048]), global_batch=batch),
-        "pins": Pins(engine=engine, checkpoint=modes, precisions=(precision,)),
+        "pins": Pins.of(engine=engine, checkpoint=modes, precision=(precision,)),
         # From loose to so tight that nothing may fit.
         "headroom": rng.choice([0.0, 0.3, 0.6, 0.8, 0.9, 0.95]),
     }
@@ -72,7 +73,7 @@ def test_cpsat_objective_equals_enumeration_on_random_instances(seed):
 
 def test_table_costs_equal_a_fresh_estimate_of_the_same_configuration():
     case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("2xL4"),
-            "workload": Workload(seq_len=1024, global_batch=8), "pins": Pins(precisions=(Precision.BF16_MIXED,)),
+            "workload": Workload(seq_len=1024, global_batch=8), "pins": Pins.of(precision=(Precision.BF16_MIXED,)),
             "headroom": 0.05}
     tables, kinds, _ = tables_for(case)
     resolved = resolve(case["model"])
@@ -91,8 +92,8 @@ def test_table_costs_equal_a_fresh_estimate_of_the_same_configuration():
 def test_tight_memory_forces_checkpointing_of_the_earliest_layers():
     case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("1xA100-40GB"),
             "workload": Workload(seq_len=1024, global_batch=4),
-            "pins": Pins(engine=Engine.DEEPSPEED, zero=0, micro_batch=1, offload=Offload.NONE,
-                         precisions=(Precision.BF16_MIXED,)),
+            "pins": Pins.of(engine=Engine.DEEPSPEED, zero=0, micro_batch=1, offload=Offload.NONE,
+                         precision=(Precision.BF16_MIXED,)),
             "headroom": 0.3}
     tables, kinds, modes = tables_for(case)
     found = search(tables, kinds, modes, time_limit=10, configurations=len(tables))

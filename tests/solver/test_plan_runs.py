@@ -8,13 +8,14 @@ from costmodels import Config, Engine, Offload, Optimizer, Workload, parse_clust
 from graphs import Checkpoint, FitplanError, resolve
 from graphs.lower import lower_resolved
 from solver import api
-from solver.space import Pins, outer_space
+from solver.pins import Pins
+from solver.space import outer_space
 
 
 def space_for(model: str, gpus: str, **pins):
     cluster = parse_cluster(gpus)
     graph = lower_resolved(resolve(model))
-    return outer_space(graph, cluster, Workload(seq_len=2048, global_batch=cluster.world_size * 4), Pins(**pins))
+    return outer_space(graph, cluster, Workload(seq_len=2048, global_batch=cluster.world_size * 4), Pins.of(**pins))
 
 
 def test_deepspeed_stage0_optimizer_offload_is_refused_and_never_planned():
@@ -62,8 +63,8 @@ def test_compile_is_not_credited_inside_deepspeed_zero3():
 def test_every_outer_in_the_space_has_a_launcher_that_runs_it():
     from solver.capability import runnable_by
 
-    for gpus, pins in (("8xH100", {}), ("1xH200", {"precisions": ("bf16-mixed", "fp8")}),
-                       ("2x8xH100", {"precisions": ("bf16", "fp8")})):
+    for gpus, pins in (("8xH100", {}), ("1xH200", {"precision": ("bf16-mixed", "fp8")}),
+                       ("2x8xH100", {"precision": ("bf16", "fp8")})):
         space = space_for("meta-llama/Llama-3.1-8B", gpus, **pins)
         assert space.outers
         for outer in space.outers:
@@ -93,15 +94,15 @@ def test_fp8_is_planned_only_with_a_launcher_that_runs_it():
     from solver.capability import unsupported
 
     # DeepSpeed has no fp8 config field: its fp8 plans are Megatron's (Transformer Engine) or nobody's.
-    plan = api.solve("gpt2", "8xH100", engine="deepspeed", precisions=("fp8",), **GPT2)
+    plan = api.solve("gpt2", "8xH100", engine="deepspeed", precision=("fp8",), **GPT2)
     assert plan.launchers == ("megatron",), plan.launchers
     for launcher in ("deepspeed", "hf", "accelerate"):
         assert any("fp8 with DeepSpeed" in p or "fp8 (TrainingArguments" in p
                    for p in unsupported(launcher, plan.decisions)), launcher
     with pytest.raises(FitplanError):
-        api.solve("gpt2", "8xH100", launcher="deepspeed", precisions=("fp8",), **GPT2)
+        api.solve("gpt2", "8xH100", launcher="deepspeed", precision=("fp8",), **GPT2)
     # FSDP2 runs fp8 through torchao float8 under torchrun and accelerate (not through TrainingArguments).
-    fsdp = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precisions=("fp8",), **GPT2)
+    fsdp = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precision=("fp8",), **GPT2)
     assert set(fsdp.launchers) == {"torchrun", "accelerate"}, fsdp.launchers
 
 
@@ -113,7 +114,7 @@ def test_accelerate_fp8_config_names_the_torchao_backend_and_launch_refuses_with
 
     from solver.commands import emit_files
 
-    plan = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precisions=("fp8",), **GPT2)
+    plan = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precision=("fp8",), **GPT2)
     emit_files(plan, "accelerate", tmp_path)
     loaded = load_config_from_file(str(tmp_path / "accelerate_config.yaml"))
     assert str(loaded.mixed_precision) == "fp8"
@@ -140,7 +141,7 @@ def test_torchrun_script_runs_fp8_through_torchao_or_stops(tmp_path):
     from tests.graphs.tiny_configs import tiny_values
 
     model_dir = write_config(tmp_path / "tiny", tiny_values("llama"))
-    plan = api.solve(str(model_dir), "1xH100", engine="ddp", precisions=("fp8",), seq_len=64, global_batch=2,
+    plan = api.solve(str(model_dir), "1xH100", engine="ddp", precision=("fp8",), seq_len=64, global_batch=2,
                      time_limit=5)
     assert plan.decisions.precision.value == "fp8" and "torchrun" in plan.launchers
     emit_files(plan, "torchrun", tmp_path / "out")

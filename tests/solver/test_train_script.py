@@ -50,7 +50,7 @@ def run(script: Path, model_dir: Path, report: Path, *extra: str) -> tuple[list[
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_fp16_plan_scales_the_loss_clips_and_warms_up(engine, model_dir, tmp_path):
-    plan, script = emitted_script(model_dir, tmp_path / "out", engine=engine, precisions=("fp16-mixed",),
+    plan, script = emitted_script(model_dir, tmp_path / "out", engine=engine, precision=("fp16-mixed",),
                                   micro_batch=1, grad_accum=2)
     assert plan.decisions.precision.value == "fp16-mixed" and plan.decisions.grad_accum == 2
     reports, losses = run(script, model_dir, tmp_path / "r", "--lr", "0.004", "--warmup-steps", "3",
@@ -65,7 +65,7 @@ def test_fp16_plan_scales_the_loss_clips_and_warms_up(engine, model_dir, tmp_pat
 
 @pytest.mark.distributed
 def test_bf16_plan_has_no_loss_scaler_and_clipping_can_be_turned_off(model_dir, tmp_path):
-    _, script = emitted_script(model_dir, tmp_path / "out", engine="ddp", tp=1, precisions=("bf16-mixed",))
+    _, script = emitted_script(model_dir, tmp_path / "out", engine="ddp", tp=1, precision=("bf16-mixed",))
     reports, losses = run(script, model_dir, tmp_path / "r", "--max-grad-norm", "0")
     assert len(losses) == 2
     assert all(r["loss_scale"] is None and r["grad_norms"] == [] for r in reports)
@@ -96,7 +96,7 @@ def test_ddp_syncs_gradients_only_on_the_last_micro_batch(model_dir, tmp_path, m
 
 def peak_rss_growth(model_dir: Path, folder: Path, engine: str, baseline: int | None = None) -> tuple[int, object]:
     """Peak resident bytes of the largest rank after building and sharding (no step), less `baseline`."""
-    plan, script = emitted_script(model_dir, folder, engine=engine, tp=1, precisions=("fp32",))
+    plan, script = emitted_script(model_dir, folder, engine=engine, tp=1, precision=("fp32",))
     report = folder / "report"
     reports, _ = run_steps(script, model_dir, report, 0)
     return max(r["peak_rss_bytes"] for r in reports) - (baseline or 0), plan
