@@ -9,7 +9,8 @@ tensors like the HF path (`probe`, `fit`), with each trace layer wrapped by torc
   as the GPU kernel torchtitan's save list names (`sac.GPU_EQUIVALENT_OPS`). FlexAttention's block mask (a few
   int32 tensors of (s/128)^2 elements, under 0.2 MiB at 8k tokens) is left out;
 - the loss is torchtitan's plain `cross_entropy_loss` (sum, fp32 upcast); its `ChunkedLossWrapper` is not traced.
-Tensor parallelism is not measured here: the graph offers tp=1 only.
+Tensor parallelism is measured like the HF path's, by a widened probe (torchtitan's TP plan is plain column- and
+row-wise); the embedding, head and loss are priced replicated, as on the HF path (no loss parallelism).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import UnsupportedModel
 from .fit import Probes, model_wide_bytes, segment_costs
-from .graph import LayerGraph
+from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, ParamTensor
 from .poly import Poly
 from .probe import MODEL_WIDE, Recording, TraceSlot, model_wide
@@ -39,6 +40,8 @@ TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
 TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3"}
 PROBE_BATCH = 2
 PROBE_SEQ = 32
+# The widened probe: heads and FFN width doubled, what one rank holds at t = 1/2 (see `fit.py`).
+WIDEN_FACTOR = 2
 # torchtitan's TP plan (decoder_sharding.py): column-wise projections shard their output rows, row-wise ones
 # their input columns; the embedding is sharded on the vocabulary.
 _TP_STYLES = {"wqkv": ("colwise", 0), "w1": ("colwise", 0), "w3": ("colwise", 0), "lm_head": ("colwise", 0),
@@ -57,7 +60,7 @@ def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", us
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention="torchtitan", lora=None,
-                    probes=(PROBE_BATCH, PROBE_SEQ, _titan_version_tag()))
+                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, _titan_version_tag()))
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
     graph = _measure(resolved, dtype=dtype)
@@ -97,7 +100,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
 
     base = run(PROBE_BATCH, PROBE_SEQ)
     probes = Probes(base, run(PROBE_BATCH, 2 * PROBE_SEQ), run(PROBE_BATCH, 3 * PROBE_SEQ),
-                    run(2 * PROBE_BATCH, PROBE_SEQ), None)
+                    run(2 * PROBE_BATCH, PROBE_SEQ), _widened_run(config, family, dims, kinds, slots, fake, dtype))
     costs = segment_costs(probes)
     wide = model_wide_bytes(probes)
     wide["shared"] = wide["shared"] + rope_cache_bytes(model)
@@ -106,7 +109,8 @@ def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
                   dims=dims, itemsize=torch.finfo(getattr(torch, dtype)).bits // 8, params=params, kinds=kinds,
                   slot_scopes={(s.kind, s.mode): f"layers.{j}" for j, s in enumerate(slots) if s.kind is not None},
                   costs=costs, rowwise_modules=[_rowwise(layer) for layer in model.layers.values()], moe={},
-                  model_wide=wide, widened=False, tp_degrees=(1,),
+                  model_wide=wide, widened=probes.widened is not None,
+                  tp_degrees=_tp_degrees(dims) if probes.widened is not None else (1,),
                   versions=(*_versions(), ("torchtitan", _package_version("torchtitan"))))
     graph = assemble(resolved, study, dtype=dtype, autocast=None, lora=None)
     return _with_runtime(graph)
@@ -124,8 +128,34 @@ def _package_version(name: str) -> str:
     return version(name)
 
 
-def titan_config(config: Any, *, family: str, layers: int) -> Any:
-    """torchtitan's model config for a transformers config: the same shapes, norms, RoPE and tying."""
+def _widened_run(config: Any, family: str, dims: ModelDims, kinds: list[int], slots: list[TraceSlot],
+                 fake: FakeTensorMode, dtype: str) -> Recording | None:
+    """The base probe on the model with `WIDEN_FACTOR` times the heads and FFN width, or None when its
+    parameters did not grow exactly where torchtitan's TP plan shards them."""
+    plain = build_titan(titan_config(config, family=family, layers=dims.layers))
+    wide = build_titan(titan_config(config, family=family, layers=dims.layers, widen=WIDEN_FACTOR))
+    before = {p.name: p for p in _param_tensors(plain, dtype)}
+    after = {p.name: p for p in _param_tensors(wide, dtype)}
+    grew = before.keys() == after.keys() and all(
+        after[n].numel == before[n].numel * (WIDEN_FACTOR if p.tp_dim is not None and p.node.startswith("layers.")
+                                             else 1) for n, p in before.items())
+    if not grew:
+        return None
+    trace = trace_model(wide, kinds, slots)
+    _to_fake(trace, fake, getattr(torch, dtype))
+    with fake:
+        return run_titan_pass(trace, slots, b=PROBE_BATCH, s=PROBE_SEQ, vocab=dims.vocab)
+
+
+def _tp_degrees(dims: ModelDims) -> tuple[int, ...]:
+    """TP degrees torchtitan accepts: they must divide the query and key/value heads
+    (`Decoder.Config.update_from_config`)."""
+    return tuple(t for t in (1, 2, 4, 8, 16, 32, 64) if dims.heads % t == 0 and dims.kv_heads % t == 0)
+
+
+def titan_config(config: Any, *, family: str, layers: int, widen: int = 1) -> Any:
+    """torchtitan's model config for a transformers config: the same shapes, norms, RoPE and tying (`widen`
+    multiplies the heads and FFN width, keeping the head size)."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -148,12 +178,12 @@ def titan_config(config: Any, *, family: str, layers: int) -> Any:
     init = {"weight": torch.nn.init.normal_}
     blocks = [block_cls.Config(
         attention_norm=norm, ffn_norm=norm,
-        attention=make_gqa_config(dim=dims.hidden, n_heads=dims.heads, n_kv_heads=dims.kv_heads,
-                                  head_dim=dims.head_dim if dims.head_dim * dims.heads != dims.hidden else None,
+        attention=make_gqa_config(dim=dims.hidden, n_heads=dims.heads * widen, n_kv_heads=dims.kv_heads * widen,
+                                  head_dim=dims.head_dim,
                                   wqkv_param_init=init, wo_param_init=init,
                                   inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True, rope=rope,
                                   qk_norm=qk_norm),
-        feed_forward=make_ffn_config(dim=dims.hidden, hidden_dim=dims.intermediate, w1_param_init=init,
+        feed_forward=make_ffn_config(dim=dims.hidden, hidden_dim=dims.intermediate * widen, w1_param_init=init,
                                      w2w3_param_init=init)) for _ in range(layers)]
     return model_cls.Config(dim=dims.hidden, vocab_size=dims.vocab,
                             enable_weight_tying=bool(getattr(text, "tie_word_embeddings", False)),

@@ -101,3 +101,21 @@ def test_models_torchtitan_does_not_have_are_refused(tmp_path):
     folder = write_config(tmp_path / "gpt2", tiny_values("gpt2"))
     with pytest.raises(UnsupportedModel, match="torchtitan"):
         lower_titan(str(folder), use_cache=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", TITAN_MODES)
+def test_titan_saved_bytes_at_tp2_equal_the_model_one_tp_rank_holds(mode, graphs, tmp_path):
+    # Without sequence parallelism a TP rank of torchtitan's plan runs the block with half the heads and half
+    # the FFN width (column-wise wqkv/w1/w3, row-wise wo/w2); norms and the residual stream stay whole.
+    graph = graphs["llama"]
+    assert graph.tp_splits_activations and 2 in graph.tp_degrees
+    values = tiny_values("llama")
+    rank = {**values, **{k: values[k] // 2 for k in ("num_attention_heads", "num_key_value_heads",
+                                                    "intermediate_size")}}
+    ref = layer_reference(str(write_config(tmp_path / "rank", rank)), b=UNSEEN_B, s=UNSEEN_S,
+                          dtype=torch.bfloat16, mode=mode)
+    output = graph.node("layers.0").boundary(UNSEEN_B, UNSEEN_S)
+    kept = [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S, 2) + (output if mode is Checkpoint.NONE else 0)
+            for layer in graph.decoder_layers()]
+    assert kept == ref.saved
