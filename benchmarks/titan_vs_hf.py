@@ -3,7 +3,8 @@
 The case from issue 10: Llama-3.1-8B at 8192 tokens, micro-batch 2, which torchtitan trains with op-level SAC on
 8 H100s (FSDP2, bf16 compute). Prints per-layer saved bytes for every mode each runtime lowers, the whole
 model's activations (all layers in that mode, plus embedding, final norm, head and loss), and the allocated peak
-`costmodels.estimate` gives for FSDP2 ZeRO-3 bf16-mixed AdamW on 8xH100.
+`costmodels.estimate` gives for FSDP2 ZeRO-3 bf16-mixed AdamW on 8xH100. HF "selective" is the attention core
+(Megatron's selective recompute); "op_selective" is torchtitan's op-level SAC policy on either runtime.
 Usage: FITPLAN_CACHE_DIR=/tmp/fitplan-cache HF_HUB_OFFLINE=1 python benchmarks/titan_vs_hf.py [--model ID]
 """
 
@@ -23,7 +24,8 @@ def activation_bytes(graph: LayerGraph, mode: Checkpoint, *, b: int, s: int) -> 
     layers = graph.decoder_layers()
     per_layer = layers[0].cost(mode).saved(b, s)
     rest = sum(node.cost().saved(b, s) for node in graph.nodes() if node.role is not Role.DECODER)
-    wide = graph.inputs + graph.shared + (graph.checkpoint_shared if mode is not Checkpoint.NONE else graph.forward_shared)
+    during_pass = graph.checkpoint_shared if mode is not Checkpoint.NONE else graph.forward_shared
+    wide = graph.inputs + graph.shared + during_pass
     return int(per_layer), int(sum(layer.cost(mode).saved(b, s) for layer in layers) + rest + wide(b, s))
 
 
@@ -44,7 +46,8 @@ def main() -> None:
     parser.add_argument("--gpus", default="8xH100")
     args = parser.parse_args()
     b, s = args.micro_batch, args.seq_len
-    runtimes = {"hf": lower(args.model, dtype="bfloat16"), "torchtitan": lower_titan(args.model, dtype="bfloat16")}
+    runtimes = {"hf": lower(args.model, dtype="bfloat16", op_selective=True),
+                "torchtitan": lower_titan(args.model, dtype="bfloat16")}
     print(f"{args.model}, micro-batch {b} x {s} tokens, bf16 (binary GiB)")
     print(f"{'runtime':11} {'checkpoint':13} {'per layer':>10} {'all activations':>16} "
           f"{'allocated peak ' + args.gpus:>24}")
