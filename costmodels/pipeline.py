@@ -37,19 +37,26 @@ def in_flight_micro_batches(schedule: Schedule, pp: int, m: int, *, v: int = 1) 
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def held_activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
-                          stage_bytes: Sequence[int]) -> tuple[int, ...]:
+def held_activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1, stage_bytes: Sequence[int],
+                          freed_by_input: Sequence[int] = ()) -> tuple[int, ...]:
     """Per rank, the peak bytes of saved activations over one step, where `stage_bytes[s]` is what global stage
-    s keeps for backward per micro-batch. A forward adds its stage's bytes; a full backward (B) frees them; a
-    split backward frees them at its weight step (W): torch's `stage_backward_input` keeps the graph for W."""
+    s keeps for backward per micro-batch. A forward adds them and a full backward (B) frees them. A split
+    backward frees `freed_by_input[s]` of them at its input step (I) and the rest at its weight step (W):
+    torch's `stage_backward_input` keeps the graph for W (retain_graph=True) but detaches the stage output, which
+    frees what only the nodes after the stage's last weight saved (the loss's saved tensors on the last stage)."""
     ranks = stage_ranks(schedule, pp, v)
-    if len(stage_bytes) != len(ranks):
-        raise ValueError(f"stage_bytes has {len(stage_bytes)} entries for {len(ranks)} stages")
+    freed = tuple(freed_by_input) or (0,) * len(ranks)
+    if len(stage_bytes) != len(ranks) or len(freed) != len(ranks):
+        raise ValueError(f"stage_bytes and freed_by_input need one entry for each of the {len(ranks)} stages")
+    if any(not 0 <= f <= b for f, b in zip(freed, stage_bytes, strict=True)):
+        raise ValueError("freed_by_input must lie between 0 and the stage's bytes")
     peaks = []
     for ops in schedule_order(schedule, pp, m, v):
         held = peak = 0
         for op in ops:
-            held += stage_bytes[op.stage] * {"F": 1, "B": -1, "I": 0, "W": -1}[op.kind]
+            change = {"F": stage_bytes[op.stage], "B": -stage_bytes[op.stage], "I": -freed[op.stage],
+                      "W": freed[op.stage] - stage_bytes[op.stage]}
+            held += change[op.kind]
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)

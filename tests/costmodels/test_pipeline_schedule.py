@@ -10,6 +10,7 @@ import random
 import networkx as nx
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from costmodels.pipeline import (
     DEFAULT_WEIGHT_SHARE,
@@ -86,15 +87,25 @@ def torch_order(schedule: Schedule, pp: int, m: int, v: int) -> tuple[tuple[Op, 
                        if a is not None and a.is_compute_op) for rank in range(pp))
 
 
-def counted_peaks(order: tuple[tuple[Op, ...], ...], weights: list[int]) -> tuple[int, ...]:
-    """Reference peak per rank: a forward adds its stage's weight, B or W frees it, I keeps it."""
+def counted_peaks(order: tuple[tuple[Op, ...], ...], weights: list[int],
+                  early: list[int] | None = None) -> tuple[int, ...]:
+    """Reference peak per rank: a forward adds its stage's weight and B frees it; I frees the `early` part and W
+    the rest."""
+    early = early or [0] * len(weights)
     peaks = []
     for ops in order:
-        held = [0]
+        live: dict[tuple[int, int], int] = {}
+        peak = 0
         for op in ops:
-            held.append(held[-1] + {"F": weights[op.stage], "B": -weights[op.stage], "W": -weights[op.stage]}
-                        .get(op.kind, 0))
-        peaks.append(max(held))
+            key = (op.stage, op.micro_batch)
+            if op.kind == "F":
+                live[key] = weights[op.stage]
+            elif op.kind == "I":
+                live[key] -= early[op.stage]
+            else:
+                del live[key]
+            peak = max(peak, sum(live.values()))
+        peaks.append(peak)
     return tuple(peaks)
 
 
@@ -148,9 +159,29 @@ def test_held_bytes_with_uneven_stages_equal_weighted_counts_over_torch_order(sc
             counted_peaks(torch_order(schedule, pp, m, v), weights)
 
 
+@pytest.mark.parametrize("schedule", [Schedule.INTERLEAVED_ZB, Schedule.ZBV])
+def test_held_bytes_with_loss_freed_at_input_step_equal_counts_over_torch_order(schedule):
+    rng = random.Random(17)
+    for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
+        weights = [rng.randint(1, 10**6) for _ in stage_ranks(schedule, pp, v)]
+        early = [rng.randint(0, w) for w in weights]
+        assert held_activation_bytes(schedule, pp, m, v=v, stage_bytes=weights, freed_by_input=early) == \
+            counted_peaks(torch_order(schedule, pp, m, v), weights, early)
+
+
+def test_stage_ranks_equal_torch_stage_to_rank_mapping():
+    for schedule, pp, v in itertools.product(Schedule, range(1, 5), (1, 2, 3)):
+        if schedule_problem(schedule, pp, pp, v) is None:
+            style = "v" if schedule == Schedule.ZBV else "loop"
+            mapping = generate_stage_to_rank_mapping(pp, pp * local_stages(schedule, v), style=style)
+            assert stage_ranks(schedule, pp, v) == tuple(mapping[s] for s in range(len(mapping)))
+
+
 def test_held_bytes_needs_one_entry_per_stage():
     with pytest.raises(ValueError, match="4 stages"):
         held_activation_bytes(Schedule.INTERLEAVED_1F1B, 2, 4, v=2, stage_bytes=[1, 2])
+    with pytest.raises(ValueError, match="between 0 and"):
+        held_activation_bytes(Schedule.ZBV, 2, 4, v=2, stage_bytes=[1, 2, 3, 4], freed_by_input=[2, 0, 0, 0])
 
 
 def test_refusals_name_the_rule():

@@ -1,0 +1,218 @@
+"""Per-rank held activations of real torch.distributed.pipelining schedules over gloo against `pipeline`.
+
+One launch runs this file as PP worker processes. Each builds its stages of a tiny residual MLP (uneven: a
+different number of blocks per stage), runs one training step of each schedule under saved-tensor hooks that
+track the bytes autograd keeps alive, and writes its peak; the tests compare them with the cost model exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import weakref
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from costmodels.pipeline import held_activation_bytes
+from costmodels.pipeline_schedule import TORCH_CLASS, Schedule, stage_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+PP = 3
+HIDDEN, MICRO_BATCH = 16, 2
+FLOAT_BYTES = 4
+# Residual blocks of global stage s (up to PP * 2 stages): uneven on purpose.
+BLOCKS = (2, 1, 3, 1, 2, 2)
+# Ample for one tiny step per schedule on two shared cores; a hung p2p fails the launch, not the suite.
+LAUNCH_TIMEOUT = 180
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One real step: a schedule, its micro-batches and stages per rank."""
+
+    schedule: Schedule
+    m: int
+    v: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.schedule}-m{self.m}-v{self.v}"
+
+
+CASES = [
+    Case(schedule=Schedule.ONE_F_ONE_B, m=5),
+    Case(schedule=Schedule.GPIPE, m=4),
+    Case(schedule=Schedule.INTERLEAVED_1F1B, m=6, v=2),
+    Case(schedule=Schedule.INTERLEAVED_ZB, m=6, v=2),
+    Case(schedule=Schedule.ZBV, m=5, v=2),
+]
+
+
+TENSOR_BYTES = MICRO_BATCH * HIDDEN * FLOAT_BYTES
+
+
+def predicted_stage_bytes(stages: int) -> list[int]:
+    """Bytes one micro-batch leaves saved in each stage: per block its input (Linear keeps it for the weight
+    gradient) and its Tanh output; the last stage adds the loss's input and target (the stage output, like a
+    transformer layer's residual sum, is saved only by whoever reads it next)."""
+    return [(2 * BLOCKS[s] + 2 * (s == stages - 1)) * TENSOR_BYTES for s in range(stages)]
+
+
+def predicted_freed_by_input(stages: int) -> list[int]:
+    """What a zero-bubble input step frees: the tensors saved only after the stage's last Linear, i.e. its last
+    Tanh output, and on the last stage also the loss's input and target."""
+    return [(1 + 2 * (s == stages - 1)) * TENSOR_BYTES for s in range(stages)]
+
+
+# --- the reference: real processes --------------------------------------------------------------------------
+
+
+class SavedBytes:
+    """Saved-tensor hooks that count the distinct non-parameter tensors autograd holds (a tensor saved by two
+    nodes once) and the peak of their bytes; a tensor is released when its last saved copy is freed."""
+
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self.refs: dict[tuple[int, int], int] = {}
+        self.held = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        if tensor.untyped_storage().data_ptr() in self.skip:
+            return tensor
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if self.refs.get(key, 0) == 0:
+            self.held += key[1]
+            self.peak = max(self.peak, self.held)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        # Boxing the tensor itself would tie a saved output to its own grad_fn in a cycle that autograd's saved
+        # outputs avoid (they keep no grad_fn): a detached alias keeps the storage and nothing else.
+        box = _Box(tensor.detach())
+        weakref.finalize(box, self._release, key)
+        return box
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Box) else packed
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.held -= key[1]
+
+
+class _Box:
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class Block(nn.Module):
+    """x + tanh(W x + b): a residual block, shaped like a transformer layer's saved tensors at small scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+def stage_module(stage: int) -> nn.Sequential:
+    torch.manual_seed(stage)
+    return nn.Sequential(*(Block() for _ in range(BLOCKS[stage])))
+
+
+def run_case(case: dict, rank: int) -> dict[str, int]:
+    """One measured step of `case` on this rank: the peak saved bytes, and those still held after it."""
+    schedule, m, v = Schedule(case["schedule"]), case["m"], case["v"]
+    ranks = stage_ranks(schedule, PP, v)
+    mine = [s for s, r in enumerate(ranks) if r == rank]
+    stages = [PipelineStage(stage_module(s), s, len(ranks), torch.device("cpu"), group=dist.group.WORLD)
+              for s in mine]
+    cls = getattr(torch_schedules, TORCH_CLASS[schedule])
+    sched = cls(stages[0] if len(stages) == 1 else stages, m, loss_fn=nn.functional.mse_loss)
+    torch.manual_seed(100)
+    inputs, target = torch.randn(m * MICRO_BATCH, HIDDEN), torch.randn(m * MICRO_BATCH, HIDDEN)
+    args = (inputs,) if 0 in mine else ()
+    kwargs = {"target": target} if len(ranks) - 1 in mine else {}
+    # The first step also infers shapes and warms up p2p: measure the second, steady-state step.
+    sched.step(*args, return_outputs=False, **kwargs)
+    tracker = SavedBytes([p for stage in stages for p in stage.submod.parameters()])
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        sched.step(*args, return_outputs=False, **kwargs)
+    return {"peak": tracker.peak, "left": tracker.held}
+
+
+def worker(spec_path: str, rank: int) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=PP,
+                            timeout=timedelta(seconds=120))
+    try:
+        results = {case["name"]: run_case(case, rank) for case in spec["cases"]}
+    finally:
+        dist.destroy_process_group()
+    (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def launch(folder: Path) -> list[dict]:
+    """Run every case on PP gloo ranks (this file as a script) and return each rank's peaks."""
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"store": str(folder / "store"),
+                                "cases": [{**asdict(c), "name": c.name} for c in CASES]}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.costmodels.test_pipeline_gloo", str(spec)]
+    procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(PP)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [(rank, proc.returncode, log[-3000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
+              if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"gloo workers failed: {failed}")
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(PP)]
+
+
+# --- the tests ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> list[dict]:
+    return launch(tmp_path_factory.mktemp("pipeline-gloo"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_held_activation_bytes_equal_real_schedule_peaks_on_gloo(case, measured):
+    """Exact bytes: both sides count whole fp32 tensors of the same shapes."""
+    stages = len(stage_ranks(case.schedule, PP, case.v))
+    expected = held_activation_bytes(case.schedule, PP, case.m, v=case.v, stage_bytes=predicted_stage_bytes(stages),
+                                     freed_by_input=predicted_freed_by_input(stages))
+    assert tuple(rank[case.name]["peak"] for rank in measured) == expected
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_real_schedule_step_releases_every_saved_tensor_on_gloo(case, measured):
+    """Nothing saved during a step outlives it (else the peak above would not be a steady state)."""
+    assert [rank[case.name]["left"] for rank in measured] == [0] * PP
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))
