@@ -111,8 +111,8 @@ def offload_bytes(cluster: Cluster, config: Config, states: ModelStates) -> tupl
 
 def _gathered(graph: LayerGraph, config: Config, layer: Layer) -> int:
     """Bytes of one node's parameters gathered whole (within its TP shard) in the compute dtype."""
-    tensors = [t for t in layer.params
-               if not (config.engine is Engine.DEEPSPEED and t.numel <= persistence_threshold(graph.dims.hidden))]
+    tensors = [t for t in layer.params if not t.quantized  # kept whole on every rank (states._param_bytes)
+               and not (config.engine is Engine.DEEPSPEED and t.numel <= persistence_threshold(graph.dims.hidden))]
     itemsize = precision.compute_itemsize(config.precision)
     return itemsize * local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False)
 

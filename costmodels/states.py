@@ -118,6 +118,10 @@ def _param_bytes(graph: LayerGraph, config: Config, trainable: list[Group], froz
     shard = sharding(config)
     tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
     partitioned = persistent = 0
+    # bitsandbytes-quantized base weights (QLoRA) keep their measured packed bytes and quantisation state, whole on
+    # every rank: sharding packed weights (FSDP-QLoRA's bnb_4bit_quant_storage) is not modelled.
+    persistent += sum(t.stored_bytes * n for t, n in frozen if t.stored_bytes is not None)
+    frozen = [(t, n) for t, n in frozen if t.stored_bytes is None]
     for group, is_trainable in ((trainable, True), (frozen, False)):
         itemsize = precision.weight_itemsize(prec, engine, trainable=is_trainable)
         sharded = [g for g in group if not _persistent(graph, config, g[0])]

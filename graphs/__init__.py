@@ -7,7 +7,7 @@ from .catalog import catalog_ids, load_entry
 from .errors import FitplanError, MalformedConfig, UnknownModel, UnsupportedModel
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, Layer, ModeCost, MoE, ParamTensor, Role, Work
-from .lora import LoraSpec
+from .lora import LoraSpec, Quantization
 from .lower import lower
 from .poly import PeakPoly, Poly
 from .sources import ResolvedModel, resolve
@@ -25,6 +25,7 @@ __all__ = [
     "ParamTensor",
     "PeakPoly",
     "Poly",
+    "Quantization",
     "ResolvedModel",
     "Role",
     "UnknownModel",

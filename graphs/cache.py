@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .lora import LoraSpec
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 
 def cache_dir() -> Path:
@@ -42,7 +42,8 @@ def cache_key(values: dict[str, Any], *, dtype: str, autocast: str | None, atten
     payload = {
         "format": FORMAT_VERSION, "config": values, "dtype": dtype, "autocast": autocast, "attention": attention,
         "lora": lora.to_json() if lora else None, "probes": list(probes),
-        "versions": {p: _version(p) for p in ("fitplan", "torch", "transformers", "peft")},
+        "versions": {p: _version(p) for p in ("fitplan", "torch", "transformers", "peft")
+                     + (("bitsandbytes",) if lora and lora.quantization else ())},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 

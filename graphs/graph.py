@@ -146,7 +146,7 @@ def group_tensors(tensors: Iterable[ParamTensor]) -> tuple[tuple[ParamTensor, in
     """Identical-cost tensors counted once: (a representative, how many)."""
     counts: dict[tuple[Any, ...], list[Any]] = {}
     for t in tensors:
-        key = (t.shape, t.tp_dim, t.trainable, t.itemsize)
+        key = (t.shape, t.tp_dim, t.trainable, t.itemsize, t.stored_bytes)
         if key in counts:
             counts[key][1] += 1
         else:

@@ -57,10 +57,17 @@ class ParamTensor:
     """Tensor-parallel style from the model's TP plan ("colwise", "rowwise", ..., or "replicate")."""
     tp_dim: int | None
     """The dimension that tensor parallelism shards, or None if replicated."""
+    stored_bytes: int | None = None
+    """Device bytes when the tensor is not stored as numel x itemsize: a bitsandbytes-quantized base weight's
+    packed data plus its quantisation state, as bitsandbytes lays them out (`graphs.quantization`)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def quantized(self) -> bool:
+        return self.stored_bytes is not None
 
     def local_numel(self, tp: int) -> int:
         """Elements on the largest TP rank: DTensor `Shard` gives each rank ceil(n / tp) rows of the dim."""

@@ -5,7 +5,7 @@ The result (`Study`) is what `lower.assemble` maps onto the full graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -78,12 +78,12 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
     kinds = layer_kinds(wide)
     layer_class = type(wide.layers[0]).__name__
     plan = dict(getattr(wide.model, "_tp_plan", None) or {})
-    params = param_tensors(wide.model, _owners(wide), plan)
+    params = _quantized_sizes(param_tensors(wide.model, _owners(wide), plan), wide, lora)
     rowwise = [_count_rowwise(wide, i, plan) for i in range(dims.layers)]
     moe = _moe(wide, kinds, dims)
     slots = trace_slots(kinds, selective=True, op_selective=op_selective)
     trace = build_trace_model(wide, kinds, slots)
-    run = _runner(trace, slots, dims.vocab, fake, autocast)
+    run = _runner(trace, slots, dims.vocab, fake, autocast, lora)
     probes = Probes(run(b0, s0), run(b0, 2 * s0), run(b0, 3 * s0), run(2 * b0, s0), None)
     tp_degrees = _tp_degrees(params, dims)
     if _clean(plan) and len(tp_degrees) > 1:
@@ -92,7 +92,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
         if _matches_widening(widened, wide_params=params, factor=widen):
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
-                            _runner(widened_trace, slots, dims.vocab, fake, autocast)(b0, s0))
+                            _runner(widened_trace, slots, dims.vocab, fake, autocast, lora)(b0, s0))
     if probes.widened is None:  # no measured 1/TP split: TP > 1 would be priced as if nothing were divided
         tp_degrees = (1,)
     costs = segment_costs(probes)
@@ -110,19 +110,39 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
 
 def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, layers: int) -> ModelParts:
     model = build_model(config, dtype=dtype, attention=attention)
+    if lora is not None and lora.quantization is not None:
+        from .quantization import quantize_linears
+
+        quantize_linears(model, lora.quantization, double_quant=lora.double_quant)
     if lora is not None:
         model = apply_lora(model, lora)
     return find_parts(model, layers)
 
 
+def _quantized_sizes(params: list[ParamTensor], parts: ModelParts, lora: LoraSpec | None) -> list[ParamTensor]:
+    """Quantized base weights get bitsandbytes' stored bytes (packed data and quantisation state)."""
+    if lora is None or lora.quantization is None:
+        return params
+    from .quantization import quantized_weight_names, stored_bytes
+
+    names = set(quantized_weight_names(parts.model))
+    return [replace(p, stored_bytes=stored_bytes(p.shape, lora.quantization, double_quant=lora.double_quant))
+            if p.name in names else p for p in params]
+
+
 def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTensorMode,
-            autocast: str | None) -> Any:
+            autocast: str | None, lora: LoraSpec | None) -> Any:
     to_fake(parts.model, fake)
+    quantized = lora is not None and lora.quantization is not None
+    if quantized:
+        from .quantization import pack
+
+        pack(parts.model, fake, lora.quantization, double_quant=lora.double_quant)
 
     def run(b: int, s: int) -> Any:
         try:
             with fake:
-                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast)
+                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast, dequantize=quantized)
         except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
             raise UnsupportedModel(f"{type(parts.model).__name__} could not be traced on fake tensors: {err}",
                                    "Try --attention eager, or report the architecture.") from err

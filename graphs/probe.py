@@ -77,8 +77,11 @@ def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot
 
 
 def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab: int,
-             autocast: str | None = None) -> Recording:
-    """Record a forward and backward pass of the trace model at micro-batch b and sequence length s."""
+             autocast: str | None = None, dequantize: bool = False) -> Recording:
+    """Record a forward and backward pass of the trace model at micro-batch b and sequence length s.
+
+    `dequantize`: the model has bitsandbytes 4-bit layers, traced as they run on a GPU (`quantization.py`).
+    """
     for param in parts.model.parameters():
         param.grad = None
     recorder = SacRecorder([*parts.model.parameters(), *parts.model.buffers()])
@@ -95,7 +98,7 @@ def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab
             boundary.append(recorder.storage_index(hidden))
 
     handle = parts.layers[0].register_forward_pre_hook(note_boundary, with_kwargs=True)
-    with quirks(recorder.recomputing), recorder:
+    with quirks(recorder.recomputing), recorder, _dequantizing(dequantize):
         ids = torch.randint(0, vocab, (b, s))
         labels = torch.randint(0, vocab, (b, s))
         with tracker.active():
@@ -133,6 +136,14 @@ def model_wide(recorder: Recorder, slots: list[TraceSlot], boundary: int | None)
             else:
                 result[i] = "checkpoint_shared" if modes else "forward_shared"
     return result
+
+
+def _dequantizing(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    if not enabled:
+        return contextlib.nullcontext()
+    from .quantization import dequantizing
+
+    return dequantizing()
 
 
 def _autocast(dtype: str | None) -> contextlib.AbstractContextManager[None]:

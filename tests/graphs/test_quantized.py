@@ -1,0 +1,217 @@
+"""QLoRA, DoRA, modules_to_save and rslora lowerings against real PEFT and bitsandbytes runs on CPU.
+
+The reference is a real model: transformers' `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))`
+of a tiny checkpoint, wrapped by PEFT's `get_peft_model`, run forward and backward on CPU tensors, with torch's
+`saved_tensors_hooks` attributing saved storages to the decoder layer that saved them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+import torch
+
+from costmodels.quantization import dequantized_weight_bytes
+from graphs import LoraSpec, lower
+from graphs.quantization import bnb_config
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
+
+bnb = pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.slow
+
+B, S = 2, 24
+
+
+@pytest.fixture(scope="module")
+def values():
+    return tiny_values("llama")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, values):
+    return write_config(tmp_path_factory.mktemp("config"), values)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, values):
+    """A tiny random bf16 checkpoint that transformers can load quantized."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(values)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("checkpoint")
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _real_model(checkpoint, spec: LoraSpec):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    quantized = {} if spec.quantization is None else {
+        "quantization_config": bnb_config(spec.quantization, double_quant=spec.double_quant, compute_dtype="bfloat16")}
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map="cpu", **quantized)
+    model.train()
+    return get_peft_model(model, spec.peft_config(), autocast_adapter_dtype=False)
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    found = [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+    return found + (_state_tensors(state.state2) if state.state2 is not None else [])
+
+
+def _device_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters as they sit in memory, with bitsandbytes' quantisation state."""
+    total = 0
+    for param in module.parameters():
+        total += param.untyped_storage().nbytes()
+        if getattr(param, "quant_state", None) is not None:
+            total += sum(t.untyped_storage().nbytes() for t in _state_tensors(param.quant_state))
+    return total
+
+
+def _saved_per_layer(peft_model, ids) -> list[int]:
+    """Saved-for-backward bytes per decoder layer of one real training step (storages saved by one layer only)."""
+    layers = peft_model.base_model.model.model.layers
+    current: list[int | None] = [None]
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
+    # Every storage a layer saves, held until forward ends so that no address is reused (the lowering's
+    # convention: what a layer's forward saves, including saves of graphs it discards, such as DoRA's norm).
+    held: dict[int, torch.UntypedStorage] = {}
+    savers: dict[int, set[int]] = defaultdict(set)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if current[0] is not None and storage.data_ptr() not in params:
+            held[storage.data_ptr()] = storage
+            savers[storage.data_ptr()].add(current[0])
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = peft_model(input_ids=ids, labels=ids).loss
+    for handle in handles:
+        handle.remove()
+    sizes = {key: storage.nbytes() for key, storage in held.items()}
+    held.clear()
+    loss.backward()
+    return [sum(sizes[k] for k, who in savers.items() if who == {i}) for i in range(len(layers))]
+
+
+QLORA = LoraSpec(rank=8, alpha=16, quantization="nf4", double_quant=True)
+
+
+@pytest.fixture(scope="module")
+def qlora_graph(folder):
+    return lower(str(folder), lora=QLORA, use_cache=False)
+
+
+def test_qlora_parameters_equal_transformers_bitsandbytes_and_peft(qlora_graph, checkpoint):
+    real = _real_model(checkpoint, QLORA)
+    trainable, total = real.get_nb_trainable_parameters()
+    assert (qlora_graph.trainable_count, qlora_graph.param_count) == (trainable, total)
+    layers = real.base_model.model.model.layers
+    for i in range(len(layers)):
+        node = qlora_graph.node(f"layers.{i}")
+        assert sum(p.stored_bytes or p.numel * p.itemsize for p in node.params) == _device_bytes(layers[i])
+        assert all(p.quantized == (not p.trainable and p.name.endswith(".weight") and "layernorm" not in p.name)
+                   for p in node.params)
+    # Embedding, final norm and LM head stay in bf16 (transformers' skip list); the whole model matches too.
+    graph_bytes = sum(p.stored_bytes or p.numel * p.itemsize for p in qlora_graph.params())
+    assert graph_bytes == _device_bytes(real)
+    assert not any(p.quantized for p in qlora_graph.node("head").params)
+
+
+def test_qlora_saved_activations_equal_a_real_step(qlora_graph, checkpoint):
+    real = _real_model(checkpoint, QLORA)
+    torch.manual_seed(1)
+    saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)))
+    assert qlora_graph.node("layers.1").cost().saved(B, S) == saved[1]
+
+
+def test_qlora_peaks_hold_one_dequantized_weight(qlora_graph, values):
+    # bitsandbytes dequantizes the whole weight to bf16 for each matmul (forward above 1536 tokens on CUDA, and
+    # backward): at a single token that transient sets the layer's peaks.
+    largest = dequantized_weight_bytes((values["intermediate_size"], values["hidden_size"]), 2)
+    cost = qlora_graph.node("layers.1").cost()
+    for peak in (cost.fwd_peak, cost.bwd_peak):
+        at_one_token = max(candidate(1, 1) for candidate in peak.candidates)
+        assert largest <= at_one_token < largest + 16 * 1024
+
+
+DORA = LoraSpec(rank=8, alpha=16, use_dora=True)
+
+
+@pytest.mark.parametrize("spec", [DORA, LoraSpec(rank=8, alpha=16, use_dora=True, quantization="fp4")],
+                         ids=["dora", "qdora"])
+def test_dora_parameters_and_saved_activations_equal_peft(folder, checkpoint, spec):
+    graph = lower(str(folder), lora=spec, use_cache=False)
+    real = _real_model(checkpoint, spec)
+    assert (graph.trainable_count, graph.param_count) == real.get_nb_trainable_parameters()
+    magnitudes = [p for p in graph.node("layers.1").params if "lora_magnitude_vector" in p.name]
+    assert magnitudes and all(p.trainable and len(p.shape) == 1 for p in magnitudes)
+    torch.manual_seed(1)
+    saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)))
+    assert graph.node("layers.1").cost().saved(B, S) == saved[1]
+
+
+def test_modules_to_save_trains_a_copy_of_the_lm_head(folder, values):
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = LoraSpec(rank=8, alpha=16, modules_to_save=("lm_head",))
+    graph = lower(str(folder), lora=spec, use_cache=False)
+    fields = dict(values)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):  # counting only
+        model = get_peft_model(AutoModelForCausalLM.from_config(copy.deepcopy(config)), spec.peft_config())
+    assert (graph.trainable_count, graph.param_count) == model.get_nb_trainable_parameters()
+    head = graph.node("head")
+    assert [p.trainable for p in head.params].count(True) == 1
+    vocab_by_hidden = values["vocab_size"] * values["hidden_size"]
+    assert sum(p.numel for p in head.params if p.trainable) == vocab_by_hidden
+    assert head.cost().grads(B, S) == vocab_by_hidden * 2  # the copy's bf16 gradient
+
+
+def test_rslora_changes_no_cost(folder, qlora_graph):
+    # use_rslora only changes the adapter scaling (alpha/sqrt(r) for alpha/r): the graph is the same.
+    plain = qlora_graph.to_json()
+    rank_stabilised = lower(str(folder), lora=replace(QLORA, use_rslora=True), use_cache=False).to_json()
+    assert plain.pop("lora") != rank_stabilised.pop("lora")
+    assert plain == rank_stabilised
+
+
+def test_quantized_graph_round_trips_through_json(qlora_graph):
+    from graphs.graph import LayerGraph
+
+    again = LayerGraph.from_json(qlora_graph.to_json())
+    assert again.to_json() == qlora_graph.to_json()
+    assert again.lora == QLORA
+    assert sum(p.quantized for p in again.params()) == 7 * 3  # q, k, v, o, gate, up, down in each of 3 layers
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"quantization": "int4"}, "quantization"),
+    ({"double_quant": True}, "4-bit"),
+    ({"quantization": "int8", "double_quant": True}, "4-bit"),
+    ({"modules_to_save": "lm_head"}, "list of module names"),
+    ({"modules_to_save": ("lm head",)}, "not a module name"),
+    ({"use_dora": "yes"}, "true or false"),
+])
+def test_bad_lora_specs_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LoraSpec(**fields)
+
+
+def test_lora_spec_reads_plans_written_before_these_fields():
+    old = {"rank": 16, "alpha": 32, "targets": ["all-linear"], "dropout": 0.0}
+    assert LoraSpec.from_json(old) == LoraSpec()
+    assert LoraSpec.from_json(QLORA.to_json()) == QLORA
