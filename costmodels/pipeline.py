@@ -1,7 +1,6 @@
-"""Pipeline parallelism's costs: activations each rank holds at its peak, and the step time of a schedule with
-uneven stages (its bubble included), simulated over the real action order of `pipeline_schedule`.
-
-Weights, gradients and optimizer states per stage are the engine modules' business (see the issue-13 report).
+"""Pipeline parallelism's costs: the activations each rank holds at its peak (receive buffers and in-flight
+micro-batches), and the step time of a schedule with uneven stages, bubble included, simulated over the real
+action order of `pipeline_schedule`. Weights, gradients and optimizer states of a stage are left to the engines.
 """
 
 from __future__ import annotations
@@ -37,29 +36,80 @@ def in_flight_micro_batches(schedule: Schedule, pp: int, m: int, *, v: int = 1) 
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def held_activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1, stage_bytes: Sequence[int],
-                          freed_by_input: Sequence[int] = ()) -> tuple[int, ...]:
-    """Per rank, the peak bytes of saved activations over one step, where `stage_bytes[s]` is what global stage
-    s keeps for backward per micro-batch. A forward adds them and a full backward (B) frees them. A split
-    backward frees `freed_by_input[s]` of them at its input step (I) and the rest at its weight step (W):
-    torch's `stage_backward_input` keeps the graph for W (retain_graph=True) but detaches the stage output, which
-    frees what only the nodes after the stage's last weight saved (the loss's saved tensors on the last stage)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageActivations:
+    """Bytes one micro-batch of one global stage holds, split by how torch.distributed.pipelining keeps them."""
+
+    saved: int
+    """Autograd-saved bytes, less the received stage input: a layer that saves its input saves the receive
+    buffer, which `receive_buffer_bytes` counts."""
+    output: int = 0
+    """The stage output (hidden states; the model output on the last stage): `fwd_cache` keeps it until the
+    backward, and the next stage receives it into a buffer of the same size."""
+    freed_by_input: int = 0
+    """The part of `saved` a zero-bubble input step (I) frees: what only nodes after the stage's last weight
+    saved (the loss on the last stage), since `stage_backward_input` detaches the stage output and keeps the
+    rest of the graph for W (retain_graph=True)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.freed_by_input <= self.saved or self.output < 0:
+            raise ValueError(f"stage bytes must be non-negative with freed_by_input <= saved: {self}")
+
+
+def held_activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
+                          stages: Sequence[StageActivations]) -> tuple[int, ...]:
+    """Per rank, the peak bytes of in-flight activations over one step, in torch's action order. F adds a
+    stage's saved bytes and output; B frees both; I frees `freed_by_input` (and the last stage's output, which
+    it no longer keeps) and W the rest (`backward_state` keeps other stages' outputs until W). On a same-rank
+    boundary (the turn of a V) the next stage's forward takes the output over as its receive buffer."""
     ranks = stage_ranks(schedule, pp, v)
-    freed = tuple(freed_by_input) or (0,) * len(ranks)
-    if len(stage_bytes) != len(ranks) or len(freed) != len(ranks):
-        raise ValueError(f"stage_bytes and freed_by_input need one entry for each of the {len(ranks)} stages")
-    if any(not 0 <= f <= b for f, b in zip(freed, stage_bytes, strict=True)):
-        raise ValueError("freed_by_input must lie between 0 and the stage's bytes")
+    if len(stages) != len(ranks):
+        raise ValueError(f"stages has {len(stages)} entries; {schedule} with pp={pp}, v={v} has {len(ranks)} stages")
+    last = len(ranks) - 1
     peaks = []
     for ops in schedule_order(schedule, pp, m, v):
+        live: dict[tuple[int, int], list[int]] = {}  # (stage, micro-batch) -> [saved, output] still held
         held = peak = 0
         for op in ops:
-            change = {"F": stage_bytes[op.stage], "B": -stage_bytes[op.stage], "I": -freed[op.stage],
-                      "W": freed[op.stage] - stage_bytes[op.stage]}
-            held += change[op.kind]
+            key, stage = (op.stage, op.micro_batch), stages[op.stage]
+            before = sum(live[key]) if key in live else 0
+            if op.kind == "F":
+                live[key] = [stage.saved, stage.output]
+                if op.stage > 0 and ranks[op.stage - 1] == ranks[op.stage]:
+                    held -= live[op.stage - 1, op.micro_batch][1]
+                    live[op.stage - 1, op.micro_batch][1] = 0
+            elif op.kind == "I":
+                live[key] = [stage.saved - stage.freed_by_input, 0 if op.stage == last else live[key][1]]
+            else:
+                live[key] = [0, 0]
+            held += sum(live[key]) - before
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
+                         stages: Sequence[StageActivations]) -> tuple[int, ...]:
+    """Per rank, the receive buffers torch allocates once for every micro-batch of a step and keeps: each
+    non-first stage's input (the previous stage's output) and each non-last stage's output gradient
+    (`_setup_forward_recv_info` and `_create_grad_recv_info`, per micro-batch, in torch 2.13)."""
+    ranks = stage_ranks(schedule, pp, v)
+    if len(stages) != len(ranks):
+        raise ValueError(f"stages has {len(stages)} entries; {schedule} with pp={pp}, v={v} has {len(ranks)} stages")
+    per_rank = [0] * pp
+    for s, rank in enumerate(ranks):
+        inputs = stages[s - 1].output if s > 0 else 0
+        gradients = stages[s].output if s < len(ranks) - 1 else 0
+        per_rank[rank] += m * (inputs + gradients)
+    return tuple(per_rank)
+
+
+def activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
+                     stages: Sequence[StageActivations]) -> tuple[int, ...]:
+    """Per rank, peak activation-related bytes of a steady-state step: receive buffers plus in-flight sets."""
+    held = held_activation_bytes(schedule, pp, m, v=v, stages=stages)
+    buffers = receive_buffer_bytes(schedule, pp, m, v=v, stages=stages)
+    return tuple(a + b for a, b in zip(held, buffers, strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

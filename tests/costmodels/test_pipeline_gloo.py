@@ -1,8 +1,10 @@
-"""Per-rank held activations of real torch.distributed.pipelining schedules over gloo against `pipeline`.
+"""Per-rank activation memory of real torch.distributed.pipelining schedules over gloo against `pipeline`.
 
 One launch runs this file as PP worker processes. Each builds its stages of a tiny residual MLP (uneven: a
-different number of blocks per stage), runs one training step of each schedule under saved-tensor hooks that
-track the bytes autograd keeps alive, and writes its peak; the tests compare them with the cost model exactly.
+different number of blocks per stage) and runs two training steps of each schedule. During the second, after
+every compute action, it takes the union of the tensors autograd has saved (saved-tensor hooks), the stages'
+receive buffers and the outputs they cache for backward, and writes the peak of their bytes; the tests compare
+it with the cost model exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from costmodels.pipeline import held_activation_bytes
+from costmodels.pipeline import StageActivations, activation_bytes, held_activation_bytes
 from costmodels.pipeline_schedule import TORCH_CLASS, Schedule, stage_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -63,17 +65,15 @@ CASES = [
 TENSOR_BYTES = MICRO_BATCH * HIDDEN * FLOAT_BYTES
 
 
-def predicted_stage_bytes(stages: int) -> list[int]:
-    """Bytes one micro-batch leaves saved in each stage: per block its input (Linear keeps it for the weight
-    gradient) and its Tanh output; the last stage adds the loss's input and target (the stage output, like a
-    transformer layer's residual sum, is saved only by whoever reads it next)."""
-    return [(2 * BLOCKS[s] + 2 * (s == stages - 1)) * TENSOR_BYTES for s in range(stages)]
-
-
-def predicted_freed_by_input(stages: int) -> list[int]:
-    """What a zero-bubble input step frees: the tensors saved only after the stage's last Linear, i.e. its last
-    Tanh output, and on the last stage also the loss's input and target."""
-    return [(1 + 2 * (s == stages - 1)) * TENSOR_BYTES for s in range(stages)]
+def predicted_stages(count: int) -> list[StageActivations]:
+    """What one micro-batch of each stage holds. Saved: per block its input (Linear keeps it for the weight
+    gradient) and its Tanh output, less the stage input of a non-first stage (its receive buffer); the last stage
+    adds the loss's target (the loss's input is the stage output). Output: the residual sum leaving the stage,
+    saved by nobody in it. A zero-bubble input step frees what follows the last Linear: its Tanh output, and the
+    loss's target on the last stage."""
+    return [StageActivations(saved=(2 * BLOCKS[s] - (s > 0) + (s == count - 1)) * TENSOR_BYTES,
+                             output=TENSOR_BYTES, freed_by_input=(1 + (s == count - 1)) * TENSOR_BYTES)
+            for s in range(count)]
 
 
 # --- the reference: real processes --------------------------------------------------------------------------
@@ -87,6 +87,9 @@ class SavedBytes:
         self.skip = {p.untyped_storage().data_ptr() for p in parameters}
         self.refs: dict[tuple[int, int], int] = {}
         self.held = self.peak = 0
+
+    def live(self) -> set[tuple[int, int]]:
+        return {key for key, count in self.refs.items() if count}
 
     def pack(self, tensor: torch.Tensor) -> object:
         if tensor.untyped_storage().data_ptr() in self.skip:
@@ -134,8 +137,44 @@ def stage_module(stage: int) -> nn.Sequential:
     return nn.Sequential(*(Block() for _ in range(BLOCKS[stage])))
 
 
+def key(tensor: torch.Tensor) -> tuple[int, int]:
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def stage_tensors(stage: PipelineStage) -> set[tuple[int, int]]:
+    """The stage's receive buffers (inputs and output gradients, one per micro-batch) and the outputs it keeps
+    for backward (`fwd_cache` until B or I, `backward_state` from I to W)."""
+    infos = [info for table in (stage.args_recv_info, stage.grad_recv_info) for chunk in table.values()
+             for info in chunk if info.buffer is not None]
+    outputs = [t for output, _ in stage.fwd_cache.values() for t in output]
+    outputs += [t for *_, output, _ in stage.backward_state.values() for t in output]
+    return {key(info.buffer) for info in infos} | {key(t) for t in outputs if isinstance(t, torch.Tensor)}
+
+
+def watch(sched: object, stages: list[PipelineStage], tracker: SavedBytes, peak: list[int]) -> None:
+    """After each compute action of a stage and each loss, raise `peak[0]` to the bytes of everything the stages
+    and autograd hold."""
+    def snapshot() -> None:
+        held = tracker.live().union(*(stage_tensors(stage) for stage in stages))
+        peak[0] = max(peak[0], sum(nbytes for _, nbytes in held))
+
+    def after(run):
+        def wrapped(*args, **kwargs):
+            result = run(*args, **kwargs)
+            snapshot()
+            return result
+        return wrapped
+
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, after(getattr(stage, name)))
+    # The schedule computes the loss after the last stage's forward returns.
+    sched._maybe_compute_loss = after(sched._maybe_compute_loss)
+
+
 def run_case(case: dict, rank: int) -> dict[str, int]:
-    """One measured step of `case` on this rank: the peak saved bytes, and those still held after it."""
+    """One measured step of `case` on this rank: the peak saved bytes, the peak of everything held, and the
+    saved bytes still held after the step."""
     schedule, m, v = Schedule(case["schedule"]), case["m"], case["v"]
     ranks = stage_ranks(schedule, PP, v)
     mine = [s for s, r in enumerate(ranks) if r == rank]
@@ -150,9 +189,11 @@ def run_case(case: dict, rank: int) -> dict[str, int]:
     # The first step also infers shapes and warms up p2p: measure the second, steady-state step.
     sched.step(*args, return_outputs=False, **kwargs)
     tracker = SavedBytes([p for stage in stages for p in stage.submod.parameters()])
+    everything = [0]
+    watch(sched, stages, tracker, everything)
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         sched.step(*args, return_outputs=False, **kwargs)
-    return {"peak": tracker.peak, "left": tracker.held}
+    return {"saved": tracker.peak, "all": everything[0], "left": tracker.held}
 
 
 def worker(spec_path: str, rank: int) -> None:
@@ -200,12 +241,25 @@ def measured(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_held_activation_bytes_equal_real_schedule_peaks_on_gloo(case, measured):
-    """Exact bytes: both sides count whole fp32 tensors of the same shapes."""
-    stages = len(stage_ranks(case.schedule, PP, case.v))
-    expected = held_activation_bytes(case.schedule, PP, case.m, v=case.v, stage_bytes=predicted_stage_bytes(stages),
-                                     freed_by_input=predicted_freed_by_input(stages))
-    assert tuple(rank[case.name]["peak"] for rank in measured) == expected
+def test_activation_bytes_equal_real_schedule_peaks_on_gloo(case, measured):
+    """Receive buffers plus in-flight saved tensors and outputs; exact bytes: both sides count whole fp32
+    tensors of the same shapes."""
+    stages = predicted_stages(len(stage_ranks(case.schedule, PP, case.v)))
+    expected = activation_bytes(case.schedule, PP, case.m, v=case.v, stages=stages)
+    assert tuple(rank[case.name]["all"] for rank in measured) == expected
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_held_saved_bytes_equal_real_schedule_peaks_on_gloo(case, measured):
+    """Autograd's saved tensors alone, counted as they are packed: the stage input and the loss's input (the
+    stage output) now count as saved, and no outputs are cached."""
+    count = len(stage_ranks(case.schedule, PP, case.v))
+    last = count - 1
+    stages = [StageActivations(saved=stage.saved + ((s > 0) + (s == last)) * TENSOR_BYTES,
+                               freed_by_input=stage.freed_by_input + (s == last) * TENSOR_BYTES)
+              for s, stage in enumerate(predicted_stages(count))]
+    expected = held_activation_bytes(case.schedule, PP, case.m, v=case.v, stages=stages)
+    assert tuple(rank[case.name]["saved"] for rank in measured) == expected
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -14,6 +14,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from costmodels.pipeline import (
     DEFAULT_WEIGHT_SHARE,
+    StageActivations,
     StageTimes,
     boundaries_crossing_nodes,
     held_activation_bytes,
@@ -155,7 +156,8 @@ def test_held_bytes_with_uneven_stages_equal_weighted_counts_over_torch_order(sc
     rng = random.Random(13)
     for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
         weights = [rng.randint(1, 10**9) for _ in stage_ranks(schedule, pp, v)]
-        assert held_activation_bytes(schedule, pp, m, v=v, stage_bytes=weights) == \
+        stages = [StageActivations(saved=w) for w in weights]
+        assert held_activation_bytes(schedule, pp, m, v=v, stages=stages) == \
             counted_peaks(torch_order(schedule, pp, m, v), weights)
 
 
@@ -165,7 +167,8 @@ def test_held_bytes_with_loss_freed_at_input_step_equal_counts_over_torch_order(
     for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
         weights = [rng.randint(1, 10**6) for _ in stage_ranks(schedule, pp, v)]
         early = [rng.randint(0, w) for w in weights]
-        assert held_activation_bytes(schedule, pp, m, v=v, stage_bytes=weights, freed_by_input=early) == \
+        stages = [StageActivations(saved=w, freed_by_input=e) for w, e in zip(weights, early, strict=True)]
+        assert held_activation_bytes(schedule, pp, m, v=v, stages=stages) == \
             counted_peaks(torch_order(schedule, pp, m, v), weights, early)
 
 
@@ -179,9 +182,9 @@ def test_stage_ranks_equal_torch_stage_to_rank_mapping():
 
 def test_held_bytes_needs_one_entry_per_stage():
     with pytest.raises(ValueError, match="4 stages"):
-        held_activation_bytes(Schedule.INTERLEAVED_1F1B, 2, 4, v=2, stage_bytes=[1, 2])
-    with pytest.raises(ValueError, match="between 0 and"):
-        held_activation_bytes(Schedule.ZBV, 2, 4, v=2, stage_bytes=[1, 2, 3, 4], freed_by_input=[2, 0, 0, 0])
+        held_activation_bytes(Schedule.INTERLEAVED_1F1B, 2, 4, v=2, stages=[StageActivations(saved=1)] * 2)
+    with pytest.raises(ValueError, match="freed_by_input <= saved"):
+        StageActivations(saved=1, freed_by_input=2)
 
 
 def test_refusals_name_the_rule():
