@@ -12,14 +12,17 @@ are views of one reduce-scatter output, freed together once all of them have ste
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from graphs import LayerGraph
 
 from . import optimizers, precision
 from .config import Config, Engine, Offload, Precision
-from .memory import MemoryTerms
 from .states import ModelStates
 from .zero import local_elements, local_shape
+
+if TYPE_CHECKING:  # memory.py may call this module: no import cycle at run time
+    from .memory import MemoryTerms
 
 
 def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
