@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .collectives import INTER_NODE_LATENCY, INTRA_NODE_LATENCY, LINK_EFFICIENCY
-from .pipeline_schedule import Op, Schedule, interleaved_warmup, schedule_order, schedule_problem, stage_ranks
+from .pipeline_schedule import (
+    SPLIT_BACKWARD,
+    Op,
+    Schedule,
+    interleaved_warmup,
+    schedule_order,
+    schedule_problem,
+    stage_ranks,
+)
 
 
 def in_flight_micro_batches(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[int, ...]:
@@ -224,6 +232,23 @@ def _ready_at(op: Op, done: dict[tuple[str, int, int], float], ranks: tuple[int,
         return None
     crossing = hop is not None and times.p2p and ranks[hop] != ranks[hop + 1]
     return done[source] + (times.p2p[hop] if crossing else 0.0)
+
+
+def step_lower_bound(schedule: Schedule, pp: int, m: int, *, v: int = 1, times: StageTimes) -> float:
+    """A bound no schedule order can beat, for cuts in a search: some rank must run m micro-batches of each of
+    its stages, after the first micro-batch has crossed the stages before its earliest one and (without a split
+    backward, whose W can run last) before that micro-batch's gradient crosses them back. Tight for equal stages
+    under GPipe and 1F1B: (m + pp - 1)(f + b)."""
+    ranks = stage_ranks(schedule, pp, v)
+    hops = [times.p2p[k] if times.p2p and ranks[k] != ranks[k + 1] else 0.0 for k in range(len(ranks) - 1)]
+    best = 0.0
+    for rank in range(pp):
+        mine = [s for s, r in enumerate(ranks) if r == rank]
+        first = min(mine)
+        fill = sum(times.forward[k] + hops[k] for k in range(first))
+        drain = 0.0 if schedule in SPLIT_BACKWARD else sum(times.backward[k] + hops[k] for k in range(first))
+        best = max(best, fill + m * sum(times.forward[s] + times.backward[s] for s in mine) + drain)
+    return best
 
 
 def p2p_activation_bytes(*, micro_batch: int, seq_len: int, hidden: int, dtype_bytes: int, tp: int = 1,

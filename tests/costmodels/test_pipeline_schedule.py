@@ -22,6 +22,7 @@ from costmodels.pipeline import (
     op_seconds,
     p2p_activation_bytes,
     pipeline_time,
+    step_lower_bound,
 )
 from costmodels.pipeline_schedule import (
     SINGLE_STAGE,
@@ -288,6 +289,36 @@ def test_heavy_last_stage_stretches_the_step_beyond_the_flat_bubble():
     # The slowest stage sets the steady state: at least m (f + b) of it plus the others' fill and drain.
     assert heavy.step >= m * 4.5 + 3 * 3.0
     assert heavy.step > even.step + m * 1.5 - 1e-9
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_step_lower_bound_never_exceeds_the_simulated_step(schedule):
+    rng = random.Random(11)
+    for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
+        times = random_times(rng, len(stage_ranks(schedule, pp, v)), p2p=rng.random() < 0.5)
+        # Tolerance: the two sum the same floats in different orders.
+        assert step_lower_bound(schedule, pp, m, v=v, times=times) <= \
+            pipeline_time(schedule, pp, m, v=v, times=times).step * (1 + 1e-12)
+
+
+def test_gpipe_step_is_the_two_flow_shops_and_one_f_one_b_lies_between_its_bounds():
+    """Without p2p, GPipe is a forward then a backward flow shop, each sum + (m - 1) max of its stage times; 1F1B
+    lies between the lower bound and sum(f + b) + (m - 1) max(f + b), equal for equal stages."""
+    rng = random.Random(19)
+    for _ in range(200):
+        pp = rng.randint(2, 6)
+        m = rng.randint(pp, 16)
+        times = random_times(rng, pp, p2p=False)
+        f, b = times.forward, times.backward
+        gpipe = sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b)
+        assert pipeline_time(Schedule.GPIPE, pp, m, times=times).step == pytest.approx(gpipe, rel=1e-12)
+        one_f_one_b = pipeline_time(Schedule.ONE_F_ONE_B, pp, m, times=times).step
+        upper = sum(f) + sum(b) + (m - 1) * max(x + y for x, y in zip(f, b, strict=True))
+        assert step_lower_bound(Schedule.ONE_F_ONE_B, pp, m, times=times) <= one_f_one_b * (1 + 1e-12)
+        assert one_f_one_b <= upper * (1 + 1e-12)
+    even = StageTimes(forward=(1.0,) * 4, backward=(2.0,) * 4)
+    assert step_lower_bound(Schedule.ONE_F_ONE_B, 4, 8, times=even) == pipeline_time(Schedule.ONE_F_ONE_B, 4, 8,
+                                                                                     times=even).step == 33.0
 
 
 def test_weight_share_default_is_half_of_backward():
