@@ -361,3 +361,11 @@ def test_boundaries_cross_nodes_where_pipeline_ranks_change_node():
 
 def test_local_stages_per_schedule():
     assert [local_stages(s, 2) for s in Schedule] == [1, 1, 2, 2, 2]
+
+
+def test_torch_schedule_names_resolve_through_get_schedule_class():
+    """torchtitan's `pipeline_parallel_schedule` goes through torch's get_schedule_class: the class name less
+    its "Schedule" prefix must name the same class."""
+    for schedule in Schedule:
+        name = TORCH_CLASS[schedule].removeprefix("Schedule")
+        assert torch_schedules.get_schedule_class(name) is getattr(torch_schedules, TORCH_CLASS[schedule])
