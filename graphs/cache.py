@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .lora import LoraSpec
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 
 
 def cache_dir() -> Path:

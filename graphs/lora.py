@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -128,3 +130,43 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
         raise FitplanError(f"LoRA targets {list(spec.targets)} do not fit this model: {err}",
                            "Use module names that exist in the model (e.g. q_proj,v_proj) or 'all-linear'.") from err
     return peft_model.base_model.model
+
+
+@contextlib.contextmanager
+def adapter_tracing(spec: LoraSpec | None) -> Iterator[None]:
+    """Run the adapters in the fake-tensor trace as they run in training (enter inside the recorder).
+
+    - 4-bit bases: bitsandbytes' matmul as its CUDA kernel runs it at training sizes (`quantization.dequantizing`).
+    - DoRA: PEFT builds each layer's LoRA product from an identity (`DoraLinearLayer.get_lora_weight`:
+      lora_B(lora_A(eye(in_features)))) and uses it only detached, so a real run frees the identity and the
+      graph at once. The trace's scope tracker (torch's ModTracker) holds the latest module call's outputs until
+      the next module runs, which would carry an in_features^2 identity per adapted layer (684 MiB for a 7B
+      model's down_proj) into the next layer. Building it without grad allocates the same tensors, frees them
+      when a real run does, and gives the same result.
+    """
+    with contextlib.ExitStack() as stack:
+        if spec is not None and spec.quantization is not None:
+            from .quantization import dequantizing
+
+            stack.enter_context(dequantizing())
+        if spec is not None and spec.use_dora:
+            stack.enter_context(_dora_product_without_grad())
+        yield
+
+
+@contextlib.contextmanager
+def _dora_product_without_grad() -> Iterator[None]:
+    import torch
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    original = DoraLinearLayer.get_lora_weight
+
+    def get_lora_weight(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return original(self, *args, **kwargs)
+
+    DoraLinearLayer.get_lora_weight = get_lora_weight
+    try:
+        yield
+    finally:
+        DoraLinearLayer.get_lora_weight = original

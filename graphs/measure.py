@@ -133,8 +133,7 @@ def _quantized_sizes(params: list[ParamTensor], parts: ModelParts, lora: LoraSpe
 def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTensorMode,
             autocast: str | None, lora: LoraSpec | None) -> Any:
     to_fake(parts.model, fake)
-    quantized = lora is not None and lora.quantization is not None
-    if quantized:
+    if lora is not None and lora.quantization is not None:
         from .quantization import pack
 
         pack(parts.model, fake, lora.quantization, double_quant=lora.double_quant)
@@ -142,7 +141,7 @@ def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTen
     def run(b: int, s: int) -> Any:
         try:
             with fake:
-                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast, dequantize=quantized)
+                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast, lora=lora)
         except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
             raise UnsupportedModel(f"{type(parts.model).__name__} could not be traced on fake tensors: {err}",
                                    "Try --attention eager, or report the architecture.") from err

@@ -16,6 +16,7 @@ import torch
 
 from .fake import full_checkpoint_function, quirks
 from .layer import Checkpoint
+from .lora import LoraSpec, adapter_tracing
 from .recorder import OpRecord, Recorder, ScopeTracker, StorageRecord
 from .sac import SacRecorder, op_sac_context_fn
 from .structure import ModelParts
@@ -77,10 +78,11 @@ def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot
 
 
 def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab: int,
-             autocast: str | None = None, dequantize: bool = False) -> Recording:
+             autocast: str | None = None, lora: LoraSpec | None = None) -> Recording:
     """Record a forward and backward pass of the trace model at micro-batch b and sequence length s.
 
-    `dequantize`: the model has bitsandbytes 4-bit layers, traced as they run on a GPU (`quantization.py`).
+    `lora`: the adapters the model carries; bitsandbytes 4-bit bases and DoRA are traced as they run in training
+    (`lora.adapter_tracing`).
     """
     for param in parts.model.parameters():
         param.grad = None
@@ -98,7 +100,7 @@ def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab
             boundary.append(recorder.storage_index(hidden))
 
     handle = parts.layers[0].register_forward_pre_hook(note_boundary, with_kwargs=True)
-    with quirks(recorder.recomputing), recorder, _dequantizing(dequantize):
+    with quirks(recorder.recomputing), recorder, adapter_tracing(lora):
         ids = torch.randint(0, vocab, (b, s))
         labels = torch.randint(0, vocab, (b, s))
         with tracker.active():
@@ -136,14 +138,6 @@ def model_wide(recorder: Recorder, slots: list[TraceSlot], boundary: int | None)
             else:
                 result[i] = "checkpoint_shared" if modes else "forward_shared"
     return result
-
-
-def _dequantizing(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    if not enabled:
-        return contextlib.nullcontext()
-    from .quantization import dequantizing
-
-    return dequantizing()
 
 
 def _autocast(dtype: str | None) -> contextlib.AbstractContextManager[None]:

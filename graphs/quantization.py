@@ -56,6 +56,9 @@ def quantize_linears(model: torch.nn.Module, quantization: Quantization, *, doub
             # What PEFT's 4-bit dispatcher reads from a Params4bit (peft 0.21 tuners/lora/bnb.py).
             weight.compress_statistics, weight.quant_type = double_quant, quantization.value
             module.weight = weight
+            if module.bias is not None:  # made in the default dtype on meta; loading gives it the model's dtype
+                module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=model.dtype),
+                                                 requires_grad=False)
             swapped += 1
     # transformers' quantizer marks the model so that PEFT dispatches its bitsandbytes adapters (lora.bnb).
     model.is_loaded_in_4bit = True

@@ -8,6 +8,7 @@ of a tiny checkpoint, wrapped by PEFT's `get_peft_model`, run forward and backwa
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import defaultdict
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from costmodels.quantization import dequantized_weight_bytes
-from graphs import LoraSpec, lower
+from graphs import Checkpoint, LoraSpec, lower
 from graphs.quantization import bnb_config
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -36,17 +37,20 @@ def folder(tmp_path_factory, values):
     return write_config(tmp_path_factory.mktemp("config"), values)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, values):
+def _save_checkpoint(path, values):
     """A tiny random bf16 checkpoint that transformers can load quantized."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(values)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("checkpoint")
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, values):
+    return _save_checkpoint(tmp_path_factory.mktemp("checkpoint"), values)
 
 
 def _real_model(checkpoint, spec: LoraSpec):
@@ -84,24 +88,26 @@ def _saved_per_layer(peft_model, ids) -> list[int]:
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
         handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
     params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
-    # Every storage a layer saves, held until forward ends so that no address is reused (the lowering's
-    # convention: what a layer's forward saves, including saves of graphs it discards, such as DoRA's norm).
-    held: dict[int, torch.UntypedStorage] = {}
-    savers: dict[int, set[int]] = defaultdict(set)
+    saves: list[tuple[weakref.ref, int]] = []  # (storage, layer) for every save made inside a layer
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if current[0] is not None and storage.data_ptr() not in params:
-            held[storage.data_ptr()] = storage
-            savers[storage.data_ptr()].add(current[0])
+            saves.append((weakref.ref(storage), current[0]))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = peft_model(input_ids=ids, labels=ids).loss
     for handle in handles:
         handle.remove()
-    sizes = {key: storage.nbytes() for key, storage in held.items()}
-    held.clear()
+    # What autograd still holds once forward is done: a graph forward discards (DoRA's LoRA product, built from
+    # an identity and used detached) frees its saves at once.
+    savers: dict[int, set[int]] = defaultdict(set)
+    sizes: dict[int, int] = {}
+    for ref, layer in saves:
+        if (storage := ref()) is not None:
+            savers[storage.data_ptr()].add(layer)
+            sizes[storage.data_ptr()] = storage.nbytes()
     loss.backward()
     return [sum(sizes[k] for k, who in savers.items() if who == {i}) for i in range(len(layers))]
 
@@ -130,6 +136,20 @@ def test_qlora_parameters_equal_transformers_bitsandbytes_and_peft(qlora_graph, 
     assert not any(p.quantized for p in qlora_graph.node("head").params)
 
 
+def test_qlora_with_biases_equals_real_bitsandbytes(tmp_path):
+    # Qwen2's q/k/v projections have biases, which Linear4bit keeps in the model's dtype beside the packed weight.
+    values = tiny_values("qwen2")
+    spec = LoraSpec(rank=8, alpha=16, quantization="nf4", targets=("q_proj", "v_proj"))
+    graph = lower(str(write_config(tmp_path / "config", values)), lora=spec, use_cache=False)
+    real = _real_model(_save_checkpoint(tmp_path / "checkpoint", values), spec)
+    assert (graph.trainable_count, graph.param_count) == real.get_nb_trainable_parameters()
+    layer = real.base_model.model.model.layers[1]
+    assert sum(p.stored_bytes or p.numel * p.itemsize for p in graph.node("layers.1").params) == _device_bytes(layer)
+    torch.manual_seed(1)
+    saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)))
+    assert graph.node("layers.1").cost().saved(B, S) == saved[1]
+
+
 def test_qlora_saved_activations_equal_a_real_step(qlora_graph, checkpoint):
     real = _real_model(checkpoint, QLORA)
     torch.manual_seed(1)
@@ -152,7 +172,7 @@ DORA = LoraSpec(rank=8, alpha=16, use_dora=True)
 
 @pytest.mark.parametrize("spec", [DORA, LoraSpec(rank=8, alpha=16, use_dora=True, quantization="fp4")],
                          ids=["dora", "qdora"])
-def test_dora_parameters_and_saved_activations_equal_peft(folder, checkpoint, spec):
+def test_dora_parameters_and_saved_activations_equal_peft(folder, checkpoint, values, spec):
     graph = lower(str(folder), lora=spec, use_cache=False)
     real = _real_model(checkpoint, spec)
     assert (graph.trainable_count, graph.param_count) == real.get_nb_trainable_parameters()
@@ -160,7 +180,15 @@ def test_dora_parameters_and_saved_activations_equal_peft(folder, checkpoint, sp
     assert magnitudes and all(p.trainable and len(p.shape) == 1 for p in magnitudes)
     torch.manual_seed(1)
     saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)))
-    assert graph.node("layers.1").cost().saved(B, S) == saved[1]
+    layer = graph.node("layers.1")
+    assert layer.cost().saved(B, S) == saved[1]
+    # What a layer leaves allocated after its forward is what it saved, in every mode (its discarded LoRA
+    # product is freed inside the layer, not carried into the next one).
+    for mode in (Checkpoint.NONE, Checkpoint.FULL):
+        assert layer.cost(mode).fwd_net(B, S) == layer.cost(mode).saved(B, S)
+    # PEFT builds the down projection's LoRA product from an in_features^2 identity: a forward transient.
+    identity = values["intermediate_size"] ** 2 * 2
+    assert max(peak(1, 1) for peak in layer.cost().fwd_peak.candidates) >= identity
 
 
 def test_modules_to_save_trains_a_copy_of_the_lm_head(folder, values):
