@@ -15,8 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from costmodels.quantization import dequantized_weight_bytes
-from graphs import Checkpoint, LoraSpec, lower
+from costmodels.quantization import dequantize_bytes_moved, dequantized_weight_bytes
+from graphs import Checkpoint, LoraSpec, Quantization, UnsupportedModel, lower
 from graphs.quantization import bnb_config
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -165,6 +165,44 @@ def test_qlora_peaks_hold_one_dequantized_weight(qlora_graph, values):
     for peak in (cost.fwd_peak, cost.bwd_peak):
         at_one_token = max(candidate(1, 1) for candidate in peak.candidates)
         assert largest <= at_one_token < largest + 16 * 1024
+
+
+def test_qlora_time_includes_each_dequantization(qlora_graph, folder):
+    # Against 16-bit LoRA, a QLoRA layer's memory-bound traffic (priced at HBM bandwidth by costmodels.compute)
+    # grows by one dequantization per quantized linear in forward and in backward, as costmodels.quantization
+    # counts it, plus PEFT's defensive clone of each 4-bit output in forward (peft lora/bnb.py `result.clone()`).
+    lora = lower(str(folder), lora=replace(QLORA, quantization=None, double_quant=False), use_cache=False)
+    shapes = [p.shape for p in qlora_graph.node("layers.1").params if p.quantized]
+    dequantize = sum(dequantize_bytes_moved(shape, Quantization.NF4, double_quant=True, compute_itemsize=2)
+                     for shape in shapes)
+    clone = sum(2 * B * S * shape[0] * 2 for shape in shapes)
+    quantized, plain = qlora_graph.node("layers.1").cost(), lora.node("layers.1").cost()
+    assert quantized.forward.io_bytes(B, S) - plain.forward.io_bytes(B, S) == dequantize + clone
+    assert quantized.backward.io_bytes(B, S) - plain.backward.io_bytes(B, S) == dequantize
+    assert quantized.forward.flops(B, S) == plain.forward.flops(B, S)
+    assert quantized.backward.flops(B, S) == plain.backward.flops(B, S)
+
+
+@pytest.mark.parametrize(("engine", "dp", "zero"), [("ddp", 1, 0), ("fsdp2", 2, 3)])
+def test_model_states_hold_the_packed_base_weights(qlora_graph, engine, dp, zero):
+    from costmodels.config import Config, Engine, Precision
+    from costmodels.states import model_states
+
+    config = Config(precision=Precision.BF16, engine=Engine(engine), dp=dp, zero=zero)
+    packed = sum(p.stored_bytes for p in qlora_graph.params() if p.quantized)
+    rest = sum(p.numel * 2 for p in qlora_graph.params() if not p.quantized)
+    # Quantized weights stay whole on every rank; the rest (bf16 under pure bf16) shards over dp under FSDP2
+    # (each tensor's shard rounded up to whole rows).
+    params = model_states(qlora_graph, config).params
+    if dp == 1:
+        assert params == packed + rest
+    else:
+        assert packed + rest // dp <= params <= packed + rest // dp + 2 * 128 * len(qlora_graph.params())
+
+
+def test_int8_bases_are_refused_by_the_lowering(folder):
+    with pytest.raises(UnsupportedModel, match="int8"):
+        lower(str(folder), lora=LoraSpec(quantization="int8"), use_cache=False)
 
 
 DORA = LoraSpec(rank=8, alpha=16, use_dora=True)
