@@ -8,7 +8,13 @@ tensors like the HF path (`probe`, `fit`), with each trace layer wrapped by torc
   (torch/_higher_order_ops/flex_attention.py `FlexAttentionAutogradOp`), and under SAC the CPU kernel is treated
   as the GPU kernel torchtitan's save list names (`sac.GPU_EQUIVALENT_OPS`). FlexAttention's block mask (a few
   int32 tensors of (s/128)^2 elements, under 0.2 MiB at 8k tokens) is left out;
-- the loss is torchtitan's plain `cross_entropy_loss` (sum, fp32 upcast); its `ChunkedLossWrapper` is not traced.
+- torchtitan's norms are `nn.RMSNorm`, whose `F.rms_norm` runs the fused `_fused_rms_norm` kernel on GPUs and
+  saves only its input, the fp32 per-row rstd and the weight (aten `derivatives.yaml`; `rms_norm_symint` in
+  aten/src/ATen/native/layer_norm.cpp dispatches there unless the weight's dtype differs); the CPU build
+  decomposes it and saves fp32 intermediates. `cuda_rms_norm` runs the kernel's autograd formula instead;
+- the loss is torchtitan's: `ChunkedLossWrapper` (its shipped Llama 3 jobs; LM head and cross-entropy per
+  sequence chunk, each chunk's backward run inside the loss call, so the head has no cost of its own and the loss
+  node's forward holds the head's backward too) or the plain `cross_entropy_loss` (sum, fp32 upcast).
 Tensor parallelism is measured like the HF path's, by a widened probe (torchtitan's TP plan is plain column- and
 row-wise); the embedding, head and loss are priced replicated, as on the HF path (no loss parallelism).
 """
@@ -16,6 +22,7 @@ row-wise); the embedding, head and loss are priced replicated, as on the HF path
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -24,9 +31,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import UnsupportedModel
-from .fit import Probes, model_wide_bytes, segment_costs
+from .fit import Probes, model_wide_bytes, segment_costs, storage_polys
 from .graph import LayerGraph, ModelDims
-from .layer import Checkpoint, ParamTensor
+from .layer import Checkpoint, ModeCost, ParamTensor
 from .poly import Poly
 from .probe import MODEL_WIDE, Recording, TraceSlot, model_wide
 from .recorder import ScopeTracker
@@ -40,6 +47,9 @@ TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
 TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3"}
 PROBE_BATCH = 2
 PROBE_SEQ = 32
+LOSSES = ("chunked", "plain")
+# `ChunkedLossWrapper.Config.num_chunks` default (torchtitan/components/loss.py, 0.3.0); seq_len must divide by it.
+LOSS_CHUNKS = 8
 # The widened probe: heads and FFN width doubled, what one rank holds at t = 1/2 (see `fit.py`).
 WIDEN_FACTOR = 2
 # torchtitan's TP plan (decoder_sharding.py): column-wise projections shard their output rows, row-wise ones
@@ -48,22 +58,26 @@ _TP_STYLES = {"wqkv": ("colwise", 0), "w1": ("colwise", 0), "w3": ("colwise", 0)
               "wo": ("rowwise", 1), "w2": ("rowwise", 1), "tok_embeddings": ("embedding_rowwise", 0)}
 
 
-def lower_titan(model: str, *, dtype: str = "bfloat16", use_cache: bool = True) -> LayerGraph:
-    """Lower `model` (catalog id, local path or cached Hub id) through torchtitan's model code."""
-    return lower_titan_resolved(resolve(model), dtype=dtype, use_cache=use_cache)
+def lower_titan(model: str, *, dtype: str = "bfloat16", loss: str = "chunked", use_cache: bool = True) -> LayerGraph:
+    """Lower `model` (catalog id, local path or cached Hub id) through torchtitan's model code, with its
+    chunked (`LOSS_CHUNKS` chunks) or plain cross-entropy loss."""
+    return lower_titan_resolved(resolve(model), dtype=dtype, loss=loss, use_cache=use_cache)
 
 
 @functools.lru_cache(maxsize=16)
-def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", use_cache: bool = True) -> LayerGraph:
+def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", loss: str = "chunked",
+                         use_cache: bool = True) -> LayerGraph:
     from .cache import cache_key, load_cached, store_cached
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
-    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention="torchtitan", lora=None,
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} must be one of {LOSSES}")
+    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention=f"torchtitan/{loss}", lora=None,
                     probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, _titan_version_tag()))
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
-    graph = _measure(resolved, dtype=dtype)
+    graph = _measure(resolved, dtype=dtype, loss=loss)
     if use_cache:
         store_cached(key, graph)
     return graph
@@ -76,7 +90,7 @@ def _titan_version_tag() -> int:
     return 1000 * major + minor
 
 
-def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
+def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
     from .lower import assemble, dims_of
     from .measure import Study, _versions, transformers_config
 
@@ -96,12 +110,15 @@ def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
 
     def run(b: int, s: int) -> Recording:
         with fake:
-            return run_titan_pass(trace, slots, b=b, s=s, vocab=dims.vocab)
+            return run_titan_pass(trace, slots, b=b, s=s, vocab=dims.vocab, loss=loss)
 
     base = run(PROBE_BATCH, PROBE_SEQ)
     probes = Probes(base, run(PROBE_BATCH, 2 * PROBE_SEQ), run(PROBE_BATCH, 3 * PROBE_SEQ),
-                    run(2 * PROBE_BATCH, PROBE_SEQ), _widened_run(config, family, dims, kinds, slots, fake, dtype))
+                    run(2 * PROBE_BATCH, PROBE_SEQ),
+                    _widened_run(config, family, dims, kinds, slots, fake, dtype=dtype, loss=loss))
     costs = segment_costs(probes)
+    if loss == "chunked":
+        costs["loss"] = chunked_loss_cost(probes, costs["loss"])
     wide = model_wide_bytes(probes)
     wide["shared"] = wide["shared"] + rope_cache_bytes(model)
     block = next(iter(model.layers.values()))
@@ -117,9 +134,32 @@ def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
 
 
 def _with_runtime(graph: LayerGraph) -> LayerGraph:
-    import dataclasses
-
     return dataclasses.replace(graph, runtime="torchtitan")
+
+
+def chunked_loss_cost(probes: Probes, cost: ModeCost) -> ModeCost:
+    """The chunked loss node as engines must see it: the LM head's weight gradient appears during its forward
+    (each chunk's backward runs there) and stays allocated from then on, so it counts in the forward peak from
+    its first chunk and among the node's gradients; `saved` is only what is still alive for backward."""
+    from .fit import _segment_memory, _timeline, segments
+
+    line = _timeline(probes.base, storage_polys(probes))
+    _, _, fresh_peak, grads, _ = _segment_memory(line, segments(probes.base)[("loss", False)])
+    return dataclasses.replace(cost, saved=kept_after_forward(probes, "loss"), fwd_peak=fresh_peak,
+                               grads=cost.grads + grads)
+
+
+def kept_after_forward(probes: Probes, scope: str) -> Poly:
+    """Bytes `scope` saved that are still alive when backward starts: the chunked loss runs each chunk's
+    backward inside its forward, which frees that chunk's saved logits again."""
+    rec = probes.base
+    end = next(k for k, op in enumerate(rec.ops) if op.backward)  # backward starts: what is still alive
+    sizes = storage_polys(probes)
+    kept = Poly()
+    for i, st in enumerate(rec.storages):
+        if st.savers == [scope] and i not in rec.global_storages and (st.free_after is None or st.free_after > end):
+            kept = kept + sizes[i]
+    return kept
 
 
 def _package_version(name: str) -> str:
@@ -129,7 +169,7 @@ def _package_version(name: str) -> str:
 
 
 def _widened_run(config: Any, family: str, dims: ModelDims, kinds: list[int], slots: list[TraceSlot],
-                 fake: FakeTensorMode, dtype: str) -> Recording | None:
+                 fake: FakeTensorMode, *, dtype: str, loss: str) -> Recording | None:
     """The base probe on the model with `WIDEN_FACTOR` times the heads and FFN width, or None when its
     parameters did not grow exactly where torchtitan's TP plan shards them."""
     plain = build_titan(titan_config(config, family=family, layers=dims.layers))
@@ -144,7 +184,7 @@ def _widened_run(config: Any, family: str, dims: ModelDims, kinds: list[int], sl
     trace = trace_model(wide, kinds, slots)
     _to_fake(trace, fake, getattr(torch, dtype))
     with fake:
-        return run_titan_pass(trace, slots, b=PROBE_BATCH, s=PROBE_SEQ, vocab=dims.vocab)
+        return run_titan_pass(trace, slots, b=PROBE_BATCH, s=PROBE_SEQ, vocab=dims.vocab, loss=loss)
 
 
 def _tp_degrees(dims: ModelDims) -> tuple[int, ...]:
@@ -277,11 +317,10 @@ def _fake_cpu(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     return mode.fake_tensor_converter.from_meta_and_device(mode, tensor.detach(), torch.device("cpu"))
 
 
-def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s: int, vocab: int) -> Recording:
-    """Record one training pass as torchtitan's trainer runs it: model(tokens, positions), its cross-entropy
-    loss (sum), backward."""
-    from torchtitan.components.loss import cross_entropy_loss
-
+def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s: int, vocab: int,
+                   loss: str = "chunked") -> Recording:
+    """Record one training pass as torchtitan's trainer runs it: model(tokens, positions), its loss (chunked
+    or plain cross-entropy, sum), backward."""
     for param in model.parameters():
         param.grad = None
     recorder = SacRecorder([*model.parameters(), *model.buffers()])
@@ -292,7 +331,8 @@ def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s:
         inner = getattr(layer, "_checkpoint_wrapped_module", None)
         if inner is not None:
             scopes[inner] = f"layers.{j}"
-    scopes[model.lm_head] = "head"
+    if loss == "plain":  # the chunked loss runs the head chunk by chunk inside the loss scope
+        scopes[model.lm_head] = "head"
     tracker = ScopeTracker(recorder, scopes, dynamic={model.tok_embeddings, model.norm}, head=model.lm_head)
     boundary: list[int | None] = []
 
@@ -301,25 +341,52 @@ def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s:
             boundary.append(recorder.storage_index(args[0]))
 
     handle = layers[0].register_forward_pre_hook(note_boundary)
-    with _marking_recompute(layers, recorder), observing(recorder), recorder, _quiet():
+    with _marking_recompute(layers, recorder), observing(recorder), cuda_rms_norm(), recorder, _quiet():
         tokens = torch.randint(0, vocab, (b, s))
         labels = torch.randint(0, vocab, (b, s))
         # torchtitan's dataloaders always emit per-document positions (torchtitan/hf_datasets/text_datasets.py).
         positions = torch.arange(s).repeat(b, 1)
-        with tracker.active():
+        with tracker.active(), recorder.saving():
+            out = titan_forward(model, tokens, positions, loss=loss)
+            total = titan_loss(model, out, labels) if loss == "plain" else None
+        if total is None:
+            # Outside the module tracker: its grad hooks on each chunk's head input would keep every chunk alive.
+            recorder.scope = "loss"
             with recorder.saving():
-                pred = model(tokens, positions, None)
-                loss = cross_entropy_loss(pred, labels)
-                del pred
+                total = titan_loss(model, out, labels, chunked=True)
+        del out
+        with tracker.active():
             tracker.enter_backward()
-            loss.backward()
-        del loss, tokens, labels, positions
+            total.backward()
+        del total, tokens, labels, positions
     handle.remove()
     recorder.mark_grads(model.parameters())
     lifetimes = model_wide(recorder, slots, boundary[0] if boundary else None)
     names = {"tok_embeddings": tracker.dynamic_names.get(id(model.tok_embeddings), "embed"),
              "norm": tracker.dynamic_names.get(id(model.norm), "norm")}
     return Recording(b, s, recorder.ops, recorder.storages, lifetimes, names)
+
+
+def titan_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, *, loss: str) -> Any:
+    """The model's forward as torchtitan's trainer calls it: logits, or the final hidden states when the loss is
+    chunked (the trainer sets `_skip_lm_head`; the loss then runs the head)."""
+    model._skip_lm_head = loss == "chunked"
+    try:
+        return model(tokens, positions, None)
+    finally:
+        model._skip_lm_head = False
+
+
+def titan_loss(model: torch.nn.Module, out: torch.Tensor, labels: torch.Tensor, *, chunked: bool = False) -> Any:
+    """torchtitan's loss (sum reduction): `ChunkedLossWrapper` with `LOSS_CHUNKS` chunks on the hidden states, or
+    plain `cross_entropy_loss` on the logits."""
+    from torchtitan.components.loss import ChunkedLossWrapper, cross_entropy_loss
+
+    if not chunked:
+        return cross_entropy_loss(out, labels)
+    wrapper = ChunkedLossWrapper.Config(num_chunks=LOSS_CHUNKS).build()
+    wrapper.set_lm_head(model.lm_head)
+    return wrapper(out, labels)[0]
 
 
 @contextlib.contextmanager
@@ -356,6 +423,44 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module="torch.utils.checkpoint")
         yield
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """`_fused_rms_norm` with the autograd formula of its GPU kernel: save input, rstd and weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, shape: list[int], eps: float | None) -> Any:
+        with torch.no_grad():
+            out, rstd = torch.ops.aten._fused_rms_norm(x, shape, weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.shape = shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, rstd, weight = ctx.saved_tensors
+        grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(grad, x, ctx.shape, rstd, weight,
+                                                                  [ctx.needs_input_grad[0], ctx.needs_input_grad[1]])
+        return grad_x, grad_w, None, None
+
+
+@contextlib.contextmanager
+def cuda_rms_norm() -> Iterator[None]:
+    """`F.rms_norm` saving what the GPU kernel saves, where `rms_norm_symint` picks the fused kernel (a weight
+    of the input's dtype, real input); anything else keeps the composite, as on GPUs."""
+    functional = torch.nn.functional
+    original = functional.rms_norm
+
+    def rms_norm(x: torch.Tensor, shape: Any, weight: torch.Tensor | None = None, eps: float | None = None) -> Any:
+        if weight is None or weight.dtype != x.dtype or x.is_complex():
+            return original(x, shape, weight, eps)
+        return _FusedRMSNorm.apply(x, weight, list(shape), eps)
+
+    functional.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        functional.rms_norm = original
 
 
 def rope_cache_bytes(model: torch.nn.Module) -> Poly:

@@ -2,7 +2,9 @@
 torchtitan's own `FullAC` / `SelectiveAC` applied to the whole model by `.apply`, as its trainer does) run once
 on fake tensors and measured with torch's own accounting only: `saved_tensors_hooks` and `MemTracker`.
 
-Op-level SAC is applied through torchtitan's documented customisation point (a `SelectiveAC` subclass
+Norms run with the GPU kernel's autograd formula (`graphs.titan.cuda_rms_norm`: what `_fused_rms_norm` saves
+on a GPU), tested on its own in test_titan.py. Op-level SAC is applied through torchtitan's documented
+customisation point (a `SelectiveAC` subclass
 overriding `get_save_ops`) with the CPU flash-attention kernel added to the save list: on a GPU, the CUDA
 kernel is in it (see `graphs/sac.py`).
 """
@@ -16,11 +18,12 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from graphs.layer import Checkpoint
 from graphs.measure import transformers_config
 from graphs.sources import resolve
-from graphs.titan import TITAN_FAMILIES, build_titan, titan_config
+from graphs.titan import TITAN_FAMILIES, build_titan, cuda_rms_norm, titan_config
 
 
 def cpu_selective_ac() -> Any:
@@ -63,14 +66,23 @@ def reference_model(folder: str, *, dtype: torch.dtype, mode: Checkpoint, fake: 
     return model
 
 
-def _loss(model: torch.nn.Module, b: int, s: int) -> torch.Tensor:
-    from torchtitan.components.loss import cross_entropy_loss
+def _loss(model: torch.nn.Module, b: int, s: int, loss: str = "chunked") -> torch.Tensor:
+    """The loss as torchtitan's trainer computes it: `ChunkedLossWrapper` (its default config) on the hidden
+    states with `_skip_lm_head` set, or plain `cross_entropy_loss` on the logits."""
+    from torchtitan.components.loss import ChunkedLossWrapper, cross_entropy_loss
 
     vocab = model.lm_head.out_features
     tokens = torch.randint(0, vocab, (b, s))
     labels = torch.randint(0, vocab, (b, s))
     positions = torch.arange(s).repeat(b, 1)
-    return cross_entropy_loss(model(tokens, positions, None), labels)
+    if loss == "plain":
+        return cross_entropy_loss(model(tokens, positions, None), labels)
+    model._skip_lm_head = True
+    hidden = model(tokens, positions, None)
+    model._skip_lm_head = False
+    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config())
+    wrapper.set_lm_head(model.lm_head)
+    return wrapper(hidden, labels)[0]
 
 
 @dataclass
@@ -100,8 +112,8 @@ def layer_reference(folder: str, *, b: int, s: int, dtype: torch.dtype, mode: Ch
         layer.register_forward_hook(lambda m, a, o: stack.pop() and None)
     tracker = MemTracker()
     tracker.track_external(model)
-    with fake, tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss(model, b, s)
+    with fake, tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cuda_rms_norm():
+        loss = _loss(model, b, s, "plain")
     stats = [tracker.memory_tracking[layer].snapshots for layer in layers]
     retained = [_total(st["Post-Forward"][-1]) - _total(st["Pre-Forward"][-1]) for st in stats]
     hooked = [sum(n for k, n in nbytes.items() if owner[k] == f"layer{i}") for i in range(len(layers))]
@@ -113,21 +125,34 @@ def _total(snapshot: dict[torch.device, dict[str, int]]) -> int:
     return sum(per_device["Total"] for per_device in snapshot.values())
 
 
-def step_peak(folder: str, *, b: int, s: int, dtype: torch.dtype, mode: Checkpoint) -> int:
+class _NoModuleTracking(ModTracker):
+    """MemTracker's module tracker with no module hooks: torch 2.13's ModTracker reports "The Module hierarchy
+    tracking is wrong" when a backward runs inside a forward, as in torchtitan's chunked loss. The step's total
+    allocated memory, which is what these tests compare, does not depend on per-module attribution."""
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def step_peak(folder: str, *, b: int, s: int, dtype: torch.dtype, mode: Checkpoint, loss: str = "chunked") -> int:
     """MemTracker's allocated peak over one training step of the torchtitan model (forward, loss, backward,
     foreach AdamW step, zero_grad), after a warm-up step that creates the optimizer states."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model = reference_model(folder, dtype=dtype, mode=mode, fake=fake, seq_len=s)
-    with fake:
+    with fake, cuda_rms_norm():
         optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
 
         def step() -> None:
-            _loss(model, b, s).backward()
+            _loss(model, b, s, loss).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         step()
         tracker = MemTracker()
+        tracker._mod_tracker = _NoModuleTracking()
         tracker.track_external(model, optimizer)
         with tracker:
             step()
