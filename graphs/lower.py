@@ -25,16 +25,35 @@ WIDEN_FACTOR = 2
 
 
 def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, attention: str | None = None,
-          lora: LoraSpec | None = None, use_cache: bool = True, op_selective: bool = False) -> LayerGraph:
+          lora: LoraSpec | None = None, use_cache: bool = True, op_selective: bool = False,
+          runtime: str = "hf") -> LayerGraph:
     """Lower `model` (catalog id, local path or cached Hub id) to its `LayerGraph`.
 
     `dtype` is the parameter dtype; `autocast` ("bfloat16"/"float16") runs forward under torch.autocast, as
     plain PyTorch mixed precision does with fp32 weights. `op_selective` also traces op-level SAC
     (`Checkpoint.OP_SELECTIVE`, torchtitan's policy as the generated torchrun script would pass it).
+    `runtime` is the code that will run the plan: "hf" (transformers) or "torchtitan" (`titan.py`).
     """
+    if runtime == "torchtitan":
+        return _lower_titan(model, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                            use_cache=use_cache)
+    if runtime != "hf":
+        raise ValueError(f"runtime={runtime!r} must be 'hf' or 'torchtitan'")
     resolved = resolve(model)
     return lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                           use_cache=use_cache, op_selective=op_selective)
+
+
+def _lower_titan(model: str, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
+                 use_cache: bool) -> LayerGraph:
+    """torchtitan's model code: its own attention and checkpoint modes, FSDP2 mixed precision (no autocast)."""
+    from .errors import UnsupportedModel
+    from .titan import lower_titan
+
+    if lora is not None or autocast is not None or attention is not None:
+        raise UnsupportedModel("torchtitan runs its own attention, without LoRA or torch.autocast",
+                               "Drop --lora-rank / --attention, or plan for another launcher.")
+    return lower_titan(model, dtype=dtype, use_cache=use_cache)
 
 
 @functools.lru_cache(maxsize=64)

@@ -47,6 +47,8 @@ TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
 TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3"}
 PROBE_BATCH = 2
 PROBE_SEQ = 32
+# Bump when this module's output changes meaning (part of the cache key, beside graphs.cache.FORMAT_VERSION).
+TITAN_FORMAT = 1
 LOSSES = ("chunked", "plain")
 # `ChunkedLossWrapper.Config.num_chunks` default (torchtitan/components/loss.py, 0.3.0); seq_len must divide by it.
 LOSS_CHUNKS = 8
@@ -74,7 +76,7 @@ def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", lo
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} must be one of {LOSSES}")
     key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention=f"torchtitan/{loss}", lora=None,
-                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, _titan_version_tag()))
+                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, TITAN_FORMAT, _titan_version_tag()))
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
     graph = _measure(resolved, dtype=dtype, loss=loss)

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 pytest.importorskip("torchtitan")
 
 from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster
-from graphs import Checkpoint, LayerGraph, UnsupportedModel
+from graphs import Checkpoint, LayerGraph, UnsupportedModel, lower
 from graphs.titan import TITAN_MODES, cuda_rms_norm, lower_titan
 from tests.graphs.reference import run_reference, write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -170,3 +170,11 @@ def test_titan_saved_bytes_at_tp2_equal_the_model_one_tp_rank_holds(mode, graphs
     ref = layer_reference(str(write_config(tmp_path / "rank", rank)), b=UNSEEN_B, s=UNSEEN_S,
                           dtype=torch.bfloat16, mode=mode)
     assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S, 2) for layer in graph.decoder_layers()] == ref.saved
+
+
+def test_lower_with_the_torchtitan_runtime_is_the_torchtitan_lowering(folders, graphs):
+    graph = lower(folders["llama"], runtime="torchtitan", use_cache=False)
+    assert graph.runtime == "torchtitan"
+    assert graph.to_json() == graphs["llama"].to_json()
+    with pytest.raises(UnsupportedModel, match="LoRA"):
+        lower(folders["llama"], runtime="torchtitan", autocast="bfloat16")
