@@ -79,7 +79,7 @@ def _device_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def _saved_per_layer(peft_model, ids) -> list[int]:
+def _saved_per_layer(peft_model, ids, *, autocast: bool = False) -> list[int]:
     """Saved-for-backward bytes per decoder layer of one real training step (storages saved by one layer only)."""
     layers = peft_model.base_model.model.model.layers
     current: list[int | None] = [None]
@@ -96,7 +96,8 @@ def _saved_per_layer(peft_model, ids) -> list[int]:
             saves.append((weakref.ref(storage), current[0]))
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
         loss = peft_model(input_ids=ids, labels=ids).loss
     for handle in handles:
         handle.remove()
@@ -155,6 +156,15 @@ def test_qlora_saved_activations_equal_a_real_step(qlora_graph, checkpoint):
     torch.manual_seed(1)
     saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)))
     assert qlora_graph.node("layers.1").cost().saved(B, S) == saved[1]
+
+
+def test_qlora_under_autocast_equals_a_real_step(folder, checkpoint):
+    # HF Trainer with bf16=True runs the 4-bit model under autocast (what fitplan lowers for plain PyTorch).
+    graph = lower(str(folder), lora=QLORA, autocast="bfloat16", use_cache=False)
+    real = _real_model(checkpoint, QLORA)
+    torch.manual_seed(1)
+    saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)), autocast=True)
+    assert graph.node("layers.1").cost().saved(B, S) == saved[1]
 
 
 def test_qlora_peaks_hold_one_dequantized_weight(qlora_graph, values):
