@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 from .cache import cache_key, load_cached, store_cached
+from .errors import UnsupportedModel
 from .graph import LayerGraph, ModelDims, chain_graph
 from .layer import Checkpoint, Layer, ModeCost, ParamTensor, Role
 from .lora import LoraSpec
@@ -47,7 +48,6 @@ def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, a
 def _lower_titan(model: str, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
                  use_cache: bool) -> LayerGraph:
     """torchtitan's model code: its own attention and checkpoint modes, FSDP2 mixed precision (no autocast)."""
-    from .errors import UnsupportedModel
     from .titan import lower_titan
 
     if lora is not None or autocast is not None or attention is not None:
@@ -80,9 +80,22 @@ def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, atten
     from . import measure
 
     config = measure.transformers_config(resolved)
-    study = measure.study(config, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                          b0=PROBE_BATCH, s0=PROBE_SEQ, widen=WIDEN_FACTOR, op_selective=op_selective)
+    options = {"dtype": dtype, "autocast": autocast, "attention": attention, "lora": lora, "b0": PROBE_BATCH,
+               "s0": PROBE_SEQ, "widen": WIDEN_FACTOR}
+    try:
+        study = measure.study(config, **options, op_selective=op_selective)
+    except UnsupportedModel as err:
+        if not (op_selective and _sac_refused(err)):
+            raise
+        # torch's SAC refuses to run a model that changes in place a tensor the policy keeps (Mixtral's router
+        # divides its kept topk output), so op-level SAC cannot run it: the graph goes without that mode.
+        study = measure.study(config, **options, op_selective=False)
     return assemble(resolved, study, dtype=dtype, autocast=autocast, lora=lora)
+
+
+def _sac_refused(err: Exception) -> bool:
+    """torch.utils.checkpoint's error for a tensor cached by selective checkpointing and then mutated."""
+    return "cached during selective activation checkpoint has been mutated" in str(err.__cause__)
 
 
 def assemble(resolved: ResolvedModel, study: Any, *, dtype: str, autocast: str | None,

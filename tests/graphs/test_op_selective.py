@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from graphs import Checkpoint, lower
+from graphs.fake import is_moe
 from graphs.sac import op_sac_policy, titan_policy
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -26,7 +27,7 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 B, S = 3, 80
 
 
-def hf_layer_retained(values: dict, *, b: int, s: int) -> list[int]:
+def hf_layer_retained(values: dict, *, b: int, s: int, backward: bool = False) -> list[int]:
     """Bytes each decoder layer's forward leaves alive (MemTracker), every layer checkpointed by transformers'
     `gradient_checkpointing_enable` with torchtitan's `SelectiveAC` context (CPU flash kernel on its list)."""
     fields = dict(values)
@@ -36,8 +37,9 @@ def hf_layer_retained(values: dict, *, b: int, s: int) -> list[int]:
     masking_utils.find_packed_sequence_indices = lambda position_ids: None  # else a (b,1,s,s) mask appears
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
+            experts = {"experts_implementation": "grouped_mm"} if is_moe(config) else {}  # as the lowering
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation="sdpa", **experts)
             model.train()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                                "context_fn": context_fn})
@@ -46,7 +48,9 @@ def hf_layer_retained(values: dict, *, b: int, s: int) -> list[int]:
             tracker.track_external(model)
             with tracker:
                 ids = torch.randint(0, config.vocab_size, (b, s))
-                model(input_ids=ids, labels=ids, use_cache=False)
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            if backward:
+                loss.backward()
             snaps = [tracker.memory_tracking[layer].snapshots for layer in layers]
     finally:
         masking_utils.find_packed_sequence_indices = original
@@ -90,3 +94,16 @@ def test_op_sac_policy_decides_like_torchtitans_own_policy():
             decisions.append(mine)
             assert mine == reference, op
     assert decisions.count(CheckpointPolicy.MUST_SAVE) > 0 and decisions.count(CheckpointPolicy.PREFER_RECOMPUTE) > 0
+
+
+@pytest.mark.slow
+def test_op_selective_is_left_out_where_torchs_sac_refuses_the_model(tmp_path):
+    # Mixtral's router divides its top-k weights in place; torchtitan's policy keeps topk's output, and torch's
+    # SAC refuses the mutation. The same model run through transformers' own API fails the same way.
+    values = tiny_values("mixtral")
+    graph = lower(str(write_config(tmp_path / "mixtral", values)), dtype="bfloat16", use_cache=False,
+                  op_selective=True)
+    assert Checkpoint.OP_SELECTIVE not in graph.checkpoint_modes()
+    assert Checkpoint.FULL in graph.checkpoint_modes()
+    with pytest.raises(RuntimeError, match="selective activation checkpoint has been mutated"):
+        hf_layer_retained(values, b=B, s=S, backward=True)
