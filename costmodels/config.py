@@ -82,13 +82,14 @@ class Config:
     """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
-                            reads=("activations", "estimate", "memory", "optimizer_in_backward", "overhead",
-                                   "states", "tensor_parallel", "timing"), high=1024)] = 1
+                            reads=("activation_offload", "activations", "estimate", "loss", "memory",
+                                   "optimizer_in_backward", "overhead", "states", "tensor_parallel", "timing"),
+                            high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
                             reads=("estimate", "optimizer_in_backward", "overhead", "states", "timing", "zero"))] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
-                                   reads=("compilation", "estimate", "memory", "offload", "optimizer_in_backward",
-                                          "states", "timing", "zero"))] = Engine.DDP
+                                   reads=("compilation", "estimate", "loss", "memory", "offload",
+                                          "optimizer_in_backward", "states", "timing", "zero"))] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
                               "backward).", low=0, high=3,
                               reads=("compilation", "memory", "states", "timing", "zero"))] = 0
@@ -99,16 +100,16 @@ class Config:
                                            flag="offload-params", reads=("offload", "states"))] = Offload.NONE
     micro_batch: Annotated[int, Knob("Sequences per rank per forward pass (must divide the batch per "
                                      "data-parallel rank).", high=2**20,
-                                     reads=("estimate", "memory", "timing"))] = 1
+                                     reads=("activation_offload", "estimate", "loss", "memory", "timing"))] = 1
     grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20,
-                                    reads=("estimate", "memory", "offload", "optimizer_in_backward", "states",
-                                           "timing"))] = 1
+                                    reads=("activation_offload", "estimate", "memory", "offload",
+                                           "optimizer_in_backward", "states", "timing"))] = 1
     checkpoint: Annotated[tuple[Checkpoint, ...], Knob(
         "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).",
-        reads=("estimate", "memory", "timing"))] = ()
+        reads=("activation_offload", "estimate", "memory", "timing"))] = ()
     precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
                                          "allowed ones.", pin="set",
-                                         reads=("estimate", "memory", "optimizer_in_backward", "states",
+                                         reads=("estimate", "loss", "memory", "optimizer_in_backward", "states",
                                                 "tensor_parallel", "timing"))
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
@@ -117,7 +118,7 @@ class Config:
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",
-                                            reads=("activations", "memory", "timing"))] = False
+                                            reads=("activation_offload", "activations", "memory", "timing"))] = False
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
                                   reads=("compilation",))] = False
 

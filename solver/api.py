@@ -29,7 +29,7 @@ from .advice import advise
 from .alternatives import alternatives
 from .bounds import check_workload
 from .diagnose import Infeasible, NoPlanInTime, diagnose
-from .launchers.support import runnable_by
+from .launchers.support import model_launchers, model_problems, runnable_by
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
@@ -164,11 +164,16 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     cache: dict = {}
     graph_of = _graph_for(resolved, lora, attention, cache)
     any_graph = graph_of(Outer())
-    space = outer_space(any_graph, cluster, workload, pins)
     inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, any_graph)
+    launchers = model_launchers(inputs, any_graph.attention)
+    if pins.launcher is not None and pins.launcher not in launchers:
+        raise FitplanError(f"The {pins.launcher} launcher cannot run this model: "
+                           f"{'; '.join(model_problems(pins.launcher, inputs, any_graph.attention))}.",
+                           f"Launchers that can: {', '.join(launchers)}.")
+    space = outer_space(any_graph, cluster, workload, pins, launchers)
     if not space.outers:
-        raise Infeasible(*diagnose(None, inputs, pins, space,
-                                   rebuild=lambda relaxed: outer_space(any_graph, cluster, workload, relaxed)))
+        raise Infeasible(*diagnose(None, inputs, pins, space, rebuild=lambda relaxed: outer_space(
+            any_graph, cluster, workload, relaxed, launchers)))
     # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,
     # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
     for outer in space.outers:  # lower every needed variant first: lowering is outside the time limit
@@ -216,12 +221,12 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
         and outer.param_offload is Offload.NONE
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
-    launchers = runnable_by(decisions)
-    if not launchers:  # the space keeps only what some allowed launcher runs (`space._runnable`)
+    runners = runnable_by(decisions, inputs)
+    if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
         raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
                            "This is a fitplan bug; please report it with the command line.")
     return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
-                launchers=launchers, binding=binding, advice=guide.lines)
+                launchers=runners, binding=binding, advice=guide.lines)
 
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,

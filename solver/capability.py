@@ -1,36 +1,80 @@
-"""What each launcher can run as emitted: the one place launcher capabilities are written.
+"""The launcher registry: what each launcher runs as emitted, the one place launcher capabilities are written.
 
-`space.py` asks it per outer configuration (so the search only considers what some allowed launcher runs) and
-`plan.py`/`launchers` per plan, both `Config`s; it imports neither, so there is no import cycle.
+Each `Launcher` states the engines it runs, a rule naming what it cannot express of a configuration (with the
+reason), which selective recompute it runs, and what the user must add to its files (its caveats: the default
+order prefers the fewest). `space.py` asks it per outer configuration (so the search only considers what some
+allowed launcher runs) and `launchers` per plan, both `Config`s; it imports neither, so there is no import cycle.
+The emitters register under the same names in `solver.launchers.EMITTERS` (a test checks the two agree).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-from costmodels import Config, Engine, Offload, Precision
+from costmodels import Config, Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint
 
-# Launchers and what each can express (DESIGN.md: a plan records which launchers can run it).
-LAUNCHERS = ("deepspeed", "hf", "accelerate", "torchrun", "megatron")
+Rule = Callable[[str, Config, tuple[Checkpoint, ...], bool], list[str]]
+_DEEPSPEED_STAGES = tuple((Engine.DEEPSPEED, z) for z in range(4))
+_TORCH = ((Engine.DDP, 0), (Engine.FSDP2, 2), (Engine.FSDP2, 3))
+
+
+@dataclass(frozen=True, slots=True)
+class Launcher:
+    """One launcher: what it runs as emitted, and what its user still supplies."""
+
+    name: str
+    runtime: str
+    """What runs the emitted files, with the version the rules were checked against."""
+    engines: tuple[tuple[Engine, int], ...]
+    """(engine, ZeRO stage) pairs it runs."""
+    rule: Rule
+    """What it cannot express of a configuration, per-layer modes and LoRA, each with the reason."""
+    selective: Literal["none", "per-layer", "all-layers"]
+    """Where it runs fitplan's attention-core selective recompute (Checkpoint.SELECTIVE)."""
+    needs: tuple[str, ...]
+    """What the user adds to the emitted files before a real run (its caveats)."""
+    per_layer: bool = True
+    """Whether it checkpoints layers in different modes (torchtitan applies one policy to every layer)."""
 
 
 def unsupported(launcher: str, d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False) -> list[str]:
     """What `launcher` cannot express of these knobs, per-layer `checkpoint` modes and LoRA (empty: it runs them)."""
-    rules = {"deepspeed": _deepspeed, "hf": _hf_or_accelerate, "accelerate": _hf_or_accelerate,
-             "torchrun": _torchrun, "megatron": _megatron}
-    return rules[launcher](launcher, d, tuple(checkpoint), lora)
+    entry = REGISTRY[launcher]
+    problems = [] if (d.engine, d.zero) in entry.engines else \
+        [f"engine {d.engine} ZeRO-{d.zero} ({entry.runtime} runs {_engines(entry.engines)})"]
+    return problems + entry.rule(launcher, d, tuple(checkpoint), lora)
 
 
 def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False,
-                launchers: Sequence[str] = LAUNCHERS) -> tuple[str, ...]:
-    """The `launchers` that run these knobs as emitted."""
-    return tuple(name for name in launchers if not unsupported(name, d, checkpoint=checkpoint, lora=lora))
+                launchers: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The `launchers` (default: all) that run these knobs as emitted, fewest caveats first (`preferred`)."""
+    names = preferred(LAUNCHERS if launchers is None else launchers)
+    return tuple(name for name in names if not unsupported(name, d, checkpoint=checkpoint, lora=lora))
+
+
+def preferred(launchers: Sequence[str]) -> tuple[str, ...]:
+    """`launchers` ordered by what the user must add to their files (fewest first), then registry order."""
+    return tuple(sorted(launchers, key=lambda name: (len(REGISTRY[name].needs), LAUNCHERS.index(name))))
+
+
+def engines_of(launchers: Sequence[str]) -> tuple[tuple[Engine, int], ...]:
+    """The (engine, ZeRO stage) pairs any of `launchers` runs, in the registry's order of first appearance."""
+    return tuple(dict.fromkeys(pair for name in launchers for pair in REGISTRY[name].engines))
 
 
 def selective_runners(launchers: Sequence[str], *, all_layers: bool) -> tuple[str, ...]:
-    """Which of `launchers` can run selective recompute: torchrun per layer; Megatron only on every layer."""
-    return tuple(name for name in launchers if name == "torchrun" or (name == "megatron" and all_layers))
+    """Which of `launchers` can run selective recompute on the layers the search picks (`all_layers`: on every
+    layer, which the launchers that apply it model-wide also run)."""
+    return tuple(name for name in launchers if REGISTRY[name].selective == "per-layer" or
+                 (REGISTRY[name].selective == "all-layers" and all_layers))
+
+
+def _engines(pairs: tuple[tuple[Engine, int], ...]) -> str:
+    return ", ".join(f"{engine} ZeRO-{zero}" if engine is Engine.DEEPSPEED else
+                     f"{engine}" + (f" (zero={zero})" if engine is Engine.FSDP2 else "") for engine, zero in pairs)
 
 
 # DeepSpeed 0.19's config (docs/_pages/config-json.md) has fp16 and bf16 blocks and no fp8 one; fp8 under DeepSpeed
@@ -45,9 +89,7 @@ def _pure_bf16_zero0(d: Config) -> bool:
 
 
 def _deepspeed(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
-    problems = []
-    if d.engine is not Engine.DEEPSPEED:
-        problems.append(f"engine {d.engine} (the deepspeed launcher runs DeepSpeed ZeRO)")
+    problems = _op_selective(checkpoint)
     if d.tp > 1:
         problems.append("tensor parallelism (fitplan emits DeepSpeed plans without AutoTP)")
     if Checkpoint.SELECTIVE in checkpoint:
@@ -65,7 +107,7 @@ _LORA_TP = "LoRA with tensor parallelism (PEFT's parallel LoRA layers need Megat
 
 
 def _hf_or_accelerate(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
-    problems = []
+    problems = _op_selective(checkpoint)
     if launcher == "hf" and d.tp > 1:
         problems.append("tensor parallelism in TrainingArguments (use the accelerate config)")
     if Checkpoint.SELECTIVE in checkpoint:
@@ -94,9 +136,7 @@ def _hf_or_accelerate(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ..
 
 
 def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
-    problems = []
-    if d.engine is Engine.DEEPSPEED:
-        problems.append("DeepSpeed ZeRO (torchrun runs plain PyTorch / FSDP2)")
+    problems = _op_selective(checkpoint)
     if d.engine is Engine.DDP and d.tp > 1 and d.dp > 1:
         problems.append("tensor parallelism with DDP data parallelism (use FSDP2)")
     if Offload.NVME in (d.optimizer_offload, d.param_offload):
@@ -110,9 +150,7 @@ def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
 
 
 def _megatron(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
-    problems = []
-    if d.engine is not Engine.DEEPSPEED or d.zero > 1:
-        problems.append("sharding beyond Megatron's distributed optimizer (ZeRO-1)")
+    problems = _op_selective(checkpoint)
     if d.optimizer_offload is not Offload.NONE or d.param_offload is not Offload.NONE:
         problems.append("offload")
     if lora:
@@ -124,3 +162,70 @@ def _megatron(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
     if Checkpoint.FULL in checkpoint and Checkpoint.SELECTIVE in checkpoint:
         problems.append("full and selective recompute mixed")
     return problems
+
+
+_TORCHTITAN = "torchtitan 0.3.0"
+
+
+def _torchtitan(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
+    """torchtitan 0.3.0's own options (torchtitan/config, trainer.py); the model must also be one of its flavours
+    (`solver.launchers.torchtitan.model_problems`, checked per model)."""
+    problems = []
+    if Offload.NVME in (d.optimizer_offload, d.param_offload):
+        problems.append(f"NVMe offload ({_TORCHTITAN} offloads to CPU only: training.enable_cpu_offload)")
+    elif d.optimizer_offload is not d.param_offload:
+        problems.append(f"offloading only the {'optimizer' if d.param_offload is Offload.NONE else 'parameters'} "
+                        f"({_TORCHTITAN}'s training.enable_cpu_offload is FSDP2's CPUOffloadPolicy: parameters, "
+                        "gradients and optimizer states move together)")
+    elif d.optimizer_offload is Offload.CPU and d.engine is not Engine.FSDP2:
+        problems.append(f"CPU offload without FSDP2 sharding ({_TORCHTITAN} offloads through FSDP2's "
+                        "CPUOffloadPolicy)")
+    if d.precision is Precision.FP16_MIXED:
+        problems.append(f"fp16 mixed precision ({_TORCHTITAN}'s training.mixed_precision_param is bfloat16 or "
+                        "float32, and it has no loss scaler)")
+    elif d.precision is Precision.TF32:
+        problems.append(f"TF32 matmuls ({_TORCHTITAN} has no TF32 switch; its fp32 matmuls run in full fp32)")
+    if d.optimizer not in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED):
+        problems.append(f"optimizer {d.optimizer} ({_TORCHTITAN} builds Adam, AdamW and DistMuon only: "
+                        "OptimizersContainer._resolve_optimizer_factory)")
+    modes = set(checkpoint)
+    if Checkpoint.SELECTIVE in modes:
+        problems.append(f"selective recompute of the attention core ({_TORCHTITAN}'s 'selective' is op-level SAC, "
+                        "which saves the outputs of matmuls and attention and recomputes the cheap ops)")
+    elif len(modes) > 1:
+        problems.append(f"checkpointing layers differently ({_TORCHTITAN} applies one activation-checkpoint policy "
+                        "to every layer; the every-n-th-layer option of torchtitan <= 0.2.2 is gone)")
+    if lora:
+        problems.append(f"LoRA ({_TORCHTITAN}'s LoRAConverter adapts the fused wqkv projection with one adapter and "
+                        "has no dropout; fitplan prices PEFT's per-projection adapters)")
+    return problems
+
+
+def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
+    if Checkpoint.OP_SELECTIVE in checkpoint:
+        return ["op-level selective checkpointing (torchtitan's SelectiveAC policy; the torchtitan launcher runs it)"]
+    return []
+
+
+# In the default preference order: fewest `needs` first, ties in this order (the torchrun script expresses every
+# knob the plan credits, then the Hugging Face stacks, then the runtimes that need their own repository or assets).
+_HF_STACKS = (*_TORCH, *_DEEPSPEED_STAGES)
+_MEGATRON = ((Engine.DEEPSPEED, 0), (Engine.DEEPSPEED, 1))  # Megatron's (distributed) optimizer, priced as ZeRO-0/1
+REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
+    Launcher("torchrun", "torch.distributed (torch 2.x: FSDP2 fully_shard, DTensor TP)", _TORCH, _torchrun,
+             "per-layer", ("your data in batches() of train_fitplan.py (it trains on random tokens as emitted)",)),
+    Launcher("accelerate", "accelerate 1.x (FSDP2 or DeepSpeed 0.19 plugin)", _HF_STACKS, _hf_or_accelerate, "none",
+             ("your training script, started by `accelerate launch` with the emitted config",)),
+    Launcher("hf", "transformers Trainer 5.x (FSDP2 or DeepSpeed 0.19)", _HF_STACKS, _hf_or_accelerate, "none",
+             ("your training script, building a Trainer from training_args.json",)),
+    Launcher("deepspeed", "DeepSpeed 0.19", _DEEPSPEED_STAGES, _deepspeed, "none",
+             ("your training script, calling deepspeed.initialize with ds_config.json",)),
+    Launcher("torchtitan", _TORCHTITAN, _TORCH, _torchtitan, "none",
+             ("the model's tokenizer under ./assets/hf/<name> (torchtitan's scripts/download_hf_assets.py)",
+              "a torchtitan dataset (c4 as emitted) or your own"), per_layer=False),
+    Launcher("megatron", "Megatron-LM core 0.x (its distributed optimizer)", _MEGATRON, _megatron, "all-layers",
+             ("a Megatron-LM checkout (pretrain_gpt.py)", "the model in Megatron's checkpoint format",
+              "data preprocessed with Megatron's tools/preprocess_data.py")),
+)}
+LAUNCHERS = tuple(REGISTRY)
+"""Launcher names in registry order (DESIGN.md: a plan records which launchers can run it)."""

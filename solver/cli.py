@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,7 @@ import costmodels.cluster as C
 from graphs import FitplanError, LoraSpec
 
 from . import bounds as B
+from .capability import LAUNCHERS
 from .conflicts import check_pins
 from .knob_options import estimate_parameters, knob_values, pins_from_options, solve_parameters, with_knob_options
 from .options import Text, help_width, number, text
@@ -41,7 +43,7 @@ Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100
 SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
                                       "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
 LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
-Launcher = Literal["deepspeed", "hf", "accelerate", "torchrun", "megatron"]  # solver.space.LAUNCHERS
+Launcher = Enum("Launcher", {name: name for name in LAUNCHERS}, type=str)  # typer shows the registry's names
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 # What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
 CpuRamGib = Annotated[float | None, number(float, 0, C.MAX_CPU_RAM_GIB, "Host RAM per node in GiB (default: the GPU's "
@@ -128,7 +130,7 @@ def solve_command(
                                                        "tokenizer).", lo_open=True)] = None,
     as_json: AsJson = False,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
-    emit: Annotated[str | None, text(200, "Launcher files to write: deepspeed,hf,accelerate,torchrun,megatron.")
+    emit: Annotated[str | None, text(200, f"Launcher files to write, comma-separated: {', '.join(LAUNCHERS)}.")
                     ] = None,
     emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
@@ -145,7 +147,7 @@ def solve_command(
         _check_lora_flags(lora_rank, lora_alpha, lora_targets)
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
                                                      targets=tuple(t.strip() for t in lora_targets.split(",")))
-        pins = pins_from_options(knob_values(knobs), launcher=launcher)
+        pins = pins_from_options(knob_values(knobs), launcher=launcher.value if launcher else None)
         check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
         if not as_json:

@@ -13,7 +13,7 @@ from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, W
 from costmodels.compilation import compile_credited
 from graphs import Checkpoint, FitplanError, LayerGraph
 
-from .capability import LAUNCHERS, runnable_by, selective_runners
+from .capability import LAUNCHERS, REGISTRY, engines_of, runnable_by, selective_runners
 from .pins import KNOBS, Pins
 
 # Optimizer implementations that compute the same update: switching among them is not a training change.
@@ -70,18 +70,15 @@ class Space:
     """torch.compile is "auto": each table keeps it only where it saves enough (`tables.build_table`)."""
 
 
-def engine_stages(pins: Pins) -> list[tuple[Engine, int]]:
-    """(engine, ZeRO stage) pairs: DDP; DeepSpeed 0-3; FSDP2 as ZeRO-2/3; narrowed by launcher and pins."""
-    pairs = [(Engine.DDP, 0), *((Engine.DEEPSPEED, z) for z in range(4)), (Engine.FSDP2, 2), (Engine.FSDP2, 3)]
-    allowed = {
-        None: pairs,
-        "deepspeed": [(e, z) for e, z in pairs if e is Engine.DEEPSPEED],
-        "hf": pairs, "accelerate": pairs,
-        "torchrun": [(e, z) for e, z in pairs if e in (Engine.DDP, Engine.FSDP2)],
-        "megatron": [(Engine.DEEPSPEED, 0), (Engine.DEEPSPEED, 1)],  # Megatron's (distributed) optimizer
-    }[pins.launcher]
-    return [(e, z) for e, z in allowed
-            if pins.allows("engine", e) and pins.allows("zero", z)]
+# Tie-break order of (engine, ZeRO stage): the simplest runtime first.
+ENGINE_STAGES = ((Engine.DDP, 0), *((Engine.DEEPSPEED, z) for z in range(4)), (Engine.FSDP2, 2), (Engine.FSDP2, 3))
+
+
+def engine_stages(pins: Pins, launchers: tuple[str, ...] = LAUNCHERS) -> list[tuple[Engine, int]]:
+    """(engine, ZeRO stage) pairs the allowed launchers run (`capability.REGISTRY`), narrowed by the pins."""
+    runnable = engines_of((pins.launcher,) if pins.launcher else launchers)
+    return [(e, z) for e, z in ENGINE_STAGES if (e, z) in runnable and pins.allows("engine", e)
+            and pins.allows("zero", z)]
 
 
 def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tuple[Offload, Offload]]:
@@ -138,9 +135,10 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins) -> Space:
+def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
+                launchers: tuple[str, ...] = LAUNCHERS) -> Space:
     """Every outer configuration, in a fixed order (the order breaks ties: simpler first), that an allowed
-    launcher can run as emitted (`capability.unsupported`)."""
+    launcher can run as emitted (`capability.unsupported`); `launchers` are those that can run this model."""
     precisions = supported_precisions(cluster, pins.allowed("precision") or default_precisions(cluster))
     # "auto" compiles where the tables find it saves enough (`tables.build_table`); never on the CPU test device.
     compile_pin = pins.value("compile")
@@ -148,7 +146,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     optimizers = tuple(dict.fromkeys(o for allowed in pins.allowed("optimizer") or (KNOBS["optimizer"].default,)
                                      for o in SAME_MATH.get(allowed, (allowed,))))
     outers = []
-    for engine, zero in engine_stages(pins):
+    for engine, zero in engine_stages(pins, launchers):
         for tp in tp_degrees(graph, cluster, pins, engine):
             dp = cluster.world_size // tp
             if workload.global_batch % dp:
@@ -165,25 +163,30 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                                                     compile=compiled and _compiles(engine, zero, pins)))
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
-    outers = _runnable(outers, pins, modes, lora=graph.lora is not None)
+    outers = _runnable(outers, pins, modes, lora=graph.lora is not None, launchers=launchers)
     if pins.launcher is not None:
-        whole_layers = pins.launcher in ("hf", "accelerate", "deepspeed")  # HF models checkpoint whole layers
+        entry = REGISTRY[pins.launcher]
+        if not entry.per_layer and pinned_mode is None:
+            raise FitplanError(f"The {pins.launcher} launcher applies one checkpoint mode to every layer, and the "
+                               "search decides per layer.", "Pin one: --checkpoint none, full or "
+                               "op_selective.")
+        whole_layers = entry.selective == "none"  # e.g. HF models checkpoint whole layers
         if whole_layers and pinned_mode is Checkpoint.SELECTIVE:
-            raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (transformers "
-                               "checkpoints whole layers).", "Use --checkpoint full or auto, or --launcher megatron "
-                               "or torchrun.")
-        if whole_layers or (pins.launcher == "megatron" and pinned_mode is None):
+            raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (it checkpoints whole "
+                               "layers).", "Use --checkpoint full or auto, or --launcher megatron or torchrun.")
+        if whole_layers or (entry.selective == "all-layers" and pinned_mode is None):
             # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
             # to: without a pin it plans with none/full only.
             modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
     return Space(tuple(outers), modes, compile_auto=compile_pin is None)
 
 
-def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: bool) -> list[Outer]:
+def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: bool,
+              launchers: tuple[str, ...]) -> list[Outer]:
     """The outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each marked
     with whether selective recompute stays runnable. Launcher rules do not depend on the micro-batch split, so
     they are checked once per configuration family, not per outer."""
-    allowed = (pins.launcher,) if pins.launcher else LAUNCHERS
+    allowed = (pins.launcher,) if pins.launcher else launchers
     all_selective = modes == (Checkpoint.SELECTIVE,)
     memo: dict[Outer, tuple[str, ...]] = {}
     kept = []

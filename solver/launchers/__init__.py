@@ -7,7 +7,7 @@ from collections.abc import Callable
 from graphs import FitplanError
 
 from ..plan import Plan
-from . import accelerate, deepspeed, hf, megatron, torchrun
+from . import accelerate, deepspeed, hf, megatron, torchrun, torchtitan
 from .common import checkpointed_layers
 from .support import unsupported
 
@@ -33,9 +33,10 @@ def _accelerate(plan: Plan) -> dict[str, str]:
     return files
 
 
+# The emitter of each launcher in the registry (`capability.REGISTRY`, same names and order).
 EMITTERS: dict[str, Callable[[Plan], dict[str, str]]] = {
-    "deepspeed": _deepspeed, "hf": _hf, "accelerate": _accelerate, "torchrun": torchrun.emit,
-    "megatron": megatron.emit,
+    "torchrun": torchrun.emit, "accelerate": _accelerate, "hf": _hf, "deepspeed": _deepspeed,
+    "torchtitan": torchtitan.emit, "megatron": megatron.emit,
 }
 
 
@@ -43,7 +44,7 @@ def emit(plan: Plan, launcher: str) -> dict[str, str]:
     """The files `launcher` needs to run `plan`, or an error naming what it cannot express."""
     if launcher not in EMITTERS:
         raise FitplanError(f"Unknown launcher {launcher!r}", f"Choose from: {', '.join(EMITTERS)}.")
-    problems = unsupported(launcher, plan.decisions)
+    problems = unsupported(launcher, plan.decisions, plan.inputs)
     if problems:
         raise FitplanError(f"The {launcher} launcher cannot run this plan as decided: {'; '.join(problems)}.",
                            f"Launchers that can: {', '.join(plan.launchers) or 'none'}; or re-plan with "

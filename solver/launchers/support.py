@@ -1,17 +1,33 @@
-"""Which launchers can express a plan's decisions (DESIGN.md: every plan records who can run it); the rules
-live in `solver.capability`, which the search space reads too."""
+"""Which launchers can run a plan's decisions for its model (DESIGN.md: every plan records who can run it); the
+knob rules live in the launcher registry, `solver.capability`, which the search space reads too; a launcher that
+builds only models it knows (torchtitan's flavours) also says which models it cannot run."""
 
 from __future__ import annotations
 
+from ..capability import LAUNCHERS
 from ..capability import runnable_by as _runnable_by
 from ..capability import unsupported as _unsupported
-from ..plan import Decisions
+from ..plan import Decisions, Inputs
+from . import torchtitan
 
 
-def unsupported(launcher: str, d: Decisions) -> list[str]:
-    """Decisions `launcher` cannot express (empty when it can run the plan as emitted)."""
-    return _unsupported(launcher, d, checkpoint=d.checkpoint, lora=d.lora is not None)
+def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
+    """What `launcher` cannot run of the plan's model (empty for launchers that load any transformers model)."""
+    return torchtitan.model_problems(inputs, attention) if launcher == "torchtitan" else []
 
 
-def runnable_by(d: Decisions) -> tuple[str, ...]:
-    return _runnable_by(d, checkpoint=d.checkpoint, lora=d.lora is not None)
+def model_launchers(inputs: Inputs, attention: str) -> tuple[str, ...]:
+    """The launchers that can run this model at all."""
+    return tuple(name for name in LAUNCHERS if not model_problems(name, inputs, attention))
+
+
+def unsupported(launcher: str, d: Decisions, inputs: Inputs | None = None) -> list[str]:
+    """What `launcher` cannot express of the decisions (and, given `inputs`, of the model); empty: it runs them."""
+    problems = _unsupported(launcher, d, checkpoint=d.checkpoint, lora=d.lora is not None)
+    return problems + (model_problems(launcher, inputs, d.attention) if inputs is not None else [])
+
+
+def runnable_by(d: Decisions, inputs: Inputs | None = None) -> tuple[str, ...]:
+    """The launchers that run the decisions (for the model of `inputs`), fewest caveats first."""
+    allowed = LAUNCHERS if inputs is None else model_launchers(inputs, d.attention)
+    return _runnable_by(d, checkpoint=d.checkpoint, lora=d.lora is not None, launchers=allowed)

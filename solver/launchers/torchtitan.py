@@ -15,11 +15,12 @@ import math
 import re
 from functools import cache
 from importlib import resources
-from typing import Any, Protocol
+from typing import Any
 
 from costmodels import Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError
 
+from ..capability import unsupported
 from ..plan import Inputs, Plan
 from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about
 from .nodes import nodes_note, slurm_script, torchrun_argv
@@ -38,21 +39,7 @@ WARMUP_STEPS = 0
 DATASET = "c4"  # torchtitan's HuggingFaceTextDataLoader name for allenai/c4 (its llama3_8b job); --dataloader.dataset
 
 
-class Knobs(Protocol):
-    """The knobs torchtitan's capability depends on (`Decisions`, `space.Outer` and `Config` all have them)."""
-
-    tp: int
-    dp: int
-    engine: Engine
-    zero: int
-    optimizer_offload: Offload
-    param_offload: Offload
-    precision: Precision
-    optimizer: Optimizer
-    sequence_parallel: bool
-
-
-# --- what torchtitan 0.3.0 cannot express -----------------------------------------------------------------------
+# --- what torchtitan 0.3.0 cannot express (knob rules: solver.capability; model rules here) ---------------------
 
 _V = f"torchtitan {TORCHTITAN}"
 
@@ -60,44 +47,6 @@ _V = f"torchtitan {TORCHTITAN}"
 # fitplan's per-layer mode -> torchtitan's policy for every layer (`activation_checkpoint` subcommands: none, full,
 # selective = SelectiveAC: op-level SAC with torchtitan's save list, every second matmul recomputed).
 AC_POLICY = {Checkpoint.NONE: "none", Checkpoint.FULL: "full", Checkpoint.OP_SELECTIVE: "selective"}
-
-
-def unsupported(d: Knobs, checkpoint: tuple[Checkpoint, ...] | list[Checkpoint] = (), lora: bool = False) -> list[str]:
-    """What torchtitan cannot run of these knobs, per-layer checkpoint modes and LoRA, each with the reason (empty:
-    the emitted job runs them). Model-level limits (a torchtitan flavour for the architecture) are `model_problems`."""
-    problems = []
-    if d.engine is Engine.DEEPSPEED:
-        problems.append(f"DeepSpeed ZeRO ({_V} shards with FSDP2 only: parallelism.data_parallel_shard_degree)")
-    if Offload.NVME in (d.optimizer_offload, d.param_offload):
-        problems.append(f"NVMe offload ({_V} offloads to CPU only: training.enable_cpu_offload)")
-    elif d.optimizer_offload is not d.param_offload:
-        problems.append(f"offloading only the {'optimizer' if d.param_offload is Offload.NONE else 'parameters'} "
-                        f"({_V}'s training.enable_cpu_offload is FSDP2's CPUOffloadPolicy: parameters, gradients "
-                        "and optimizer states move together)")
-    elif d.optimizer_offload is Offload.CPU and d.engine is not Engine.FSDP2:
-        problems.append(f"CPU offload without FSDP2 sharding ({_V} offloads through FSDP2's CPUOffloadPolicy)")
-    if d.precision is Precision.FP16_MIXED:
-        problems.append(f"fp16 mixed precision ({_V}'s training.mixed_precision_param is bfloat16 or float32, and it "
-                        "has no loss scaler)")
-    elif d.precision is Precision.TF32:
-        problems.append(f"TF32 matmuls ({_V} has no TF32 switch; its fp32 matmuls run in full fp32)")
-    if d.optimizer not in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED):
-        problems.append(f"optimizer {d.optimizer} ({_V} builds Adam, AdamW and DistMuon only: "
-                        "OptimizersContainer._resolve_optimizer_factory)")
-    modes = set(checkpoint)
-    if Checkpoint.SELECTIVE in modes:
-        problems.append(f"selective recompute of the attention core ({_V}'s 'selective' is op-level SAC, which saves "
-                        "the outputs of matmuls and attention and recomputes the cheap ops: other tensors than "
-                        "fitplan's attention-core recompute)")
-    elif len(modes) > 1:
-        problems.append(f"checkpointing layers differently ({_V} applies one activation-checkpoint policy to every "
-                        "layer; the every-n-th-layer option of torchtitan <= 0.2.2 is gone)")
-    elif modes - set(AC_POLICY):
-        problems.append(f"checkpoint mode {next(iter(modes))} (no {_V} activation-checkpoint policy runs it)")
-    if lora:
-        problems.append(f"LoRA ({_V}'s LoRAConverter adapts the fused wqkv projection with one adapter and has no "
-                        "dropout; fitplan prices PEFT's per-projection adapters)")
-    return problems
 
 
 @cache
@@ -343,7 +292,8 @@ def emit(plan: Plan) -> dict[str, str]:
     """fitplan_torchtitan.toml (the job), fitplan_torchtitan.py (the config module torchtitan loads it through),
     torchtitan_launch.sh (torchrun on each node) and, beyond one node, slurm_launch.sh."""
     d = plan.decisions
-    problems = unsupported(d, d.checkpoint, d.lora is not None) + model_problems(plan.inputs, d.attention)
+    problems = unsupported("torchtitan", d, checkpoint=d.checkpoint, lora=d.lora is not None) + \
+        model_problems(plan.inputs, d.attention)
     if problems:
         raise FitplanError(f"The torchtitan launcher cannot run this plan as decided: {'; '.join(problems)}.",
                            "Re-plan with --launcher torchtitan, or choose another launcher.")

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from solver.capability import REGISTRY
 from solver.cli import app
 from solver.launchers import emit
 from solver.plan import Plan
@@ -32,7 +33,7 @@ from tests.graphs.tiny_configs import tiny_values
 HOSTILE = ("x;touch PWNED1 && touch PWNED2 | touch PWNED3 $(touch PWNED4) `touch PWNED5` 'single' \"double\" "
            "$HOME * \\ #")
 NEWLINE = "\ntouch PWNED6 # \r\n$(touch PWNED7)"
-LAUNCHERS = ["deepspeed", "hf", "accelerate", "torchrun", "megatron"]
+LAUNCHERS = [name for name in REGISTRY if name != "torchtitan"]  # torchtitan: test_torchtitan_launcher.py
 # HF Trainer's own files are YAML/JSON; under DeepSpeed it also gets the DeepSpeed launch script, tested here too.
 PINS = {"hf": ["--engine", "deepspeed"]}
 PROGRAMS = ["deepspeed", "torchrun", "accelerate", "python", "python3"]

@@ -444,7 +444,7 @@ REFUSALS = [
     ("zero3-accum", selective, "deepspeed", "selective recompute"),
     ("tp2", None, "hf", "tensor parallelism"),
     ("fsdp2-reshard", None, "deepspeed", "engine fsdp2"),
-    ("zero3-accum", None, "torchrun", "DeepSpeed ZeRO"),
+    ("zero3-accum", None, "torchrun", "engine deepspeed ZeRO-3"),
     ("lora", None, "megatron", "LoRA"),
     ("zero2-offload", None, "megatron", "offload"),
     # DeepSpeed 0.19 rejects bf16_master_weights_and_grads at stage 0 (runtime/config.py _do_error_check).
@@ -463,7 +463,7 @@ def test_emit_refuses_what_launcher_cannot_express(name, change, launcher, probl
 
 def test_emit_unknown_launcher_names_the_choices(plans):
     with pytest.raises(FitplanError, match="Unknown launcher"):
-        emit(plans["zero3-accum"], "torchtitan")
+        emit(plans["zero3-accum"], "nemo")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -26,6 +26,7 @@ import tomllib
 from costmodels import Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError
 from solver import solve
+from solver.capability import unsupported
 from solver.launchers import torchtitan
 from solver.launchers.common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY
 from solver.plan import ClusterInfo, Inputs, LoraDecision, ModelShape, Plan
@@ -82,7 +83,7 @@ SUPPORTED: dict[str, dict[str, Any]] = {
 LORA = LoraDecision(rank=8, alpha=16, targets=("all-linear",), dropout=0.0)
 # Every knob value torchtitan cannot run, one change from BASE at a time, and a word its reason must contain.
 UNSUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
-    "deepspeed": ({"engine": Engine.DEEPSPEED, "zero": 3}, "DeepSpeed"),
+    "deepspeed": ({"engine": Engine.DEEPSPEED, "zero": 3}, "engine deepspeed"),
     "nvme": ({"optimizer_offload": Offload.NVME, "param_offload": Offload.NVME}, "NVMe"),
     "optimizer-offload-only": ({"optimizer_offload": Offload.CPU}, "together"),
     "ddp-offload": ({"engine": Engine.DDP, "zero": 0, "optimizer_offload": Offload.CPU,
@@ -194,7 +195,8 @@ def check_expressed(config: Any, plan: Plan) -> None:
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_torchtitan_config_manager_parses_every_decided_knob(name, base, parse, tmp_path):
     plan = vary(base, **{**BASE, **SUPPORTED[name]})
-    assert torchtitan.unsupported(plan.decisions, plan.decisions.checkpoint, plan.decisions.lora is not None) == []
+    assert unsupported("torchtitan", plan.decisions, checkpoint=plan.decisions.checkpoint,
+                       lora=plan.decisions.lora is not None) == []
     check_expressed(parse(emitted(plan, tmp_path)), plan)
 
 
@@ -202,7 +204,7 @@ def test_torchtitan_config_manager_parses_every_decided_knob(name, base, parse, 
 def test_every_unsupported_value_is_refused_with_its_reason(name, base, tmp_path):
     changes, word = UNSUPPORTED[name]
     knobs = SimpleNamespace(**{**BASE, **changes})  # what the search asks about (space.Outer has these knobs)
-    problems = torchtitan.unsupported(knobs, knobs.checkpoint, knobs.lora is not None) + \
+    problems = unsupported("torchtitan", knobs, checkpoint=knobs.checkpoint, lora=knobs.lora is not None) + \
         torchtitan.model_problems(base.inputs, knobs.attention)
     assert len(problems) == 1 and word in problems[0] and torchtitan.TORCHTITAN in problems[0], problems
     try:
