@@ -145,6 +145,9 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     compiled = compile_pin is True or (compile_pin is None and cluster.gpu.vendor != "cpu")
     optimizers = tuple(dict.fromkeys(o for allowed in pins.allowed("optimizer") or (KNOBS["optimizer"].default,)
                                      for o in SAME_MATH.get(allowed, (allowed,))))
+    # Knobs the loops below do not enumerate take their pinned value (else their default); those they enumerate
+    # override it. So a new knob needs no change here until the search should choose it.
+    pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
     outers = []
     for engine, zero in engine_stages(pins, launchers):
         for tp in tp_degrees(graph, cluster, pins, engine):
@@ -156,11 +159,11 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                     for prec in precisions:
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(tp, pins):
-                                outers.append(Outer(tp=tp, dp=dp, engine=engine, zero=zero,
-                                                    optimizer_offload=opt_off, param_offload=param_off,
-                                                    micro_batch=mb, grad_accum=ga, precision=prec,
-                                                    optimizer=optimizer, sequence_parallel=sp,
-                                                    compile=compiled and _compiles(engine, zero, pins)))
+                                outers.append(Outer(**{**pinned, **dict(
+                                    tp=tp, dp=dp, engine=engine, zero=zero, optimizer_offload=opt_off,
+                                    param_offload=param_off, micro_batch=mb, grad_accum=ga, precision=prec,
+                                    optimizer=optimizer, sequence_parallel=sp,
+                                    compile=compiled and _compiles(engine, zero, pins))}))
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     outers = _runnable(outers, pins, modes, lora=graph.lora is not None, launchers=launchers)
