@@ -8,7 +8,8 @@ write per fused group instead of per op), which gives 1.05-1.3x end to end on LL
 
 from __future__ import annotations
 
-from .config import Config, Engine
+from .config import Config
+from .engines import rules_of
 
 COMPILED_MEMORY_BOUND_SPEEDUP = 2.0
 # torch.compile adds compile time and occasional graph breaks; "auto" keeps it only when the cost model expects
@@ -17,11 +18,9 @@ COMPILE_MIN_SAVING = 0.03
 
 
 def compile_credited(config: Config) -> bool:
-    """Whether the engine runs a compiled model as the speed-up assumes. DeepSpeed ZeRO-3 gathers parameters in
-    module hooks that break torch.compile graphs; its compiler path (DeepCompile, deepspeedai/DeepSpeed
-    blogs/deepcompile) is "under active development" (DeepSpeedExamples benchmarks/deepcompile), so a compiled
-    ZeRO-3 step is not credited (issue 12)."""
-    return config.compile and not (config.engine is Engine.DEEPSPEED and config.zero == 3)
+    """Whether the engine runs a compiled model as the speed-up assumes (`EngineRules.compile_stages`: not
+    DeepSpeed ZeRO-3, issue 12)."""
+    return config.compile and rules_of(config.engine).compiles(config.zero)
 
 
 def memory_bound_speedup(config: Config) -> float:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from graphs import Checkpoint, FitplanError, LayerGraph, Role
 
 from . import precision
+from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
-from .compute import CAUSAL_FRACTION
+from .compute import CAUSAL_FRACTION, KERNEL_LAUNCH_SECONDS
 from .config import Config, Engine, Precision, Workload
 from .memory import memory_breakdown
 from .timing import time_breakdown
@@ -80,7 +81,7 @@ def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
     tokens = workload.tokens_per_step / time.step_time
     return Estimate(memory=memory, time=time, tokens_per_second=tokens,
                     mfu=model_flops(graph, workload) / time.step_time / _cluster_peak(cluster, config),
-                    notes=_notes(graph, config))
+                    notes=_notes(graph, config) + _time_notes(cluster))
 
 
 def model_flops(graph: LayerGraph, workload: Workload) -> float:
@@ -97,6 +98,16 @@ def model_flops(graph: LayerGraph, workload: Workload) -> float:
 def _cluster_peak(cluster: Cluster, config: Config) -> float:
     dtype = "bf16" if config.precision is Precision.FP8 else precision.matmul_dtype(config.precision)
     return (cluster.gpu.peak_flops(dtype) or 1.0) * cluster.world_size
+
+
+def _time_notes(cluster: Cluster) -> tuple[str, ...]:
+    """The kernel-level sources the step time assumes (attention kernel, launch cost)."""
+    if cluster.gpu.vendor == "cpu":
+        return ()
+    return (kernel_note(cluster.gpu),
+            f"kernel launches: {KERNEL_LAUNCH_SECONDS * 1e6:.1f} us of host time per kernel (one per ATen op, counted "
+            "by the lowering; NVIDIA 'Getting Started with CUDA Graphs' 2019); a phase waits for the host when its "
+            "kernels are shorter (time.details kernel_launch_exposed)")
 
 
 def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:

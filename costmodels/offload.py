@@ -7,7 +7,8 @@ import json
 from importlib import resources
 
 from .cluster import Cluster
-from .config import Config, Engine, Offload, Optimizer
+from .config import Config, Offload, Optimizer
+from .engines import rules_of
 
 # Measured host-to-device copies reach 88% of PCIe Gen5 x16 (55.4 of 63 GB/s on 8xH200, nvbandwidth;
 # stas00/ml-engineering, shared notes §1.2). Applied to every host link.
@@ -47,14 +48,14 @@ def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params:
     pcie = _host_link(cluster)
     seconds = 0.0
     if config.optimizer_offload is not Offload.NONE:
-        moved = 2 * partition * (4 if config.engine is Engine.FSDP2 else grad_bytes)  # grads down, params up
+        moved = 2 * partition * _moved_itemsize(config, grad_bytes)  # grads down, params up
         seconds += moved / pcie
         seconds += _cpu_step_seconds(cluster, config, partition * ranks)
         if config.optimizer_offload is Offload.NVME:
             seconds += 2 * 12 * partition * ranks / max(cluster.nvme_bandwidth, 1.0)
     if config.param_offload is not Offload.NONE:
         # Each micro-batch fetches the rank's parameter shard for forward and again for backward.
-        fetched = 2 * params * (4 if config.engine is Engine.FSDP2 else grad_bytes) * config.grad_accum
+        fetched = 2 * params * _moved_itemsize(config, grad_bytes) * config.grad_accum
         seconds += fetched / pcie
         if config.param_offload is Offload.NVME:
             seconds += fetched * ranks / max(cluster.nvme_bandwidth, 1.0)
@@ -73,10 +74,18 @@ def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
     FSDP2 runs torch's AdamW on the host and DeepSpeed its CPUAdam; a profile's rate for the one that runs
     replaces the bandwidth model.
     """
-    fsdp = config.engine is Engine.FSDP2
+    rules = rules_of(config.engine)
     if cluster.profile is not None:
-        measured = cluster.profile.rate("adamw_torch" if fsdp else "adam_deepspeed")
+        measured = cluster.profile.rate(rules.host_optimizer)
         if measured:
             return params / measured
     step = params * CPU_ADAM_BYTES_PER_PARAM / HOST_MEMORY_BANDWIDTH
-    return step * (cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)] if fsdp else 1.0)
+    # DeepSpeed runs its own CPUAdam whatever was asked for; torch's host step runs the asked optimizer.
+    own = rules.offload_runs_own_optimizer
+    return step * (1.0 if own else cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)])
+
+
+def _moved_itemsize(config: Config, grad_bytes: int) -> int:
+    """Bytes per element crossing PCIe: FSDP2's CPUOffloadPolicy moves its fp32 shards, DeepSpeed the 16-bit
+    gradients and parameters (`grad_bytes`)."""
+    return 4 if rules_of(config.engine).offload_moves_all_states else grad_bytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .config import Engine, Precision
+from .engines import rules_of
 from .hardware import GPU
 
 _COMPUTE = {Precision.FP32: "float32", Precision.TF32: "float32", Precision.FP16_MIXED: "float16",
@@ -52,21 +53,21 @@ def weight_itemsize(precision: Precision, engine: Engine, *, trainable: bool) ->
     """
     if not trainable:
         return compute_itemsize(precision)
-    if is_mixed(precision) and engine is not Engine.DEEPSPEED:
+    if is_mixed(precision) and rules_of(engine).fp32_weights_when_mixed:
         return 4
     return compute_itemsize(precision)
 
 
 def grad_itemsize(precision: Precision, engine: Engine) -> int:
     """Bytes per element of gradients as backward produces them (before reduction)."""
-    if is_mixed(precision) and engine is Engine.DDP:
+    if is_mixed(precision) and rules_of(engine).fp32_grads_when_mixed:
         return 4  # autocast: gradients of fp32 leaf weights are fp32
     return compute_itemsize(precision)
 
 
 def master_itemsize(precision: Precision, engine: Engine) -> int:
     """Extra fp32 master copy per trainable element: DeepSpeed under mixed precision only."""
-    return 4 if is_mixed(precision) and engine is Engine.DEEPSPEED else 0
+    return 4 if is_mixed(precision) and not rules_of(engine).fp32_weights_when_mixed else 0
 
 
 def state_itemsize(precision: Precision) -> int:

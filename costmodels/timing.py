@@ -13,7 +13,7 @@ from .breakdown import TimeBreakdown
 from .cluster import Cluster
 from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
 from .compilation import memory_bound_speedup
-from .compute import KernelSpeed, kernel_speed, reduction_width, work_seconds
+from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
 from .config import Config, Engine, Offload, Precision, Workload
 from .fp8 import cast_bytes
 from .offload import offload_seconds
@@ -76,8 +76,8 @@ def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s:
     layers = graph.decoder_layers()
     width = dims.hidden if head or not layers else \
         reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layers[0], config.tp)])
-    return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention,
-                        tokens=b * s, width=width, alignment=factor, profile=cluster.profile)
+    return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
+                        seq_len=s, head_dim=dims.head_dim, alignment=factor, profile=cluster.profile)
 
 
 def layer_gemms(layer: Layer, tp: int) -> list[Gemm]:
@@ -187,7 +187,27 @@ def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, conf
     return TimeBreakdown(compute=compute, recompute=recompute, communication=communication, offload=f.offload,
                          optimizer=f.optimizer, step_time=compute + recompute + communication + f.offload + f.optimizer,
                          communication_total=f.communication_total + tp,
-                         details=(("tp_collectives_decoder_layers", tp), *f.details))
+                         details=(("tp_collectives_decoder_layers", tp), *f.details,
+                                  *launch_details(graph, cluster, workload, config)))
+
+
+def launch_details(graph: LayerGraph, cluster: Cluster, workload: Workload,
+                   config: Config) -> tuple[tuple[str, float], ...]:
+    """Per step: host seconds to launch every kernel of forward, backward and recompute, and the part of it the
+    device waits for (phases whose kernels finish faster than the host issues them), both already in compute."""
+    b, s = config.micro_batch, workload.seq_len
+    speeds = {head: speed_for(graph, cluster, config, b=b, s=s, head=head) for head in (False, True)}
+    modes = iter(config.layer_modes(len(graph.decoder_layers())))
+    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
+              "memory_speedup": memory_bound_speedup(config)}
+    host = exposed = 0.0
+    for layer in graph.nodes():
+        cost = layer.cost(next(modes) if layer.role is Role.DECODER else Checkpoint.NONE)
+        for work in (cost.forward, cost.backward, cost.recompute):
+            launch = launch_seconds(work)
+            host += launch
+            exposed += max(0.0, launch - device_seconds(work, speeds[layer.role is Role.HEAD], **kwargs))
+    return ("kernel_launch_host", config.grad_accum * host), ("kernel_launch_exposed", config.grad_accum * exposed)
 
 
 def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward: float,

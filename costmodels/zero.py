@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from graphs import ParamTensor
 
 from .config import Config, Engine
+from .engines import DataParallelTraffic, rules_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +26,9 @@ class Sharding:
 
 def sharding(config: Config) -> Sharding:
     """ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also parameters (Rajbhandari et al. 2020);
-    FSDP2 `fully_shard` shards all three at both of its settings."""
-    dp = config.dp
-    if config.engine is Engine.FSDP2:
-        return Sharding(dp, dp, dp)
-    stage = config.zero if config.engine is Engine.DEEPSPEED else 0
-    return Sharding(dp if stage >= 3 else 1, dp if stage >= 2 else 1, dp if stage >= 1 else 1)
+    FSDP2 `fully_shard` shards all three at both of its settings (each engine's `sharded_from`)."""
+    params, grads, optimizer = rules_of(config.engine).sharded(config.zero)
+    return Sharding(*(config.dp if split else 1 for split in (params, grads, optimizer)))
 
 
 def fsdp_shard_dim(shape: tuple[int, ...] | list[int], dp: int) -> int:
@@ -49,7 +47,7 @@ def local_shape(tensor: ParamTensor, *, tp: int, dp: int, engine: Engine) -> tup
     shape = list(tensor.shape)
     if tensor.tp_dim is not None and tp > 1:
         shape[tensor.tp_dim] = math.ceil(shape[tensor.tp_dim] / tp)
-    if engine is Engine.FSDP2 and dp > 1 and shape:
+    if rules_of(engine).per_tensor_dim_shards and dp > 1 and shape:
         dim = fsdp_shard_dim(shape, dp)
         shape[dim] = math.ceil(shape[dim] / dp)
     return tuple(shape)
@@ -66,7 +64,7 @@ def local_elements(tensors: Iterable[ParamTensor | tuple[ParamTensor, int]], *, 
     total = 0
     for item in tensors:
         tensor, count = item if isinstance(item, tuple) else (item, 1)
-        if sharded and dp > 1 and engine is Engine.FSDP2:
+        if sharded and dp > 1 and rules_of(engine).per_tensor_dim_shards:
             total += count * math.prod(local_shape(tensor, tp=tp, dp=dp, engine=engine))
         else:
             n = math.prod(local_shape(tensor, tp=tp, dp=1, engine=engine))
@@ -90,33 +88,9 @@ def prefetch_bucket_elements(hidden: int) -> int:
     return int(0.9 * hidden * hidden)
 
 
-@dataclass(frozen=True, slots=True)
-class DataParallelTraffic:
-    """Bytes each rank moves in data-parallel collectives, by when they happen."""
-
-    forward_gather: int = 0
-    """Parameters all-gathered during each micro-batch's forward (ZeRO-3 / FSDP2)."""
-    backward_gather: int = 0
-    """Parameters all-gathered again during backward (reshard-after-forward)."""
-    backward_reduce: int = 0
-    """Gradients reduce-scattered during each micro-batch's backward (ZeRO-2/3, FSDP2)."""
-    step_allreduce: int = 0
-    """Gradients all-reduced once per step, overlapping the last backward (DDP, ZeRO-0/1)."""
-    step_gather: int = 0
-    """Updated parameters all-gathered after the optimizer step (ZeRO-1/2)."""
-
-
 def dp_traffic(config: Config, *, param_bytes: int, grad_bytes: int) -> DataParallelTraffic:
-    """Full-buffer sizes of each data-parallel collective; `param_bytes`/`grad_bytes` are the TP-local
-    parameter and gradient sizes in the communicated dtypes."""
+    """Full-buffer sizes of each data-parallel collective (`EngineRules.traffic`); `param_bytes`/`grad_bytes` are
+    the TP-local parameter and gradient sizes in the communicated dtypes."""
     if config.dp == 1:
         return DataParallelTraffic()
-    if config.engine is Engine.FSDP2 or (config.engine is Engine.DEEPSPEED and config.zero == 3):
-        resharded = config.engine is Engine.DEEPSPEED or config.zero == 3
-        return DataParallelTraffic(forward_gather=param_bytes, backward_gather=param_bytes if resharded else 0,
-                                   backward_reduce=grad_bytes)
-    if config.engine is Engine.DEEPSPEED and config.zero == 2:
-        return DataParallelTraffic(backward_reduce=grad_bytes, step_gather=param_bytes)
-    if config.engine is Engine.DEEPSPEED and config.zero == 1:
-        return DataParallelTraffic(step_allreduce=grad_bytes, step_gather=0)
-    return DataParallelTraffic(step_allreduce=grad_bytes)
+    return rules_of(config.engine).traffic(config.zero, param_bytes=param_bytes, grad_bytes=grad_bytes)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .lora import LoraSpec
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 
 
 def cache_dir() -> Path:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .layer import ModeCost, Work
 from .poly import ZERO, PeakPoly, Poly, ProbeValues, fit_probe_values
 from .probe import MODEL_WIDE, Recording
+from .recorder import launches_kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ def op_works(probes: Probes) -> list[Work]:
             for k in range(len(op.io)):
                 io = io + _fit(probes, [run.ops[i].io[k] for run in runs])
         works.append(Work(flops=flops, attention_flops=flops if op.flop_class == "attention" else ZERO,
-                          io_bytes=io))
+                          io_bytes=io, kernels=Poly.const(1) if launches_kernel(op) else ZERO))
     return works
 
 

@@ -87,19 +87,22 @@ class Work:
     """The part of `flops` done by fused attention kernels."""
     io_bytes: Poly = ZERO
     """Bytes read and written by ops that are not matmuls or attention (memory-bound work)."""
+    kernels: Poly = ZERO
+    """Device kernels launched: one per dispatched ATen op that reads or writes tensor data
+    (`recorder.launches_kernel`); a constant, since the op sequence does not depend on the shape."""
 
     def __add__(self, other: Work) -> Work:
         return Work(flops=self.flops + other.flops, attention_flops=self.attention_flops + other.attention_flops,
-                    io_bytes=self.io_bytes + other.io_bytes)
+                    io_bytes=self.io_bytes + other.io_bytes, kernels=self.kernels + other.kernels)
 
     def to_json(self) -> dict[str, Any]:
         return {"flops": self.flops.to_json(), "attention_flops": self.attention_flops.to_json(),
-                "io_bytes": self.io_bytes.to_json()}
+                "io_bytes": self.io_bytes.to_json(), "kernels": self.kernels.to_json()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Work:
         return cls(flops=Poly.from_json(data["flops"]), attention_flops=Poly.from_json(data["attention_flops"]),
-                   io_bytes=Poly.from_json(data["io_bytes"]))
+                   io_bytes=Poly.from_json(data["io_bytes"]), kernels=Poly.from_json(data["kernels"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -83,6 +83,18 @@ class OpRecord:
     io: list[int]  # bytes of every tensor read or written, by argument position; empty for views
 
 
+# Ops that read or write tensor data and still launch no device kernel: metadata queries answered on the host.
+_HOST_ONLY_OPS = {"aten.is_same_size", "aten._has_compatible_shallow_copy_type", "aten.sym_size", "aten.sym_numel",
+                  "aten.sym_stride", "aten.sym_storage_offset", "aten.is_nonzero"}
+
+
+def launches_kernel(op: OpRecord) -> bool:
+    """Whether eager PyTorch launches a device kernel for `op`: every ATen op that reads or writes tensor data
+    dispatches to one CUDA kernel (TensorIterator ops, cuBLAS GEMMs, the flash-attention kernels); views,
+    uninitialised allocations (`_FREE_OPS`, recorded with no bytes) and host metadata queries launch none."""
+    return bool(op.io) and op.name not in _HOST_ONLY_OPS
+
+
 @dataclass(slots=True)
 class StorageRecord:
     """One storage created during the pass."""

@@ -35,9 +35,9 @@ def test_aligned_gemm_shapes_beat_misaligned_ones_at_equal_flops():
     assert alignment_factor(a100, "bf16", (4096, 4104)) < 1.0  # a multiple of 8 but not of 64
     assert alignment_factor(a100, "bf16", (4096, 4097)) < alignment_factor(a100, "bf16", (4096, 4104))
     aligned = kernel_speed(a100, matmul_dtype="bf16", attention_dtype="bf16", tokens=4096, width=4096,
-                           alignment=alignment_factor(a100, "bf16", (4096,)))
+                           seq_len=4096, head_dim=128, alignment=alignment_factor(a100, "bf16", (4096,)))
     misaligned = kernel_speed(a100, matmul_dtype="bf16", attention_dtype="bf16", tokens=4096, width=4096,
-                              alignment=alignment_factor(a100, "bf16", (4095,)))
+                              seq_len=4096, head_dim=128, alignment=alignment_factor(a100, "bf16", (4095,)))
     assert aligned.matmul_flops > misaligned.matmul_flops
 
 

@@ -89,12 +89,13 @@ def test_profile_for_another_gpu_is_refused():
 def test_gemm_measured_at_the_datasheet_rate_leaves_matmul_speed_unchanged():
     # A measurement that took exactly what the datasheet model predicts at its shape implies the same ceiling.
     gpu = find_gpu(H100)
-    predicted = kernel_speed(gpu, matmul_dtype="bf16", attention_dtype="bf16", tokens=M, width=K).matmul_flops
+    predicted = kernel_speed(gpu, matmul_dtype="bf16", attention_dtype="bf16", tokens=M, width=K, seq_len=M,
+                             head_dim=128).matmul_flops
     profile = make_profile(gemm_seconds=2 * M * N * K / predicted)
     assert measured_matmul_ceiling(gpu, profile, "bf16") == pytest.approx(
         gpu.peak_flops("bf16") * MAMF.get(H100, DEFAULT_MAMF), rel=1e-12)
-    with_profile_speed = kernel_speed(gpu, matmul_dtype="bf16", attention_dtype="bf16", tokens=M, width=K,
-                                      profile=profile)
+    with_profile_speed = kernel_speed(gpu, matmul_dtype="bf16", attention_dtype="bf16", tokens=M, width=K, seq_len=M,
+                                      head_dim=128, profile=profile)
     assert with_profile_speed.matmul_flops == pytest.approx(predicted, rel=1e-12)
 
 

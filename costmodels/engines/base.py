@@ -1,0 +1,110 @@
+"""What a data-parallel engine is, as the cost models ask it: one `EngineRules` value per engine, each in its own
+module with the version and the source each rule was checked against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Engine
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelTraffic:
+    """Bytes each rank moves in data-parallel collectives, by when they happen."""
+
+    forward_gather: int = 0
+    """Parameters all-gathered during each micro-batch's forward (ZeRO-3 / FSDP2)."""
+    backward_gather: int = 0
+    """Parameters all-gathered again during backward (reshard-after-forward)."""
+    backward_reduce: int = 0
+    """Gradients reduce-scattered during each micro-batch's backward (ZeRO-2/3, FSDP2)."""
+    step_allreduce: int = 0
+    """Gradients all-reduced once per step, overlapping the last backward (DDP, ZeRO-0/1)."""
+    step_gather: int = 0
+    """Updated parameters all-gathered after the optimizer step (ZeRO-1/2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRules:
+    """One engine's behaviour at each of its ZeRO stages."""
+
+    engine: Engine
+    runtime: str
+    """The runtime and version the rules were checked against."""
+    stages: tuple[int, ...]
+    """The ZeRO stages it runs (FSDP2: 2 keeps parameters gathered until backward, 3 reshards after forward)."""
+    stage_rule: str
+    """How its stages are named, for the refusal of another (e.g. "has no ZeRO stage; use deepspeed or fsdp2")."""
+    sharded_from: tuple[int | None, int | None, int | None]
+    """First stage at which (parameters, gradients, optimizer states) are split over the data-parallel ranks
+    (None: never)."""
+    per_tensor_dim_shards: bool
+    """Shards each tensor on one dim (FSDP2's `Shard` placements) rather than a flat partition (DeepSpeed)."""
+    reshard_stages: tuple[int, ...]
+    """Stages that free gathered parameters after forward and gather them again for backward."""
+    fp32_weights_when_mixed: bool
+    """Keeps trainable weights in fp32 under mixed precision (autocast / MixedPrecisionPolicy cast per use)
+    rather than in 16 bits beside an fp32 master copy."""
+    fp32_grads_when_mixed: bool
+    """Backward produces fp32 gradients under mixed precision (autocast over fp32 leaf weights)."""
+    compile_stages: tuple[int, ...]
+    """Stages at which a torch.compile'd model runs as compiled (credited in time)."""
+    optimizer_offload_stages: tuple[int, ...]
+    """Stages that can keep the optimizer states (and fp32 masters) on the host."""
+    param_offload_stages: tuple[int, ...]
+    """Stages that can keep parameter shards on the host between uses."""
+    nvme_stages: tuple[int, ...] = ()
+    """Stages that can offload to NVMe."""
+    offload_moves_all_states: bool = False
+    """Offload moves parameters, gradients and optimizer states together (FSDP2's CPUOffloadPolicy)."""
+    offload_runs_own_optimizer: bool = False
+    """Under optimizer offload the step is the engine's own CPU optimizer, whatever optimizer was asked for."""
+    host_optimizer: str = ""
+    """The optimizer implementation that runs a host (offloaded) step (profile rate name)."""
+
+    def sharded(self, stage: int) -> tuple[bool, bool, bool]:
+        """Whether (parameters, gradients, optimizer states) are split over the data-parallel ranks."""
+        return tuple(first is not None and stage >= first for first in self.sharded_from)  # type: ignore[return-value]
+
+    def reshards(self, stage: int) -> bool:
+        return stage in self.reshard_stages
+
+    def compiles(self, stage: int) -> bool:
+        return stage in self.compile_stages
+
+    def traffic(self, stage: int, *, param_bytes: int, grad_bytes: int) -> DataParallelTraffic:
+        """Full-buffer sizes of each data-parallel collective; `param_bytes`/`grad_bytes` are the TP-local
+        parameter and gradient sizes in the communicated dtypes."""
+        params, grads, _ = self.sharded(stage)
+        if params:  # gathered per use, gradients reduce-scattered per micro-batch
+            return DataParallelTraffic(forward_gather=param_bytes,
+                                       backward_gather=param_bytes if self.reshards(stage) else 0,
+                                       backward_reduce=grad_bytes)
+        if grads:  # reduce-scattered in backward, updated shards gathered after the step
+            return DataParallelTraffic(backward_reduce=grad_bytes, step_gather=param_bytes)
+        return DataParallelTraffic(step_allreduce=grad_bytes)
+
+    def refusals(self, stage: int, *, optimizer_offload: str, param_offload: str) -> list[str]:
+        """What this engine cannot run of these stage and offload targets ("none", "cpu", "nvme")."""
+        name = f"engine={self.engine}"
+        if stage not in self.stages:
+            return [f"{name} {self.stage_rule} (zero={stage})"]
+        problems = []
+        if "nvme" in (optimizer_offload, param_offload) and stage not in self.nvme_stages:
+            problems.append(f"NVMe offload needs DeepSpeed ZeRO-3 ({name}, zero={stage})")
+        if optimizer_offload != "none" and stage not in self.optimizer_offload_stages:
+            problems.append(f"optimizer_offload={optimizer_offload} needs ZeRO stage "
+                            f"{_stages(self.optimizer_offload_stages)} under {self.engine} (zero={stage}): it "
+                            "offloads only the optimizer states it partitions" if self.optimizer_offload_stages
+                            else f"{name} cannot offload the optimizer; use deepspeed or fsdp2")
+        if param_offload != "none" and stage not in self.param_offload_stages:
+            problems.append(f"param_offload={param_offload} needs ZeRO-3 (zero={stage})")
+        if self.offload_moves_all_states and optimizer_offload != param_offload:
+            problems.append(f"{self.runtime}'s CPUOffloadPolicy moves parameters, gradients and optimizer "
+                            f"states together: optimizer_offload={optimizer_offload} must equal "
+                            f"param_offload={param_offload}")
+        return problems
+
+
+def _stages(stages: tuple[int, ...]) -> str:
+    return f"{stages[0]}-{stages[-1]}" if len(stages) > 1 else str(stages[0])

@@ -1,0 +1,92 @@
+"""Attention kernels priced from the kernel papers' tables, and kernel launches from the lowering's counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodels import Config, Engine, Workload, estimate, parse_cluster
+from costmodels.attention_kernels import DEFAULT_KERNEL, curves, fraction_of_peak
+from costmodels.compute import KERNEL_LAUNCH_SECONDS, KernelSpeed, kernel_speed, launch_seconds, work_seconds
+from costmodels.hardware import find_gpu
+from graphs import Poly, Work, lower
+
+from ..graphs.reference import write_config
+from ..graphs.tiny_configs import tiny_values
+
+MEASURED_ON = {"ampere": "A100-80GB", "hopper": "H100"}
+
+
+@pytest.mark.parametrize("curve", curves(), ids=lambda c: f"{c.arch}-hd{c.head_dim}-causal{c.causal}")
+def test_attention_speed_equals_the_papers_table_at_its_points(curve):
+    gpu = find_gpu(MEASURED_ON[curve.arch])
+    for seq_len, tflops in zip(curve.seq_len, curve.tflops, strict=True):
+        fraction = fraction_of_peak(gpu, seq_len=seq_len, head_dim=curve.head_dim, causal=curve.causal,
+                                    kernel=curve.kernel)
+        assert fraction * curve.peak_tflops == pytest.approx(tflops, rel=1e-12)
+
+
+def test_attention_speed_lies_between_neighbouring_lengths_and_head_dims_and_is_flat_beyond():
+    a100 = find_gpu("A100-80GB")
+    at = {(s, d): fraction_of_peak(a100, seq_len=s, head_dim=d) for s in (2048, 3000, 4096) for d in (64, 96, 128)}
+    assert at[(2048, 64)] < at[(3000, 64)] < at[(4096, 64)]
+    assert at[(3000, 64)] < at[(3000, 96)] < at[(3000, 128)]
+    assert at[(3000, 96)] == pytest.approx((at[(3000, 64)] + at[(3000, 128)]) / 2, rel=1e-12)
+    assert fraction_of_peak(a100, seq_len=65536, head_dim=64) == fraction_of_peak(a100, seq_len=16384, head_dim=64)
+    assert fraction_of_peak(a100, seq_len=128, head_dim=256) == fraction_of_peak(a100, seq_len=512, head_dim=128)
+
+
+def test_attention_rate_follows_the_gpu_and_length_not_one_constant():
+    # FlashAttention-2 reaches ~55% of the A100's peak but ~30% of the H100's (Dao 2023 Fig. 4, 7).
+    def rate(gpu: str, seq_len: int) -> float:
+        return kernel_speed(find_gpu(gpu), matmul_dtype="bf16", attention_dtype="bf16", tokens=seq_len,
+                            width=4096, seq_len=seq_len, head_dim=128).attention_flops
+
+    a100, h100 = find_gpu("A100-80GB"), find_gpu("H100")
+    assert rate("A100-80GB", 2048) / a100.peak_flops("bf16") > 1.5 * rate("H100", 2048) / h100.peak_flops("bf16")
+    table = next(c for c in curves() if c.arch == "hopper" and c.head_dim == 128 and c.causal)
+    assert rate("H100", 16384) / rate("H100", 512) == pytest.approx(table.tflops[-1] / table.tflops[0], rel=1e-12)
+
+
+def _speed() -> KernelSpeed:
+    return KernelSpeed(matmul_flops=1e14, attention_flops=1e14, memory_bandwidth=1e12)
+
+
+def test_a_phase_of_small_kernels_costs_one_launch_per_counted_kernel():
+    work = Work(flops=Poly.const(1000), kernels=Poly.const(250))
+    assert launch_seconds(work) == pytest.approx(250 * KERNEL_LAUNCH_SECONDS, rel=1e-12)
+    assert work_seconds(work, _speed(), b=1, s=1, tp=1) == pytest.approx(250 * KERNEL_LAUNCH_SECONDS, rel=1e-12)
+
+
+def test_a_phase_of_long_kernels_hides_its_launches():
+    work = Work(flops=Poly.const(10**14), kernels=Poly.const(250))  # one second of matmuls
+    assert work_seconds(work, _speed(), b=1, s=1, tp=1) == pytest.approx(1.0, rel=1e-12)
+
+
+def _launch_host(tmp_path, layers: int) -> tuple[float, float]:
+    values = {**tiny_values("llama"), "num_hidden_layers": layers}
+    graph = lower(str(write_config(tmp_path / str(layers), values)), dtype="float32", autocast="bfloat16",
+                  use_cache=False)
+    config = Config(engine=Engine.DDP, micro_batch=1)
+    est = estimate(graph, parse_cluster("1xH100"), Workload(seq_len=16, global_batch=1), config)
+    per_layer = sum(w.kernels(1, 1) for w in (graph.decoder_layers()[0].cost().forward,
+                                              graph.decoder_layers()[0].cost().backward))
+    return dict(est.time.details)["kernel_launch_host"], per_layer * KERNEL_LAUNCH_SECONDS
+
+
+def test_twice_the_layers_adds_the_launch_time_of_the_added_layers(tmp_path):
+    three, per_layer = _launch_host(tmp_path, 3)
+    six, _ = _launch_host(tmp_path, 6)
+    assert six - three == pytest.approx(3 * per_layer, rel=1e-9)
+    assert per_layer > 0
+
+
+def test_tiny_model_step_is_launch_bound_and_the_plan_names_its_attention_kernel(tmp_path):
+    graph = lower(str(write_config(tmp_path, tiny_values("llama"))), dtype="float32", autocast="bfloat16",
+                  use_cache=False)
+    est = estimate(graph, parse_cluster("1xH100"), Workload(seq_len=16, global_batch=1),
+                   Config(engine=Engine.DDP, micro_batch=1))
+    details = dict(est.time.details)
+    # A 128-wide model over 16 tokens: every phase waits for the host, so launches are the whole compute.
+    assert details["kernel_launch_exposed"] > 0.9 * details["kernel_launch_host"]
+    assert est.time.compute >= details["kernel_launch_host"] * (1 - 1e-9)
+    assert any(note.startswith(f"attention kernel: {DEFAULT_KERNEL}") for note in est.notes)
