@@ -122,3 +122,13 @@ def offload_seconds(graph: LayerGraph, cluster: Cluster, config: Config, speed: 
         transfers.append((moved, work_seconds(cost.forward, speed, **kwargs),
                           work_seconds(cost.backward, speed, **kwargs) + work_seconds(cost.recompute, speed, **kwargs)))
     return config.grad_accum * exposed_seconds(transfers, _host_link(cluster))
+
+
+def step_seconds(graph: LayerGraph, cluster: Cluster, config: Config, speed: KernelSpeed, *, s: int,
+                 memory_speedup: float = 1.0) -> float:
+    """`offload_seconds` of `config` with every layer fully checkpointed (the only way torchtune offloads, which
+    `Config` enforces once the modes are decided); 0 without activation offload."""
+    if not config.activation_offload:
+        return 0.0
+    full = replace(config, checkpoint=(Checkpoint.FULL,) * len(graph.decoder_layers()))
+    return offload_seconds(graph, cluster, full, speed, s=s, memory_speedup=memory_speedup)

@@ -43,6 +43,22 @@ class Optimizer(_Choice):
     ADAFACTOR = "adafactor"  # factored second moment, no first moment
     ADAMW_8BIT = "adamw-8bit"  # bitsandbytes AdamW8bit: blockwise-quantised uint8 moments
     SGD = "sgd"  # SGD with momentum
+    # bitsandbytes PagedAdamW8bit / PagedAdamW32bit: AdamW8bit's / 32-bit AdamW's states in CUDA unified memory,
+    # paged to host RAM under device-memory pressure (costmodels/paging.py)
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+    PAGED_ADAMW_32BIT = "paged-adamw-32bit"
+
+
+# bitsandbytes' optimizers: their CUDA kernels update device (or unified-memory) tensors only.
+BNB_OPTIMIZERS = (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT)
+
+
+class Loss(_Choice):
+    """How the LM head's cross-entropy is computed (costmodels/loss.py)."""
+
+    HF = "hf"  # transformers ForCausalLMLoss: 16-bit logits, fp32 upcast, log-softmax saved
+    CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head and upcast per chunk of the sequence
+    FUSED_LINEAR = "fused-linear"  # Liger LigerFusedLinearCrossEntropyLoss: no full logits, gradients in forward
 
 
 class Engine(_Choice):
@@ -121,6 +137,16 @@ class Config:
                                             reads=("activation_offload", "activations", "memory", "timing"))] = False
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
                                   reads=("compilation",))] = False
+    optimizer_in_backward: Annotated[bool, Knob(
+        "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
+        "no gradient accumulation or clipping).", reads=("memory", "states"))] = False
+    loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
+                               "or fused-linear (Liger, no full logits).",
+                               reads=("estimate", "memory"))] = Loss.HF
+    activation_offload: Annotated[bool, Knob(
+        "Offload saved activations to host memory between forward and backward (torchtune's "
+        "enable_activation_offloading; needs full checkpointing on every layer).",
+        reads=("activation_offload", "estimate", "memory"))] = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "micro_batch", "grad_accum"):
@@ -144,7 +170,7 @@ class Config:
             raise ValueError(f"optimizer_offload={self.optimizer_offload} needs DeepSpeed ZeRO stage 1-3 (zero=0): "
                              "DeepSpeed offloads only the optimizer states it partitions")
         if self.engine is Engine.DEEPSPEED and self.optimizer_offload is not Offload.NONE and \
-                self.optimizer is Optimizer.ADAMW_8BIT:
+                self.optimizer in BNB_OPTIMIZERS:
             # DeepSpeed 0.19 runtime/engine.py refuses a client optimizer under ZeRO-Offload unless
             # zero_force_ds_cpu_optimizer is false, and the offloaded step then runs on CPU tensors that
             # bitsandbytes' CUDA kernels cannot update; accelerate swaps in DeepSpeedCPUAdam (fp32) silently.
@@ -156,6 +182,24 @@ class Config:
                              f"param_offload={self.param_offload}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        self._check_memory_savers()
+
+    def _check_memory_savers(self) -> None:
+        """The refusals of optimizer-in-backward, the loss and activation offload that need no model."""
+        if self.optimizer_in_backward:
+            from .optimizer_in_backward import refusals  # it imports this module
+
+            reasons = refusals(self, clip_grad_norm=False)
+            if reasons:
+                raise ValueError("optimizer_in_backward cannot run here: " + "; ".join(reasons))
+        if self.loss is not Loss.HF and self.tp > 1:
+            raise ValueError(f"loss={self.loss} with tp={self.tp}: the vocabulary-parallel head is not modelled "
+                             "(the chunked and fused losses run on a whole-vocabulary head)")
+        if self.activation_offload and any(mode is not Checkpoint.FULL for mode in self.checkpoint):
+            # torchtune 0.6.1 recipes: "enable_activation_offloading should only be True when
+            # enable_activation_checkpointing is True"; an empty tuple is the search's not-yet-decided modes.
+            raise ValueError("activation_offload needs full activation checkpointing on every layer (torchtune "
+                             "refuses it otherwise)")
 
     @property
     def world_size(self) -> int:

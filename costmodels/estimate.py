@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from graphs import Checkpoint, FitplanError, LayerGraph, Role
 
-from . import precision
+from . import activation_offload, loss, precision
 from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
@@ -67,15 +67,36 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
         if cluster.gpu.peak_flops(dtype) is None:
             raise InvalidConfig(f"{cluster.gpu.name} has no {dtype} support for precision {config.precision}",
                                 "Pick a precision the GPU supports (e.g. fp16-mixed on V100/T4, no fp8 before Hopper).")
+    reasons = model_refusals(graph, config, modes_decided=bool(config.checkpoint))  # () : the search's outer
+    if reasons:
+        raise InvalidConfig("; ".join(reasons), hint)
     per_step = config.micro_batch * config.grad_accum * config.dp
     if per_step != workload.global_batch:
         raise InvalidConfig(f"micro_batch {config.micro_batch} x grad_accum {config.grad_accum} x dp {config.dp} = "
                             f"{per_step}, not the global batch {workload.global_batch}", hint)
 
 
+def model_refusals(graph: LayerGraph, config: Config, *, modes_decided: bool = True) -> list[str]:
+    """Why `config` cannot run on this model: the loss, activation offload (once the checkpoint modes are
+    decided) and a bitsandbytes-quantized base (the knob-only refusals are `Config`'s own)."""
+    reasons = loss.refusals(config.loss, graph, config)
+    if config.activation_offload and modes_decided:
+        reasons += activation_offload.refusals(graph, config)
+    quantization = graph.lora.quantization if graph.lora is not None else None
+    if quantization is not None and (config.engine is not Engine.DDP or config.tp > 1):
+        # fitplan keeps the packed base whole on every rank (states._param_bytes): sharding it (FSDP-QLoRA's
+        # bnb_4bit_quant_storage) and tensor-parallel bitsandbytes layers are not modelled.
+        reasons.append(f"a {quantization}-quantized base runs on DDP with tp=1 only ({config.engine}, "
+                       f"tp={config.tp}): sharding packed bitsandbytes weights is not modelled")
+    return reasons
+
+
 def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> Estimate:
     """Memory per GPU and time per optimizer step of running `graph` on `cluster` with `config`."""
     check(graph, cluster, workload, config)
+    reasons = [] if config.checkpoint else model_refusals(graph, config)  # no modes given: none checkpointed
+    if reasons:
+        raise InvalidConfig("; ".join(reasons), "Choose a configuration the model allows.")
     memory = memory_breakdown(graph, cluster, workload, config)
     time = time_breakdown(graph, cluster, workload, config)
     tokens = workload.tokens_per_step / time.step_time

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from enum import Enum
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from graphs import Checkpoint, LayerGraph, Role
 
 from . import precision
 from .activations import NodeMemory
-from .config import Config
+from .config import Config, Loss
 
 if TYPE_CHECKING:  # memory.py may call this module: no import cycle at run time
     from .memory import MemoryTerms
@@ -39,17 +38,6 @@ LIGER_MODEL_TYPES = frozenset({
     "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama", "llama4_text", "ministral", "mistral",
     "mixtral", "nemotron", "olmo2", "olmo3", "phi3", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "smollm3"})
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class Loss(str, Enum):
-    """How the LM head's cross-entropy is computed."""
-
-    HF = "hf"  # transformers ForCausalLMLoss: bf16 logits, fp32 upcast, log-softmax saved
-    CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head and upcast per chunk of the sequence
-    FUSED_LINEAR = "fused-linear"  # Liger LigerFusedLinearCrossEntropyLoss: no full logits, gradients in forward
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -243,7 +231,10 @@ def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
     if config.tp > 1:
         reasons.append(f"{loss} loss with tp={config.tp}: the vocabulary-parallel head is not modelled (both run "
                        "on a whole-vocabulary head)")
-    if loss is Loss.CHUNKED and _ITEMSIZE[graph.dtype] != precision.compute_itemsize(config.precision):
+    from .estimate import lowering_for  # estimate.py imports this module through memory.py
+
+    weights = lowering_for(config, lora=graph.lora is not None)[0]  # the lowering `config` runs, not `graph`'s
+    if loss is Loss.CHUNKED and _ITEMSIZE[weights] != precision.compute_itemsize(config.precision):
         reasons.append("torchtune's chunked loss runs in one dtype (`dtype: bf16|fp32`), without autocast over "
                        f"fp32 weights ({config.precision} with {config.engine})")
     if loss is Loss.FUSED_LINEAR and graph.model_type not in LIGER_MODEL_TYPES:

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
 
 from . import precision
+from .activation_offload import host_bytes, moved_bytes, offload_terms
 from .activations import NodeMemory, Peak, evaluate, node_memory, walk
 from .breakdown import MemoryBreakdown
 from .cluster import Cluster
 from .config import Config, Engine, Offload, Workload
+from .loss import loss_terms
+from .optimizer_in_backward import in_backward_timeline
 from .overhead import reserved_bytes, runtime_overhead
 from .states import ModelStates, model_states
 from .zero import local_elements, persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
@@ -42,6 +45,19 @@ class MemoryTerms:
 
 
 def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> MemoryTerms:
+    """The memory terms of `config`; the memory-saving knobs apply in this order, each to the terms before it:
+    the optimizer's states (paged, in backward: `model_states`), the in-backward timeline, the loss's head and
+    loss nodes, then activation offload (which moves what the earlier steps left saved)."""
+    terms = _plain_terms(graph, workload, config)
+    if config.optimizer_in_backward:
+        terms = in_backward_timeline(graph, config, terms)
+    terms = loss_terms(graph, config, terms, config.loss, seq_len=workload.seq_len)
+    if config.activation_offload:
+        terms = offload_terms(terms)
+    return terms
+
+
+def _plain_terms(graph: LayerGraph, workload: Workload, config: Config) -> MemoryTerms:
     states = model_states(graph, config)
     b, s = config.micro_batch, workload.seq_len
     by_kind: dict[int, tuple[tuple[Checkpoint, NodeMemory], ...]] = {}  # layers of one kind cost the same
@@ -86,10 +102,19 @@ def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, co
     overhead = runtime_overhead(cluster, config)
     reserved = reserved_bytes(allocated)
     cpu, nvme = offload_bytes(cluster, config, states)
+    cpu += activation_host_bytes(graph, cluster, workload, config)
     return MemoryBreakdown(parameters=states.params, gradients=grads, optimizer_states=states.master + states.optimizer,
                            activations=peak.activations, temporary=temporary, allocated_peak=allocated,
                            reserved_peak=reserved, overhead=overhead, device_peak=reserved + overhead,
                            peak_at=peak.at, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme)
+
+
+def activation_host_bytes(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> int:
+    """Pinned host RAM per node that offloaded activations take (0 without activation offload)."""
+    if not config.activation_offload:
+        return 0
+    moved = moved_bytes(graph, config, b=config.micro_batch, s=workload.seq_len)
+    return host_bytes(moved, min(cluster.gpus_per_node, config.world_size))
 
 
 def model_wide_bytes(graph: LayerGraph, config: Config, *, b: int, s: int) -> tuple[int, int]:

@@ -18,11 +18,11 @@ from graphs import LayerGraph
 
 from . import optimizers, precision
 from .config import Config, Engine, Offload, Precision
-from .states import ModelStates
 from .zero import local_elements, local_shape
 
-if TYPE_CHECKING:  # memory.py may call this module: no import cycle at run time
+if TYPE_CHECKING:  # memory.py, states.py and config.py call this module: no import cycle at run time
     from .memory import MemoryTerms
+    from .states import ModelStates
 
 
 def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
@@ -84,6 +84,12 @@ def node_backward_extra(graph: LayerGraph, config: Config) -> list[int]:
 def in_backward_terms(graph: LayerGraph, config: Config, terms: MemoryTerms) -> MemoryTerms:
     """`memory_terms(graph, workload, config)` as an optimizer-in-backward run allocates them: one timeline in
     which each node's new gradients are handed off at once (to the hook, which steps and frees them)."""
+    return replace(in_backward_timeline(graph, config, terms), states=in_backward_states(graph, config, terms.states))
+
+
+def in_backward_timeline(graph: LayerGraph, config: Config, terms: MemoryTerms) -> MemoryTerms:
+    """`terms` with the activation timeline of an optimizer-in-backward run (its states left as they are:
+    `states.model_states` already applies `in_backward_states` when the knob is on)."""
     extra = tuple((fwd, kept, bwd + add) for (fwd, kept, bwd), add
                   in zip(terms.extra, node_backward_extra(graph, config), strict=True))
-    return replace(terms, states=in_backward_states(graph, config, terms.states), extra=extra, walks=((False, 0),))
+    return replace(terms, extra=extra, walks=((False, 0),))

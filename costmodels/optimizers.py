@@ -16,10 +16,9 @@ BNB_MIN_8BIT_SIZE = 4096
 BNB_QMAP_BYTES = 2 * 256 * 4
 
 # bitsandbytes' paged AdamW (`PagedAdamW8bit`, `PagedAdamW32bit`, bitsandbytes/optim/adamw.py 0.50.2) keep the
-# states of `AdamW8bit` / `AdamW32bit`; only where they live differs (costmodels/paging.py). Named by value until
-# the knob declaration gives them `Optimizer` members (the enum is a str enum, so members compare equal).
-PAGED_ADAMW_8BIT = "paged-adamw-8bit"
-PAGED_ADAMW_32BIT = "paged-adamw-32bit"
+# states of `AdamW8bit` / `AdamW32bit`; only where they live differs (costmodels/paging.py).
+PAGED_ADAMW_8BIT = Optimizer.PAGED_ADAMW_8BIT
+PAGED_ADAMW_32BIT = Optimizer.PAGED_ADAMW_32BIT
 PAGED_OPTIMIZERS = (PAGED_ADAMW_8BIT, PAGED_ADAMW_32BIT)
 
 
@@ -27,7 +26,7 @@ def state_bytes(optimizer: Optimizer | str, shape: tuple[int, ...], itemsize: in
     """Bytes of optimizer state for one tensor of `shape` whose states are kept at `itemsize` bytes."""
     numel = math.prod(shape)
     match optimizer:
-        case "paged-adamw-32bit":
+        case Optimizer.PAGED_ADAMW_32BIT:
             # bitsandbytes 32-bit states are fp32 whatever the parameter dtype (`Optimizer2State.init_state`).
             return 2 * numel * 4
         case Optimizer.ADAMW | Optimizer.ADAMW_FUSED:
@@ -38,7 +37,7 @@ def state_bytes(optimizer: Optimizer | str, shape: tuple[int, ...], itemsize: in
             if len(shape) >= 2:  # torch.optim.Adafactor: row_var (..., r, 1) and col_var (..., 1, c)
                 return (numel // shape[-1] + numel // shape[-2]) * itemsize
             return numel * itemsize  # variance
-        case Optimizer.ADAMW_8BIT | "paged-adamw-8bit":
+        case Optimizer.ADAMW_8BIT | Optimizer.PAGED_ADAMW_8BIT:
             if numel < BNB_MIN_8BIT_SIZE:
                 return 2 * numel * 4
             return 2 * numel + 2 * math.ceil(numel / BNB_BLOCK) * 4

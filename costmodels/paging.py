@@ -15,16 +15,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .cluster import Cluster
 from .offload import _host_link
 from .optimizers import PAGED_OPTIMIZERS, fixed_state_bytes, state_bytes
-from .states import ModelStates
+
+if TYPE_CHECKING:  # states.py calls this module: no import cycle at run time
+    from .states import ModelStates
 
 # bitsandbytes 0.50.2 `get_state_buffer`: `if not self.is_paged or p.numel() < 1e5: return torch.zeros_like(...)`.
 BNB_PAGED_MIN_NUMEL = 100_000
 # The 8-bit states (`state1`, `state2`) are uint8 shaped like the parameter; the 32-bit ones fp32.
-_PAGED_ITEMSIZE = {"paged-adamw-8bit": 1, "paged-adamw-32bit": 4}
+_PAGED_ITEMSIZE = {PAGED_OPTIMIZERS[0]: 1, PAGED_OPTIMIZERS[1]: 4}
 # Per step, each paged block is prefetched to the device and, to make room for the next, evicted back: the
 # CUDA driver API (`cuMemPrefetchAsync`: "the Unified Memory driver may evict pages from other
 # cuMemAllocManaged allocations to host memory in order to make room") moves the bytes both ways.
@@ -55,7 +58,7 @@ def is_paged(optimizer: object) -> bool:
 def paged_block_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
     """Bytes of one tensor's states that bitsandbytes allocates in unified memory."""
     numel = math.prod(shape)
-    return 0 if numel < BNB_PAGED_MIN_NUMEL else 2 * numel * _PAGED_ITEMSIZE[str(optimizer)]
+    return 0 if numel < BNB_PAGED_MIN_NUMEL else 2 * numel * _PAGED_ITEMSIZE[optimizer]
 
 
 def paged_states(optimizer: str, shapes: Iterable[tuple[tuple[int, ...], int]], *, instances: int = 1) -> PagedStates:
@@ -82,7 +85,9 @@ def paged_model_states(states: ModelStates, paged: PagedStates) -> ModelStates:
     return replace(states, optimizer=paged.device, step_temp=0, cpu=states.cpu + paged.paged)
 
 
-def paging_seconds(cluster: Cluster, paged: PagedStates) -> float:
+def paging_seconds(cluster: Cluster, paged: PagedStates | None) -> float:
     """Seconds per step of moving the paged states in and out over the host link (assumes every block pages,
-    which is what excluding them from the device peak implies)."""
+    which is what excluding them from the device peak implies); 0 without a paged optimizer (None)."""
+    if paged is None:
+        return 0.0
     return PAGING_TRIPS_PER_STEP * paged.paged / _host_link(cluster)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from graphs import LayerGraph, ParamTensor
 
-from . import optimizers, precision
+from . import optimizer_in_backward, optimizers, paging, precision
 from .config import Config, Engine, Offload, Precision
 from .zero import local_elements, local_shape, persistence_threshold, sharding
 
@@ -41,7 +41,28 @@ def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
 
 
 def model_states(graph: LayerGraph, config: Config) -> ModelStates:
-    """The persistent states of one rank (the largest shard) and where they live."""
+    """The persistent states of one rank (the largest shard) and where they live, as the configured optimizer
+    keeps them: a paged optimizer's large states in unified memory (`paging`), then, stepped in backward, no
+    gradients between steps and one optimizer per tensor (`optimizer_in_backward`)."""
+    states = _held_states(graph, config)
+    paged = paged_split(graph, config)
+    if paged is not None:
+        states = paging.paged_model_states(states, paged)
+    if config.optimizer_in_backward:
+        states = optimizer_in_backward.in_backward_states(graph, config, states)
+    return states
+
+
+def paged_split(graph: LayerGraph, config: Config) -> paging.PagedStates | None:
+    """A paged optimizer's states of one rank by where they live (None for other optimizers, and when the
+    optimizer states are offloaded: then they are host tensors already)."""
+    if not paging.is_paged(config.optimizer) or config.optimizer_offload is not Offload.NONE:
+        return None
+    return paging.paged_states(config.optimizer, _optimizer_shapes(config, list(graph.tensor_groups(trainable=True))))
+
+
+def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
+    """The states of an optimizer that keeps everything on the device and steps after backward."""
     shard = sharding(config)
     trainable = list(graph.tensor_groups(trainable=True))
     frozen = list(graph.tensor_groups(trainable=False))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
-from . import precision
+from . import activation_offload, precision
 from .alignment import alignment_factor
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
@@ -17,6 +17,8 @@ from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, 
 from .config import Config, Engine, Offload, Precision, Workload
 from .fp8 import cast_bytes
 from .offload import offload_seconds
+from .paging import paging_seconds
+from .states import paged_split
 from .tensor_parallel import tp_node_seconds
 from .zero import dp_traffic, local_elements, reduce_bucket_elements, sharding
 
@@ -163,6 +165,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                            sharded=sharding(config).params > 1)
     offload = offload_seconds(cluster, config, partition=partition, params=shard,
                               grad_bytes=precision.compute_itemsize(config.precision))
+    # Memory savers' host traffic: paged optimizer states in and out, offloaded activations compute cannot hide.
+    offload += paging_seconds(cluster, paged_split(graph, config)) + activation_offload.step_seconds(
+        graph, cluster, config, speed, s=s, memory_speedup=memory_speedup)
     optimizer = 0.0 if config.optimizer_offload is not Offload.NONE else \
         partition * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth
     communication = fixed.tp + ga * dp_mb + dp_step

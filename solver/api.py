@@ -19,12 +19,14 @@ from costmodels import (
 )
 from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
+from costmodels.estimate import model_refusals
 from costmodels.profile import load_profile
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
 from graphs.lower import lower_resolved
 from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel
 
+from . import capability
 from .advice import advise
 from .alternatives import alternatives
 from .bounds import check_workload
@@ -137,6 +139,13 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     if pins is not None and knobs:
         raise FitplanError("Give pins either as `pins=` or as knob keywords, not both.", "Use one of the two.")
     pin = pins if pins is not None else _pins(knobs)
+    if pin.value("activation_offload") and pin.value("checkpoint") is None:
+        pin = _pinned(pin, "checkpoint", Checkpoint.FULL)
+        assumed = [*assumed, "full activation checkpointing on every layer (activation offload needs it)"]
+    elif pin.value("activation_offload") and pin.value("checkpoint") is not Checkpoint.FULL:
+        raise FitplanError(f"--activation-offload on needs full checkpointing on every layer, not "
+                           f"--checkpoint {pin.value('checkpoint')} (torchtune refuses it otherwise).",
+                           "Use --checkpoint full (or leave it to the solver).")
     try:
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=lora,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
@@ -149,6 +158,33 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
                       gpus=gpus, input_rate=input_tokens_per_s)
+
+
+# The knobs that save memory without changing the training (besides the optimizer): pinned, they can leave no
+# configuration for a reason of their own (the model, or no launcher), which is said instead of a pin search.
+_SAVERS = ("optimizer_in_backward", "loss", "activation_offload")
+
+
+def _check_memory_savers(pins: Pins, graph: LayerGraph, launchers: tuple[str, ...]) -> None:
+    """A FitplanError naming why the pinned memory savers cannot run on this model or any allowed launcher."""
+    knobs = {name: pins.value(name) for name in _SAVERS if pins.value(name) not in (None, False, KNOBS[name].default)}
+    if not knobs:
+        return
+    config = Config(**knobs, checkpoint=(Checkpoint.FULL,) * len(graph.decoder_layers()))
+    reasons = model_refusals(graph, config)
+    if not reasons and not capability.runnable_by(config, launchers=launchers):
+        reasons = sorted({p for name in launchers for p in capability.unsupported(name, config)
+                          if any(word in p for word in ("optimizer-in-backward", "cross-entropy", "activation"))})
+    if reasons:
+        flags = " ".join(f"{KNOBS[n].option} {'on' if v is True else v}" for n, v in knobs.items())
+        raise FitplanError(f"{flags} cannot run here: {'; '.join(reasons)}.",
+                           "Leave these knobs to the solver, or estimate them with `fitplan estimate`.")
+
+
+def _pinned(pins: Pins, name: str, value: Any) -> Pins:
+    """`pins` with knob `name` pinned to `value` as well."""
+    fixed = {**pins.as_dict, name: (value,)}
+    return Pins(tuple((n, fixed[n]) for n in KNOBS if n in fixed), pins.launcher)
 
 
 def _pins(pins: dict[str, Any]) -> Pins:
@@ -172,6 +208,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
                            f"Launchers that can: {', '.join(launchers)}.")
     space = outer_space(any_graph, cluster, workload, pins, launchers)
     if not space.outers:
+        _check_memory_savers(pins, any_graph, (pins.launcher,) if pins.launcher else launchers)
         raise Infeasible(*diagnose(None, inputs, pins, space, rebuild=lambda relaxed: outer_space(
             any_graph, cluster, workload, relaxed, launchers)))
     # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision
+from costmodels.config import Loss
 from graphs import Checkpoint
 
 Rule = Callable[[str, Config, tuple[Checkpoint, ...], bool], list[str]]
@@ -45,7 +46,7 @@ def unsupported(launcher: str, d: Config, *, checkpoint: Sequence[Checkpoint] = 
     entry = REGISTRY[launcher]
     problems = [] if (d.engine, d.zero) in entry.engines else \
         [f"engine {d.engine} ZeRO-{d.zero} ({entry.runtime} runs {_engines(entry.engines)})"]
-    return problems + entry.rule(launcher, d, tuple(checkpoint), lora)
+    return problems + entry.rule(launcher, d, tuple(checkpoint), lora) + _memory_savers(launcher, d)
 
 
 def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False,
@@ -205,6 +206,35 @@ def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
     if Checkpoint.OP_SELECTIVE in checkpoint:
         return ["op-level selective checkpointing (torchtitan's SelectiveAC policy; the torchtitan launcher runs it)"]
     return []
+
+
+# Where each memory saver runs as emitted. transformers 5.24 TrainingArguments: `optim` names bitsandbytes' paged
+# AdamW (OptimizerNames.PAGED_ADAMW_8BIT / PAGED_ADAMW) and `use_liger_kernel` with `liger_kernel_config` patches in
+# Liger's fused linear cross-entropy alone; torchtune's optimizer-in-backward, chunked loss and activation offload
+# have no launcher here (torchtune is not one, and torchtitan 0.3.0 has none of the three).
+_PAGED_RUNNERS = ("hf", "deepspeed", "accelerate")
+_FUSED_LOSS_RUNNERS = ("hf",)
+
+
+def _memory_savers(launcher: str, d: Config) -> list[str]:
+    """The paged optimizers, optimizer-in-backward, the loss and activation offload where `launcher` cannot run
+    them (the same reasons for every rule, so each launcher names the ones that can)."""
+    problems = []
+    if d.optimizer in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT) and launcher not in _PAGED_RUNNERS:
+        problems.append(f"optimizer {d.optimizer} (bitsandbytes' paged AdamW: it builds torch or its own optimizers; "
+                        f"launchers that run it: {', '.join(_PAGED_RUNNERS)})")
+    if d.optimizer_in_backward:
+        problems.append("optimizer-in-backward (torchtune's optimizer_in_bwd: every registered launcher steps one "
+                        "optimizer after backward)")
+    if d.loss is Loss.CHUNKED:
+        problems.append("torchtune's chunked cross-entropy (no registered launcher runs torchtune's loss)")
+    elif d.loss is Loss.FUSED_LINEAR and launcher not in _FUSED_LOSS_RUNNERS:
+        problems.append("Liger's fused linear cross-entropy (TrainingArguments' use_liger_kernel; launchers that "
+                        f"run it: {', '.join(_FUSED_LOSS_RUNNERS)})")
+    if d.activation_offload:
+        problems.append("activation offloading (torchtune's enable_activation_offloading: no registered launcher "
+                        "runs it)")
+    return problems
 
 
 # In the default preference order: fewest `needs` first, ties in this order (the torchrun script expresses every

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
+from costmodels.estimate import model_refusals
 from graphs import Checkpoint, FitplanError, LayerGraph
 
 from .capability import LAUNCHERS, REGISTRY, engines_of, runnable_by, selective_runners
@@ -159,11 +160,11 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                     for prec in precisions:
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(tp, pins):
-                                outers.append(Outer(**{**pinned, **dict(
+                                outers += _valid(graph, {**pinned, **dict(
                                     tp=tp, dp=dp, engine=engine, zero=zero, optimizer_offload=opt_off,
                                     param_offload=param_off, micro_batch=mb, grad_accum=ga, precision=prec,
                                     optimizer=optimizer, sequence_parallel=sp,
-                                    compile=compiled and _compiles(engine, zero, pins))}))
+                                    compile=compiled and _compiles(engine, zero, pins))})
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     outers = _runnable(outers, pins, modes, lora=graph.lora is not None, launchers=launchers)
@@ -202,6 +203,16 @@ def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *,
         if runners and (selective or Checkpoint.SELECTIVE not in modes or len(modes) > 1):
             kept.append(outer if selective else replace(outer, selective=False))
     return kept
+
+
+def _valid(graph: LayerGraph, values: dict[str, object]) -> list[Outer]:
+    """The outer configuration of `values`, or none where `Config` refuses it (e.g. optimizer-in-backward with
+    accumulation) or the model does (a fused loss it has no kernel for: `estimate.model_refusals`)."""
+    try:
+        outer = Outer(**values)  # type: ignore[arg-type]
+    except ValueError:
+        return []
+    return [] if model_refusals(graph, outer, modes_decided=False) else [outer]
 
 
 def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:

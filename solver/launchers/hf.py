@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from costmodels import Engine, Offload, Optimizer
+from costmodels.config import Loss
 
 from ..plan import Plan
 from .common import (
@@ -23,9 +24,17 @@ from .common import (
     precision_flags,
 )
 
-# transformers 5.24 `OptimizerNames`; `adamw_hf` no longer exists (removed in 5.x).
+# transformers 5.24 `OptimizerNames`; `adamw_hf` no longer exists (removed in 5.x). The paged ones build
+# bitsandbytes' PagedAdamW (optim_bits 8 or 32) in `Trainer.get_optimizer_cls_and_kwargs`.
 OPTIM = {Optimizer.ADAMW: "adamw_torch", Optimizer.ADAMW_FUSED: "adamw_torch_fused",
-         Optimizer.ADAFACTOR: "adafactor", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit", Optimizer.SGD: "sgd"}
+         Optimizer.ADAFACTOR: "adafactor", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit", Optimizer.SGD: "sgd",
+         Optimizer.PAGED_ADAMW_8BIT: "paged_adamw_8bit", Optimizer.PAGED_ADAMW_32BIT: "paged_adamw_32bit"}
+# transformers 5.24 `Trainer.train` passes `liger_kernel_config` to liger-kernel's `_apply_liger_kernel_to_instance`
+# as keyword arguments (integrations/liger.py `apply_liger_kernel`); liger-kernel 0.8.5 turns rope, rms_norm, swiglu
+# and fused_linear_cross_entropy on by default. Only the fused linear cross-entropy is planned (costmodels/loss.py):
+# the other kernels change saved tensors fitplan measures unpatched.
+LIGER_FUSED_LOSS_ONLY = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False,
+                         "swiglu": False}
 
 
 def training_arguments(plan: Plan) -> dict[str, Any]:
@@ -41,6 +50,9 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
         "torch_compile": d.compile,
         "dataloader_num_workers": d.dataloader_num_workers, "dataloader_pin_memory": d.dataloader_pin_memory,
     }
+    if d.loss is Loss.FUSED_LINEAR:
+        kwargs["use_liger_kernel"] = True
+        kwargs["liger_kernel_config"] = dict(LIGER_FUSED_LOSS_ONLY)
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated
     # alias until v6). With FSDP, checkpointing goes through fsdp_config instead (the Trainer flag adds a
     # redundant all-gather: transformers #30404). Only when every layer is checkpointed: Trainer.train() (5.24)

@@ -126,7 +126,9 @@ def test_8bit_adamw_state_bytes_follow_bitsandbytes_block_layout(shape, itemsize
 
 def test_8bit_adamw_shares_two_256_entry_fp32_quantisation_maps():
     assert fixed_state_bytes(Optimizer.ADAMW_8BIT) == 2 * 256 * 4
-    assert all(fixed_state_bytes(o) == 0 for o in Optimizer if o is not Optimizer.ADAMW_8BIT)
+    eight_bit = (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+    assert fixed_state_bytes(Optimizer.PAGED_ADAMW_8BIT) == 2 * 256 * 4
+    assert all(fixed_state_bytes(o) == 0 for o in Optimizer if o not in eight_bit)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,7 +34,8 @@ WORLD = 8
 HALF = {Precision.BF16_MIXED: "bf16", Precision.BF16: "bf16", Precision.FP8: "bf16", Precision.FP16_MIXED: "fp16"}
 # transformers' OptimizerNames for each optimizer (training_args.py).
 HF_OPTIM = {Optimizer.ADAMW: "adamw_torch", Optimizer.ADAMW_FUSED: "adamw_torch_fused",
-            Optimizer.ADAFACTOR: "adafactor", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit", Optimizer.SGD: "sgd"}
+            Optimizer.ADAFACTOR: "adafactor", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit", Optimizer.SGD: "sgd",
+            Optimizer.PAGED_ADAMW_8BIT: "paged_adamw_8bit", Optimizer.PAGED_ADAMW_32BIT: "paged_adamw_32bit"}
 
 
 def variants() -> list[tuple[str, dict[str, Any]]]:
