@@ -1,0 +1,93 @@
+"""Op-level selective activation checkpointing in the emitted torchrun script: the script (which imports nothing
+from fitplan) keeps exactly what `graphs.sac`'s policy keeps, the policy the lowering traces and prices."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from graphs import Checkpoint
+from graphs.sac import op_sac_policy, save_ops
+from solver import solve
+from solver.commands import emit_files
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> tuple[object, object]:
+    """The plan (every layer in op-level SAC) and its emitted train_fitplan.py loaded as a module."""
+    folder = tmp_path_factory.mktemp("sac")
+    model_dir = write_config(folder / "tiny-llama", tiny_values("llama"))
+    plan = solve(str(model_dir), "1xCPU", seq_len=32, global_batch=2, time_limit=5, checkpoint="op_selective",
+                 launcher="torchrun")
+    emit_files(plan, "torchrun", folder / "out")
+    path: Path = folder / "out" / "train_fitplan.py"
+    assert "fitplan" not in {line.split()[1].split(".")[0] for line in path.read_text().splitlines()
+                             if line.startswith(("import ", "from "))}  # self-contained
+    spec = importlib.util.spec_from_file_location("train_fitplan_sac", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return plan, module
+
+
+def test_plan_pinned_to_op_selective_checkpoints_every_layer_that_way(script):
+    plan, module = script
+    assert set(plan.decisions.checkpoint) == {Checkpoint.OP_SELECTIVE}
+    assert module.PLAN["decisions"]["checkpoint"] == ["op_selective"] * 3
+
+
+def test_script_saves_the_ops_graphs_sac_saves(script):
+    _, module = script
+    assert module.sac_save_ops() == save_ops()
+
+
+def _recording(policy, log: list):
+    def decide(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        log.append((str(func), ctx.is_recompute, decision))
+        return decision
+    return decide
+
+
+def _step(model: torch.nn.Module) -> None:
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def test_script_policy_decides_each_op_as_graphs_sac_does_in_a_real_step(script, monkeypatch):
+    # A real forward and backward of the tiny Llama on CPU, checkpointed once by the script's own
+    # `apply_checkpointing` and once through transformers with `graphs.sac.op_sac_policy`: the same ops are kept
+    # and recomputed (torch 2.13 asks the policy in forward only; the recompute replays its decisions).
+    _, module = script
+    values = dict(tiny_values("llama"))
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    reference = copy.deepcopy(model)
+    model.train()
+    reference.train()
+
+    emitted: list = []
+    original = module.sac_policy
+    monkeypatch.setattr(module, "sac_policy", lambda keep: _recording(original(keep), emitted))
+    module.apply_checkpointing(model)
+    _step(model)
+
+    expected: list = []
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False,
+        "context_fn": lambda: create_selective_checkpoint_contexts(_recording(op_sac_policy(), expected))})
+    _step(reference)
+
+    assert emitted == expected
+    decisions = {decision.name for _, _, decision in emitted}
+    assert decisions == {"MUST_SAVE", "PREFER_RECOMPUTE"}
+    assert len([op for op, _, decision in emitted if "mm" in op or "linear" in op]) == 3 * 7  # q k v o gate up down
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
