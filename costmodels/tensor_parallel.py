@@ -16,17 +16,38 @@ def tp_node_seconds(graph: LayerGraph, cluster: Cluster, config: Config, layer: 
     """Seconds of one node's TP collectives per micro-batch (forward, backward and recompute); not overlapped.
 
     Each row-wise module all-reduces its output in forward and each column-wise group all-reduces its input
-    gradient in backward (one per row-wise module in Megatron's pairing); full recompute repeats the forward
-    ones. With sequence parallelism the all-reduce becomes a reduce-scatter plus an all-gather of equal cost.
+    gradient in backward (one per row-wise module in Megatron's pairing); recompute repeats forward ones
+    (`recomputed_allreduces`). With sequence parallelism the all-reduce becomes a reduce-scatter plus an
+    all-gather of equal cost.
     """
     if config.tp == 1:
         return 0.0
     group = tp_group(cluster, config.tp)
     boundary = evaluate(layer.boundary, b=b, s=s, tp=1, sequence_parallel=False)
-    calls = layer.tp_allreduces * (2 + (mode is Checkpoint.FULL))
+    calls = 2 * layer.tp_allreduces + recomputed_allreduces(layer.tp_allreduces, mode,
+                                                             sequence_parallel=config.sequence_parallel)
     seconds = calls * all_reduce_seconds(cluster, group, boundary)
     if layer.role is Role.HEAD and any(p.tp_dim is not None for p in layer.params):
         # The LM head's column-wise output is gathered (`colwise_gather_output`) so the loss sees all logits.
         logits = b * s * graph.dims.vocab * precision.compute_itemsize(config.precision)
         seconds += all_gather_seconds(cluster, group, logits)
     return seconds
+
+
+def recomputed_allreduces(rowwise: int, mode: Checkpoint, *, sequence_parallel: bool) -> float:
+    """Forward TP collectives a checkpointed layer runs again in backward, in all-reduces (a reduce-scatter or an
+    all-gather is half of one).
+
+    torch.utils.checkpoint stops recomputing once the last tensor backward needs is back (early stop, on by
+    default), so the collective after the layer's last row-wise module, whose output only the residual add
+    reads, is not repeated: full recompute reruns the others. Op-level SAC keeps the outputs of the ops on its
+    list (torchtitan 0.3.0 `_get_default_save_ops`): reduce-scatters, but not all-reduces or all-gathers, so
+    without sequence parallelism it reruns what full recompute does (the forward all-reduces feed recomputed
+    norms), and with it only the all-gathers in front of each column-wise group. Checked against a real gloo
+    run of the HF TP plan (tests/costmodels/test_tp_recompute_gloo.py).
+    """
+    if rowwise == 0 or mode in (Checkpoint.NONE, Checkpoint.SELECTIVE):
+        return 0.0
+    if mode is Checkpoint.OP_SELECTIVE and sequence_parallel:
+        return rowwise / 2
+    return rowwise - (0.5 if sequence_parallel else 1.0)

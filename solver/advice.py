@@ -83,10 +83,12 @@ def _batch(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
 def _checkpointing(config: Config) -> str:
     modes = config.checkpoint
     full, selective = sum(m is Checkpoint.FULL for m in modes), sum(m is Checkpoint.SELECTIVE for m in modes)
-    if not full and not selective:
+    op_selective = sum(m is Checkpoint.OP_SELECTIVE for m in modes)
+    if not full and not selective and not op_selective:
         return "gradient checkpointing: off (activations fit; recompute would only cost time)"
-    return (f"gradient checkpointing: {full} layers full, {selective} selective of {len(modes)} (the first layers, "
-            "whose activations live longest; just enough to fit)")
+    op = f", {op_selective} op-level selective (matmul and attention outputs kept)" if op_selective else ""
+    return (f"gradient checkpointing: {full} layers full, {selective} selective{op} of {len(modes)} (the first "
+            "layers, whose activations live longest; just enough to fit)")
 
 
 def _precision(cluster: Cluster, config: Config) -> str:

@@ -30,13 +30,14 @@ from . import capability
 from .advice import advise
 from .alternatives import alternatives
 from .bounds import check_workload
+from .capability import op_selective_runners
 from .diagnose import Infeasible, NoPlanInTime, diagnose
 from .launchers.support import model_launchers, model_problems, runnable_by
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from .search import build_tables, search
-from .space import Outer, outer_space
+from .space import Outer, Space, outer_space
 from .tables import TICK_SECONDS
 
 # Common fine-tuning practice when the user gives no workload: 4096-token sequences (or the model's limit)
@@ -108,14 +109,46 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
     return workload, [*assumed, beyond] if beyond else assumed
 
 
-def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict) -> Any:
+def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict, *,
+               runtime: str = "hf", op_selective: bool = False) -> Any:
+    """The lowering each configuration needs, through the code that runs it: torchtitan's own model for the
+    torchtitan launcher (`graphs.titan`), else the Hugging Face modeling code, traced with op-level SAC only when
+    `op_selective` (some allowed launcher runs it; the extra trace is not paid otherwise)."""
     def graph(outer: Outer) -> LayerGraph:
         dtype, autocast = shared_lowering(outer.config(), lora=lora is not None)
-        key = (dtype, autocast)
+        if runtime == "torchtitan":  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out)
+            key = ("torchtitan", dtype)
+            if key not in cache:
+                from graphs.titan import lower_titan_resolved  # imports torch: only when torchtitan is planned
+
+                cache[key] = lower_titan_resolved(resolved, dtype=dtype)
+            return cache[key]
+        key = (dtype, autocast, op_selective)
         if key not in cache:
-            cache[key] = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
+            cache[key] = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                                        op_selective=op_selective)
         return cache[key]
     return graph
+
+
+def _titan_priced(space: Space, *, lora: bool) -> Space:
+    """The configurations torchtitan's lowering prices: without FSDP2, torchtitan runs mixed precision under
+    torch.autocast (train.py maybe_enable_amp), which its trace (parameters in the compute dtype) does not run."""
+    kept = tuple(o for o in space.outers if shared_lowering(o.config(), lora=lora)[1] is None)
+    note = "DDP with mixed precision left out (torchtitan autocasts it; its lowering traces FSDP2's casting)"
+    return replace(space, outers=kept, notes=(*space.notes, note) if len(kept) < len(space.outers) else space.notes)
+
+
+def _runtime_lowering(pins: Pins, launchers: tuple[str, ...]) -> dict[str, Any]:
+    """The lowering options of `_graph_for` for the allowed launchers: torchtitan's code when pinned, else HF's
+    with op-level SAC traced where an allowed launcher can run it and the checkpoint pin allows it."""
+    if pins.launcher == "torchtitan":
+        return {"runtime": "torchtitan"}
+    pinned = pins.value("checkpoint")
+    allowed = (pins.launcher,) if pins.launcher else launchers
+    wanted = pins.allows("checkpoint", Checkpoint.OP_SELECTIVE) and \
+        bool(op_selective_runners(allowed, all_layers=pinned is Checkpoint.OP_SELECTIVE))
+    return {"op_selective": wanted}
 
 
 def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global_batch: int | None = None,
@@ -198,15 +231,19 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
            time_limit: float, lora: LoraSpec | None, attention: str | None, assumed: list[str], started: float,
            alternatives_count: int, gpus: str | Cluster, input_rate: float | None) -> Plan:
     cache: dict = {}
-    graph_of = _graph_for(resolved, lora, attention, cache)
-    any_graph = graph_of(Outer())
-    inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, any_graph)
-    launchers = model_launchers(inputs, any_graph.attention)
+    hf_graph = _graph_for(resolved, lora, attention, cache)(Outer())
+    inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, hf_graph)
+    launchers = model_launchers(inputs, hf_graph.attention)
     if pins.launcher is not None and pins.launcher not in launchers:
         raise FitplanError(f"The {pins.launcher} launcher cannot run this model: "
-                           f"{'; '.join(model_problems(pins.launcher, inputs, any_graph.attention))}.",
+                           f"{'; '.join(model_problems(pins.launcher, inputs, hf_graph.attention))}.",
                            f"Launchers that can: {', '.join(launchers)}.")
+    # The runtime is part of the lowering: price the code the allowed launchers run.
+    graph_of = _graph_for(resolved, lora, attention, cache, **_runtime_lowering(pins, launchers))
+    any_graph = graph_of(Outer())
     space = outer_space(any_graph, cluster, workload, pins, launchers)
+    if any_graph.runtime == "torchtitan":
+        space = _titan_priced(space, lora=lora is not None)
     if not space.outers:
         _check_memory_savers(pins, any_graph, (pins.launcher,) if pins.launcher else launchers)
         raise Infeasible(*diagnose(None, inputs, pins, space, rebuild=lambda relaxed: outer_space(
@@ -259,6 +296,8 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
     runners = runnable_by(decisions, inputs)
+    if graph.runtime == "torchtitan":  # the other launchers run the HF modeling code, which this plan did not price
+        runners = tuple(name for name in runners if name == "torchtitan")
     if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
         raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
                            "This is a fitplan bug; please report it with the command line.")
@@ -297,7 +336,10 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     cluster = cluster_from(gpus)
     cfg = config_from(config, layers=None)
     dtype, autocast = shared_lowering(cfg, lora=lora is not None)
-    graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora)
+    mode = config.get("checkpoint") if isinstance(config, dict) else None
+    op_selective = Checkpoint.OP_SELECTIVE in cfg.checkpoint or str(mode) == Checkpoint.OP_SELECTIVE.value
+    graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                           op_selective=op_selective)
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp
     workload, _ = _workload(resolved, cluster, seq_len, batch, None)

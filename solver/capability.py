@@ -39,17 +39,22 @@ class Launcher:
     """What the user adds to the emitted files before a real run (its caveats)."""
     per_layer: bool = True
     """Whether it checkpoints layers in different modes (torchtitan applies one policy to every layer)."""
+    op_selective: Literal["none", "per-layer", "all-layers"] = "none"
+    """Where it runs op-level selective activation checkpointing (Checkpoint.OP_SELECTIVE: torch's
+    `create_selective_checkpoint_contexts` with torchtitan's policy, `graphs.sac`)."""
 
 
-def unsupported(launcher: str, d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False) -> list[str]:
-    """What `launcher` cannot express of these knobs, per-layer `checkpoint` modes and LoRA (empty: it runs them)."""
+def unsupported(launcher: str, d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: object = False) -> list[str]:
+    """What `launcher` cannot express of these knobs, per-layer `checkpoint` modes and LoRA (a bool, or the
+    `LoraSpec`, whose QLoRA/DoRA fields some launchers cannot load) (empty: it runs them)."""
     entry = REGISTRY[launcher]
     problems = [] if (d.engine, d.zero) in entry.engines else \
         [f"engine {d.engine} ZeRO-{d.zero} ({entry.runtime} runs {_engines(entry.engines)})"]
-    return problems + entry.rule(launcher, d, tuple(checkpoint), lora) + _memory_savers(launcher, d)
+    return problems + entry.rule(launcher, d, tuple(checkpoint), lora) + _memory_savers(launcher, d) + \
+        _peft_variants(launcher, d, lora)
 
 
-def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: bool = False,
+def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: object = False,
                 launchers: Sequence[str] | None = None) -> tuple[str, ...]:
     """The `launchers` (default: all) that run these knobs as emitted, fewest caveats first (`preferred`)."""
     names = preferred(LAUNCHERS if launchers is None else launchers)
@@ -71,6 +76,13 @@ def selective_runners(launchers: Sequence[str], *, all_layers: bool) -> tuple[st
     layer, which the launchers that apply it model-wide also run)."""
     return tuple(name for name in launchers if REGISTRY[name].selective == "per-layer" or
                  (REGISTRY[name].selective == "all-layers" and all_layers))
+
+
+def op_selective_runners(launchers: Sequence[str], *, all_layers: bool) -> tuple[str, ...]:
+    """Which of `launchers` can run op-level selective checkpointing on the layers the search picks
+    (`all_layers`: on every layer, which the launchers that apply one policy model-wide also run)."""
+    return tuple(name for name in launchers if REGISTRY[name].op_selective == "per-layer" or
+                 (REGISTRY[name].op_selective == "all-layers" and all_layers))
 
 
 def _engines(pairs: tuple[tuple[Engine, int], ...]) -> str:
@@ -137,7 +149,7 @@ def _hf_or_accelerate(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ..
 
 
 def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
-    problems = _op_selective(checkpoint)
+    problems = []
     if d.engine is Engine.DDP and d.tp > 1 and d.dp > 1:
         problems.append("tensor parallelism with DDP data parallelism (use FSDP2)")
     if Offload.NVME in (d.optimizer_offload, d.param_offload):
@@ -203,8 +215,11 @@ def _torchtitan(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: boo
 
 
 def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
+    """Op-level SAC where the launcher cannot run it (its rule calls this; those that run it do not)."""
     if Checkpoint.OP_SELECTIVE in checkpoint:
-        return ["op-level selective checkpointing (torchtitan's SelectiveAC policy; the torchtitan launcher runs it)"]
+        runners = ", ".join(name for name, entry in REGISTRY.items() if entry.op_selective != "none")
+        return [f"op-level selective checkpointing (torch's selective activation checkpointing with torchtitan's "
+                f"policy; launchers that run it: {runners})"]
     return []
 
 
@@ -237,13 +252,32 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
     return problems
 
 
+# The launchers whose files load a bitsandbytes-quantized base (quantization_config.json, transformers'
+# BitsAndBytesConfig) and PEFT's DoRA (adapter_config.json with use_dora): the generated torchrun script builds
+# plain LoRA, Megatron and torchtitan no PEFT adapters, and the DeepSpeed launcher emits no adapter files.
+PEFT_VARIANT_RUNNERS = ("hf", "accelerate")
+
+
+def _peft_variants(launcher: str, d: Config, lora: object) -> list[str]:
+    """QLoRA and DoRA where `launcher` cannot load them; `lora` is the search's `LoraSpec` (a bool says only
+    whether adapters exist) and a plan's decisions carry theirs (`Decisions.lora`)."""
+    adapters = [a for a in (lora, getattr(d, "lora", None)) if a is not None and not isinstance(a, bool)]
+    quantized = any(getattr(a, "quantization", None) for a in adapters)
+    dora = any(getattr(a, "use_dora", False) for a in adapters)
+    if launcher in PEFT_VARIANT_RUNNERS or not (quantized or dora):
+        return []
+    what = " and ".join(w for w, on in (("a bitsandbytes-quantized base (QLoRA)", quantized), ("DoRA", dora)) if on)
+    return [f"{what} (launchers that load it: {', '.join(PEFT_VARIANT_RUNNERS)})"]
+
+
 # In the default preference order: fewest `needs` first, ties in this order (the torchrun script expresses every
 # knob the plan credits, then the Hugging Face stacks, then the runtimes that need their own repository or assets).
 _HF_STACKS = (*_TORCH, *_DEEPSPEED_STAGES)
 _MEGATRON = ((Engine.DEEPSPEED, 0), (Engine.DEEPSPEED, 1))  # Megatron's (distributed) optimizer, priced as ZeRO-0/1
 REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
     Launcher("torchrun", "torch.distributed (torch 2.x: FSDP2 fully_shard, DTensor TP)", _TORCH, _torchrun,
-             "per-layer", ("your data in batches() of train_fitplan.py (it trains on random tokens as emitted)",)),
+             "per-layer", ("your data in batches() of train_fitplan.py (it trains on random tokens as emitted)",),
+             op_selective="per-layer"),
     Launcher("accelerate", "accelerate 1.x (FSDP2 or DeepSpeed 0.19 plugin)", _HF_STACKS, _hf_or_accelerate, "none",
              ("your training script, started by `accelerate launch` with the emitted config",)),
     Launcher("hf", "transformers Trainer 5.x (FSDP2 or DeepSpeed 0.19)", _HF_STACKS, _hf_or_accelerate, "none",
@@ -252,7 +286,7 @@ REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
              ("your training script, calling deepspeed.initialize with ds_config.json",)),
     Launcher("torchtitan", _TORCHTITAN, _TORCH, _torchtitan, "none",
              ("the model's tokenizer under ./assets/hf/<name> (torchtitan's scripts/download_hf_assets.py)",
-              "a torchtitan dataset (c4 as emitted) or your own"), per_layer=False),
+              "a torchtitan dataset (c4 as emitted) or your own"), per_layer=False, op_selective="all-layers"),
     Launcher("megatron", "Megatron-LM core 0.x (its distributed optimizer)", _MEGATRON, _megatron, "all-layers",
              ("a Megatron-LM checkout (pretrain_gpt.py)", "the model in Megatron's checkpoint format",
               "data preprocessed with Megatron's tools/preprocess_data.py")),

@@ -14,7 +14,8 @@ from ortools.sat.python import cp_model
 from costmodels.memory import MemoryTerms
 from graphs import Checkpoint, FitplanError
 
-from .tables import TICK_SECONDS, Table, tie_weight
+from .space import CHECKPOINTED
+from .tables import TICK_SECONDS, Table, rank_step, recompute_weight, tie_weight
 
 # CP-SAT validates that no linear expression can exceed int64 (ortools cp_model_checker).
 _INT64_LIMIT = 2**63 - 1
@@ -30,12 +31,13 @@ class PlanModel:
     tables: list[Table]
     kinds: list[int]
     use_config: dict[int, cp_model.IntVar]
-    full_ckpt: list[cp_model.IntVar | int]
-    selective_ckpt: list[cp_model.IntVar | int]
-    count_full: dict[int, cp_model.LinearExpr]
-    count_selective: dict[int, cp_model.LinearExpr]
-    prefix_full: dict[int, list[cp_model.IntVar]]
-    prefix_selective: dict[int, list[cp_model.IntVar]]
+    ckpt: dict[Checkpoint, list[cp_model.IntVar | int]]
+    """Per checkpointed mode (`space.CHECKPOINTED`), one boolean per layer: `full_ckpt[p]`,
+    `selective_ckpt[p]`, `op_selective_ckpt[p]` (0 where the mode is not allowed)."""
+    count: dict[Checkpoint, dict[int, cp_model.LinearExpr]]
+    """Per mode and kind, the layers in that mode."""
+    prefix: dict[Checkpoint, dict[int, list[cp_model.IntVar]]]
+    """Per mode and kind, the layers in that mode among the first p layers."""
     step_time: cp_model.IntVar
     weight: int
 
@@ -59,21 +61,21 @@ def build_model(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, 
     weight = weight or tie_weight(tables, len(kinds))
     use = {k: m.new_bool_var(f"use_config[{k}]") for k in range(len(tables))}
     m.add_exactly_one(use.values())
-    full, selective = _add_layer_modes(m, kinds, modes)
-    count_full, count_sel = _counts(kinds, full), _counts(kinds, selective)
-    prefix_full, prefix_sel = _add_prefix_counts(m, kinds, full, "full"), _add_prefix_counts(m, kinds, selective, "sel")
+    ckpt = _add_layer_modes(m, kinds, modes)
+    count = {mode: _counts(kinds, flags) for mode, flags in ckpt.items()}
+    prefix = {mode: _add_prefix_counts(m, kinds, flags, f"{mode}") for mode, flags in ckpt.items()}
     horizon = max(t.time_of(tuple(Checkpoint.NONE for _ in kinds)) + sum(max(v for _, v in o) for o in t.layer_ticks)
                   for t in tables)
     _check_range(horizon, weight)
     step = m.new_int_var(0, horizon, "step_time")
-    pm = PlanModel(m, tables, kinds, use, full, selective, count_full, count_sel, prefix_full, prefix_sel, step,
-                   weight)
+    pm = PlanModel(m, tables, kinds, use, ckpt, count, prefix, step, weight)
     for k, table in enumerate(tables):
         add_step_time(pm, k, table)
         add_memory_limit(pm, k, table)
     add_bound_cuts(pm)
-    rank_terms = [use[k] * (table.rank * (2 * len(kinds) + 1)) for k, table in enumerate(tables)]
-    m.minimize(step * weight + sum(rank_terms) + 2 * sum(count_full.values()) + sum(count_sel.values()))
+    rank_terms = [use[k] * (table.rank * rank_step(len(kinds))) for k, table in enumerate(tables)]
+    recomputed = [recompute_weight(mode) * sum(count[mode].values()) for mode in CHECKPOINTED]
+    m.minimize(step * weight + sum(rank_terms) + sum(recomputed))
     if hint is not None:
         _add_hint(pm, *hint)
     return pm
@@ -89,27 +91,26 @@ def _check_range(horizon: int, weight: int) -> None:
 
 
 def _add_layer_modes(m: cp_model.CpModel, kinds: list[int], modes: tuple[Checkpoint, ...]
-                     ) -> tuple[list[cp_model.IntVar | int], list[cp_model.IntVar | int]]:
-    """One FULL and one SELECTIVE boolean per layer, at most one true; within a kind the checkpointed layers
-    come first, FULL before SELECTIVE (the canonical order, `space.canonical_modes`)."""
-    full: list[cp_model.IntVar | int] = []
-    selective: list[cp_model.IntVar | int] = []
+                     ) -> dict[Checkpoint, list[cp_model.IntVar | int]]:
+    """One boolean per layer and checkpointed mode, at most one true per layer; within a kind the checkpointed
+    layers come first, in the order of `space.CHECKPOINTED` (the canonical order, `space.canonical_modes`)."""
+    ckpt: dict[Checkpoint, list[cp_model.IntVar | int]] = {mode: [] for mode in CHECKPOINTED}
     for p in range(len(kinds)):
-        f = m.new_bool_var(f"full_ckpt[{p}]") if Checkpoint.FULL in modes else 0
-        s = m.new_bool_var(f"selective_ckpt[{p}]") if Checkpoint.SELECTIVE in modes else 0
-        m.add(f + s <= 1)
+        flags = [m.new_bool_var(f"{mode}_ckpt[{p}]") if mode in modes else 0 for mode in CHECKPOINTED]
+        m.add(sum(flags) <= 1)
         if Checkpoint.NONE not in modes:
-            m.add(f + s == 1)
-        full.append(f)
-        selective.append(s)
+            m.add(sum(flags) == 1)
+        for mode, flag in zip(CHECKPOINTED, flags, strict=True):
+            ckpt[mode].append(flag)
     previous: dict[int, int] = {}
     for p, kind in enumerate(kinds):
         if kind in previous:
             q = previous[kind]
-            m.add(full[q] >= full[p])
-            m.add(full[q] + selective[q] >= full[p] + selective[p])
+            for depth in range(1, len(CHECKPOINTED) + 1):  # a layer's mode never comes before its predecessor's
+                leading = CHECKPOINTED[:depth]
+                m.add(sum(ckpt[x][q] for x in leading) >= sum(ckpt[x][p] for x in leading))
         previous[kind] = p
-    return full, selective
+    return ckpt
 
 
 def _counts(kinds: list[int], flags: list[cp_model.IntVar | int]) -> dict[int, cp_model.LinearExpr]:
@@ -136,24 +137,24 @@ def _add_prefix_counts(m: cp_model.CpModel, kinds: list[int], flags: list[cp_mod
 def add_step_time(pm: PlanModel, k: int, table: Table) -> None:
     """If configuration k is used, the step takes its fixed ticks plus each layer's ticks in its mode."""
     expr = table.fixed_ticks
-    for kind, (none, d_full, d_sel) in _kind_deltas(pm.kinds, table.layer_ticks).items():
-        expr += pm.kinds.count(kind) * none + d_full * pm.count_full[kind] + d_sel * pm.count_selective[kind]
+    for kind, (none, deltas) in _kind_deltas(pm.kinds, table.layer_ticks).items():
+        expr += pm.kinds.count(kind) * none + sum(d * pm.count[mode][kind] for mode, d in deltas.items())
     pm.model.add(pm.step_time >= expr).only_enforce_if(pm.use_config[k])
-    if not table.outer.selective and any(not isinstance(s, int) for s in pm.selective_ckpt):
-        # no launcher that runs this configuration expresses selective recompute
-        pm.model.add(sum(pm.count_selective.values()) == 0).only_enforce_if(pm.use_config[k])
+    for mode in CHECKPOINTED:
+        if not table.outer.runs(mode) and any(not isinstance(f, int) for f in pm.ckpt[mode]):
+            # no launcher that runs this configuration expresses this mode
+            pm.model.add(sum(pm.count[mode].values()) == 0).only_enforce_if(pm.use_config[k])
 
 
 def _kind_deltas(kinds: list[int], per_layer: tuple[tuple[tuple[Checkpoint, int], ...], ...]
-                 ) -> dict[int, tuple[int, int, int]]:
-    """Per kind: (value in NONE, FULL minus NONE, SELECTIVE minus NONE); layers of one kind cost the same."""
+                 ) -> dict[int, tuple[int, dict[Checkpoint, int]]]:
+    """Per kind: (value in NONE, each checkpointed mode minus NONE); layers of one kind cost the same."""
     result = {}
     for options, kind in zip(per_layer, kinds, strict=True):
         if kind not in result:
             values = dict(options)
             none = values.get(Checkpoint.NONE, 0)
-            result[kind] = (none, values.get(Checkpoint.FULL, none) - none,
-                            values.get(Checkpoint.SELECTIVE, none) - none)
+            result[kind] = (none, {mode: values.get(mode, none) - none for mode in CHECKPOINTED})
     return result
 
 
@@ -174,7 +175,7 @@ class _Sums:
     def __init__(self, pm: PlanModel, terms: MemoryTerms, attr: str) -> None:
         self.pm = pm
         self.cumulative = [0]
-        self.deltas: dict[int, tuple[int, int]] = {}
+        self.deltas: dict[int, dict[Checkpoint, int]] = {}
         self.position = [0]  # decoder layers before node i
         for options in terms.nodes:
             values = {mode: getattr(node, attr) for mode, node in options}
@@ -183,19 +184,18 @@ class _Sums:
             is_decoder = options[0][1].decoder
             if is_decoder:
                 kind = pm.kinds[self.position[-1]]
-                self.deltas.setdefault(kind, (values.get(Checkpoint.FULL, none) - none,
-                                              values.get(Checkpoint.SELECTIVE, none) - none))
+                self.deltas.setdefault(kind, {mode: values.get(mode, none) - none for mode in CHECKPOINTED})
             self.position.append(self.position[-1] + is_decoder)
 
     def over(self, start: int, stop: int) -> cp_model.LinearExpr:
         """Sum over nodes start..stop-1."""
         total: cp_model.LinearExpr = self.cumulative[stop] - self.cumulative[start]
         first, last = self.position[start], self.position[stop]
-        for kind, (d_full, d_sel) in self.deltas.items():
-            if d_full:
-                total += d_full * (self.pm.prefix_full[kind][last] - self.pm.prefix_full[kind][first])
-            if d_sel:
-                total += d_sel * (self.pm.prefix_selective[kind][last] - self.pm.prefix_selective[kind][first])
+        for kind, deltas in self.deltas.items():
+            for mode, delta in deltas.items():
+                if delta:
+                    chain = self.pm.prefix[mode][kind]
+                    total += delta * (chain[last] - chain[first])
         return total
 
     def at(self, i: int) -> cp_model.LinearExpr:
@@ -240,10 +240,9 @@ def _add_hint(pm: PlanModel, table: int, modes: tuple[Checkpoint, ...]) -> None:
     for k, var in pm.use_config.items():
         pm.model.add_hint(var, k == table)
     for p, mode in enumerate(modes):
-        if not isinstance(pm.full_ckpt[p], int):
-            pm.model.add_hint(pm.full_ckpt[p], mode is Checkpoint.FULL)
-        if not isinstance(pm.selective_ckpt[p], int):
-            pm.model.add_hint(pm.selective_ckpt[p], mode is Checkpoint.SELECTIVE)
+        for flag_mode, flags in pm.ckpt.items():
+            if not isinstance(flags[p], int):
+                pm.model.add_hint(flags[p], mode is flag_mode)
 
 
 def solve(pm: PlanModel, *, time_limit: float, workers: int = 2, seed: int = 0) -> SolveResult:
@@ -268,11 +267,8 @@ def decode(pm: PlanModel, solver: cp_model.CpSolver) -> tuple[int, tuple[Checkpo
     """The chosen configuration index and per-layer modes (plain Python values)."""
     table = next(k for k, var in pm.use_config.items() if solver.boolean_value(var))
     modes = []
-    for f, s in zip(pm.full_ckpt, pm.selective_ckpt, strict=True):
-        if not isinstance(f, int) and solver.boolean_value(f):
-            modes.append(Checkpoint.FULL)
-        elif not isinstance(s, int) and solver.boolean_value(s):
-            modes.append(Checkpoint.SELECTIVE)
-        else:
-            modes.append(Checkpoint.NONE)
+    for p in range(len(pm.kinds)):
+        chosen = [mode for mode, flags in pm.ckpt.items() if not isinstance(flags[p], int)
+                  and solver.boolean_value(flags[p])]
+        modes.append(chosen[0] if chosen else Checkpoint.NONE)
     return table, tuple(modes)

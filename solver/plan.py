@@ -119,7 +119,9 @@ class Decisions(Config):
                                                                           f" (zero={self.zero})" if self.engine is
                                                                           Engine.FSDP2 else ""),
                  f"mb={self.micro_batch}", f"ga={self.grad_accum}", str(self.precision), str(self.optimizer),
-                 f"ckpt full {ckpt[Checkpoint.FULL]}/sel {ckpt[Checkpoint.SELECTIVE]}/{len(self.checkpoint)}"]
+                 f"ckpt full {ckpt[Checkpoint.FULL]}/sel {ckpt[Checkpoint.SELECTIVE]}"
+                 + (f"/op-sel {ckpt[Checkpoint.OP_SELECTIVE]}" if ckpt[Checkpoint.OP_SELECTIVE] else "")
+                 + f"/{len(self.checkpoint)}"]
         if self.optimizer_offload is not Offload.NONE:
             parts.append(f"opt-offload={self.optimizer_offload}")
         if self.param_offload is not Offload.NONE:

@@ -29,8 +29,8 @@ def enumerate_best(tables: list[Table], kinds: list[int], modes: tuple[Checkpoin
         if not table.host_ok:
             continue
         for assignment in assignments:
-            if not table.outer.selective and Checkpoint.SELECTIVE in assignment:
-                continue  # no launcher that runs this configuration expresses selective recompute
+            if not all(table.outer.runs(mode) for mode in set(assignment)):
+                continue  # no launcher that runs this configuration expresses one of these modes
             evaluated += 1
             if table.peak_of(assignment) > table.budget:
                 continue

@@ -20,7 +20,7 @@ from costmodels import Cluster, Offload, Workload, precision
 from graphs import Checkpoint, LayerGraph
 
 from .model import SolveResult, build_model, solve
-from .space import Outer, Space, canonical_modes
+from .space import CHECKPOINTED, Outer, Space, canonical_modes
 from .tables import Table, build_table, objective, table_modes, tie_weight
 
 
@@ -83,15 +83,15 @@ def fastest_modes(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...])
 
 
 def quick_plan(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...] | None:
-    """A good feasible assignment: no recompute if it fits, else the fewest leading layers checkpointed (by
-    bisection on the canonical order, FULL first), else None."""
+    """A good feasible assignment: no recompute if it fits, else the fewest leading layers checkpointed in one
+    mode (by bisection on the canonical order; the cheapest recompute tried first), else None."""
     if not table.host_ok:
         return None
     modes = table_modes(table, modes)
     fastest = fastest_modes(table, kinds, modes)
     if table.peak_of(fastest) <= table.budget:
         return fastest
-    for mode in (Checkpoint.SELECTIVE, Checkpoint.FULL):
+    for mode in reversed(CHECKPOINTED):
         if mode not in modes:
             continue
         counts = _bisect(table, kinds, mode, modes)
@@ -106,7 +106,7 @@ def _bisect(table: Table, kinds: list[int], mode: Checkpoint, modes: tuple[Check
         counts = {}
         for kind in set(kinds):
             n = min(fraction_layers, kinds.count(kind))
-            counts[kind] = (n, 0) if mode is Checkpoint.FULL else (0, n)
+            counts[kind] = tuple(n if m is mode else 0 for m in CHECKPOINTED)
         result = canonical_modes(kinds, counts)
         if Checkpoint.NONE not in modes:
             result = tuple(m if m is not Checkpoint.NONE else mode for m in result)
@@ -135,8 +135,8 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
     weight = tie_weight(tables, len(kinds))
     incumbent: tuple[int, int, tuple[Checkpoint, ...]] | None = None
     quick: dict[int, tuple[Checkpoint, ...]] = {}
-    lower = {k: objective(t, fastest_modes(t, kinds, modes), tie_weight=weight) for k, t in enumerate(tables)
-             if t.states_fit}
+    lower = {k: objective(t, fastest_modes(t, kinds, table_modes(t, modes)), tie_weight=weight)
+             for k, t in enumerate(tables) if t.states_fit}
     viable = sorted(lower, key=lambda k: lower[k])
     for k in viable:  # fastest first: once a plan is found, slower configurations need no memory terms
         if incumbent is not None and (lower[k] > incumbent[0] or time.perf_counter() > deadline):

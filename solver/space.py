@@ -14,7 +14,7 @@ from costmodels.compilation import compile_credited
 from costmodels.estimate import model_refusals
 from graphs import Checkpoint, FitplanError, LayerGraph
 
-from .capability import LAUNCHERS, REGISTRY, engines_of, runnable_by, selective_runners
+from .capability import LAUNCHERS, REGISTRY, engines_of, op_selective_runners, runnable_by, selective_runners
 from .pins import KNOBS, Pins
 
 # Optimizer implementations that compute the same update: switching among them is not a training change.
@@ -28,6 +28,12 @@ class Outer(Config):
     selective: bool = True
     """Whether a launcher that runs this configuration can also run selective recompute on the layers the
     search picks (`capability.selective_runners`); without one the search leaves SELECTIVE out."""
+    op_selective: bool = True
+    """The same for op-level selective checkpointing (`capability.op_selective_runners`, OP_SELECTIVE)."""
+
+    def runs(self, mode: Checkpoint) -> bool:
+        """Whether a launcher that runs this configuration can put layers in checkpoint `mode`."""
+        return {Checkpoint.SELECTIVE: self.selective, Checkpoint.OP_SELECTIVE: self.op_selective}.get(mode, True)
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
         """The `Config` of these knobs with per-layer `checkpoint` modes."""
@@ -167,7 +173,9 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                                     compile=compiled and _compiles(engine, zero, pins))})
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
-    outers = _runnable(outers, pins, modes, lora=graph.lora is not None, launchers=launchers)
+    if pinned_mode is not None:
+        _check_pinned_mode(graph, pins, pinned_mode, launchers)
+    outers = _runnable(outers, pins, modes, lora=graph.lora, launchers=launchers)  # QLoRA/DoRA: its launchers
     if pins.launcher is not None:
         entry = REGISTRY[pins.launcher]
         if not entry.per_layer and pinned_mode is None:
@@ -182,16 +190,31 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
             # to: without a pin it plans with none/full only.
             modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
+        if entry.op_selective != "per-layer" and pinned_mode is None:
+            modes = tuple(m for m in modes if m is not Checkpoint.OP_SELECTIVE)
     return Space(tuple(outers), modes, compile_auto=compile_pin is None)
 
 
-def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: bool,
+def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launchers: tuple[str, ...]) -> None:
+    """A pinned checkpoint mode the lowering traced and some allowed launcher runs, else a clear error."""
+    if mode is Checkpoint.OP_SELECTIVE:
+        runners = op_selective_runners(launchers, all_layers=True)
+        if not op_selective_runners((pins.launcher,) if pins.launcher else launchers, all_layers=True):
+            who = f"The {pins.launcher} launcher" if pins.launcher else "No launcher that runs this model"
+            raise FitplanError(f"{who} cannot run op-level selective checkpointing (--checkpoint op_selective).",
+                               f"Launchers that can: {', '.join(runners)} (--launcher), or --checkpoint full."
+                               if runners else "Use --checkpoint full or none.")
+    if mode not in graph.checkpoint_modes():
+        raise FitplanError(f"{graph.model} cannot be checkpointed in mode {mode} as lowered ({graph.runtime} code).",
+                           f"Use one of: {', '.join(str(m) for m in graph.checkpoint_modes())}.")
+
+
+def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: object,
               launchers: tuple[str, ...]) -> list[Outer]:
     """The outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each marked
-    with whether selective recompute stays runnable. Launcher rules do not depend on the micro-batch split, so
-    they are checked once per configuration family, not per outer."""
+    with whether selective and op-level selective recompute stay runnable. Launcher rules do not depend on the
+    micro-batch split, so they are checked once per configuration family, not per outer."""
     allowed = (pins.launcher,) if pins.launcher else launchers
-    all_selective = modes == (Checkpoint.SELECTIVE,)
     memo: dict[Outer, tuple[str, ...]] = {}
     kept = []
     for outer in outers:
@@ -199,9 +222,11 @@ def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *,
         if key not in memo:
             memo[key] = runnable_by(outer, lora=lora, launchers=allowed)
         runners = memo[key]
-        selective = bool(selective_runners(runners, all_layers=all_selective))
-        if runners and (selective or Checkpoint.SELECTIVE not in modes or len(modes) > 1):
-            kept.append(outer if selective else replace(outer, selective=False))
+        marked = replace(outer, selective=bool(selective_runners(runners, all_layers=modes == (Checkpoint.SELECTIVE,))),
+                         op_selective=bool(op_selective_runners(runners,
+                                                                all_layers=modes == (Checkpoint.OP_SELECTIVE,))))
+        if runners and any(marked.runs(mode) for mode in modes):
+            kept.append(marked)
     return kept
 
 
@@ -223,37 +248,48 @@ def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:
     return [False]  # HF TP plans do not shard sequences; Megatron/torchtitan users can pin it on
 
 
-def canonical_modes(kinds: list[int], counts: dict[int, tuple[int, int]]) -> tuple[Checkpoint, ...]:
-    """Per-layer modes from per-kind counts: within each kind the first layers are checkpointed, FULL before
-    SELECTIVE. Earlier layers' activations live longest (until their backward, last), so checkpointing them
-    first lowers every later peak; Megatron's "block" recompute and HF's per-layer flags express this order."""
+# The checkpointed modes, leanest first: the canonical order within a kind (`canonical_modes`), and the order
+# of per-kind counts.
+CHECKPOINTED = (Checkpoint.FULL, Checkpoint.OP_SELECTIVE, Checkpoint.SELECTIVE)
+
+
+def canonical_modes(kinds: list[int], counts: dict[int, tuple[int, ...]]) -> tuple[Checkpoint, ...]:
+    """Per-layer modes from per-kind counts (in `CHECKPOINTED` order: full, op-selective, selective; missing
+    ones are 0): within each kind the first layers are checkpointed, the leanest mode first. Earlier layers'
+    activations live longest (until their backward, last), so checkpointing them first lowers every later peak;
+    Megatron's "block" recompute and HF's per-layer flags express this order."""
     seen: dict[int, int] = {}
     modes = []
     for kind in kinds:
         position = seen.get(kind, 0)
         seen[kind] = position + 1
-        full, selective = counts.get(kind, (0, 0))
-        modes.append(Checkpoint.FULL if position < full else
-                     Checkpoint.SELECTIVE if position < full + selective else Checkpoint.NONE)
+        mode, start = Checkpoint.NONE, 0
+        for candidate, count in zip(CHECKPOINTED, counts.get(kind, ()), strict=False):
+            if start <= position < start + count:
+                mode = candidate
+            start += count
+        modes.append(mode)
     return tuple(modes)
 
 
 def leanest_modes(modes: tuple[Checkpoint, ...], layers: int) -> tuple[Checkpoint, ...]:
-    """Every layer in the allowed mode that keeps the least activation memory (FULL when allowed)."""
-    lean = Checkpoint.FULL if Checkpoint.FULL in modes else modes[0]
+    """Every layer in the allowed mode that keeps the least activation memory (the first of `CHECKPOINTED`
+    allowed)."""
+    lean = next((m for m in CHECKPOINTED if m in modes), modes[0])
     return (lean,) * layers
 
 
-def all_counts(kinds: list[int], modes: tuple[Checkpoint, ...]) -> list[dict[int, tuple[int, int]]]:
-    """Every per-kind (full, selective) count the allowed modes permit (the canonical assignments)."""
-    per_kind: dict[int, list[tuple[int, int]]] = {}
+def all_counts(kinds: list[int], modes: tuple[Checkpoint, ...]) -> list[dict[int, tuple[int, ...]]]:
+    """Every per-kind count of layers in each `CHECKPOINTED` mode the allowed modes permit (the canonical
+    assignments)."""
+    per_kind: dict[int, list[tuple[int, ...]]] = {}
     for kind in sorted(set(kinds)):
         n = kinds.count(kind)
-        options = [(f, s) for f in range(n + 1) for s in range(n + 1 - f)
-                   if (f == 0 or Checkpoint.FULL in modes) and (s == 0 or Checkpoint.SELECTIVE in modes)
-                   and (f + s == n or Checkpoint.NONE in modes)]
-        per_kind[kind] = options
-    result: list[dict[int, tuple[int, int]]] = [{}]
+        options: list[tuple[int, ...]] = [()]
+        for mode in CHECKPOINTED:
+            options = [(*o, c) for o in options for c in (range(n + 1 - sum(o)) if mode in modes else (0,))]
+        per_kind[kind] = [o for o in options if sum(o) == n or Checkpoint.NONE in modes]
+    result: list[dict[int, tuple[int, ...]]] = [{}]
     for kind, options in per_kind.items():
         result = [{**partial, kind: option} for partial in result for option in options]
     return result

@@ -81,8 +81,7 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
         if 1 - fastest_step(terms) / fastest_step(eager) < COMPILE_MIN_SAVING:
             outer, config, terms = replace(outer, compile=False), eager_config, eager
     fixed = ticks(terms.fixed.step_time)
-    layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.selective or
-                         mode is not Checkpoint.SELECTIVE) for options in terms.layers)
+    layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.runs(mode)) for options in terms.layers)
     states = model_states(graph, config)
     budget = memory_budget(cluster, config, headroom)
     cpu, nvme = offload_bytes(cluster, config, states)
@@ -97,17 +96,30 @@ def fastest_step(terms: TimeTerms) -> float:
 
 
 def table_modes(table: Table, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
-    """The allowed `modes` this configuration can run (no SELECTIVE where its launchers cannot express it)."""
-    return modes if table.outer.selective else tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
+    """The allowed `modes` this configuration can run (none its launchers cannot express, `Outer.runs`)."""
+    return tuple(m for m in modes if table.outer.runs(m))
+
+
+# Tie-break among equal step times: fewer recomputed layers, the leaner modes counted heavier (as the canonical
+# order places them, `space.CHECKPOINTED`).
+RECOMPUTE_WEIGHT = {Checkpoint.NONE: 0, Checkpoint.SELECTIVE: 1, Checkpoint.OP_SELECTIVE: 2, Checkpoint.FULL: 3}
+
+
+def recompute_weight(mode: Checkpoint) -> int:
+    return RECOMPUTE_WEIGHT[mode]
+
+
+def rank_step(layers: int) -> int:
+    """The tie-break value of one configuration rank: above any sum of `recompute_weight` over the layers."""
+    return max(RECOMPUTE_WEIGHT.values()) * layers + 1
 
 
 def objective(table: Table, modes: tuple[Checkpoint, ...], *, tie_weight: int) -> int:
     """Step ticks first; among equal times, the earlier configuration and fewer recomputed layers."""
-    full = sum(m is Checkpoint.FULL for m in modes)
-    selective = sum(m is Checkpoint.SELECTIVE for m in modes)
-    return table.time_of(modes) * tie_weight + table.rank * (2 * len(modes) + 1) + 2 * full + selective
+    recomputed = sum(recompute_weight(m) for m in modes)
+    return table.time_of(modes) * tie_weight + table.rank * rank_step(len(modes)) + recomputed
 
 
 def tie_weight(tables: list[Table], layers: int) -> int:
     """A weight that keeps the tie-break below one tick."""
-    return (max((t.rank for t in tables), default=0) + 1) * (2 * layers + 1) + 1
+    return (max((t.rank for t in tables), default=0) + 1) * rank_step(layers) + 1

@@ -19,6 +19,7 @@ Replace `batches()` with your data loader; everything else follows the plan.
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -110,12 +111,16 @@ def decoder_layers(model):
 
 
 def apply_checkpointing(model):
-    """FULL layers are checkpointed whole; SELECTIVE layers recompute only the attention core."""
+    """FULL layers are checkpointed whole; SELECTIVE layers recompute only the attention core; OP_SELECTIVE layers
+    are checkpointed whole with op-level selective checkpointing (`sac_context`)."""
     modes = PLAN["decisions"]["checkpoint"]
-    if "full" in modes:
+    if "full" in modes or "op_selective" in modes:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer, mode in zip(decoder_layers(model), modes):
-        layer.gradient_checkpointing = mode == "full"
+        layer.gradient_checkpointing = mode in ("full", "op_selective")
+        if mode == "op_selective":
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
+                                                                   context_fn=sac_context)
         for module in layer.modules():
             module._fitplan_selective = mode == "selective"
     if "selective" in modes:
@@ -134,6 +139,55 @@ def apply_checkpointing(model):
             return wrapped
 
         type(ALL_ATTENTION_FUNCTIONS).get_interface = get_interface
+
+
+@functools.cache
+def sac_save_ops():
+    """The ops whose outputs op-level SAC keeps, as torchtitan 0.3.0's `_get_default_save_ops`
+    (torchtitan/distributed/activation_checkpoint.py): the partitioner's compute-intensive ops, attention kernels,
+    `max` (low-precision scales), linear, topk, and the reduce-scatter / all-to-all collectives."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    aten = torch.ops.aten
+    ops = {op.default for op in get_default_op_list().compute_intensive_ops}
+    ops |= {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_attention_math.default,
+            aten._scaled_dot_product_fused_attention_overrideable.default, aten.max.default,
+            torch._higher_order_ops.flex_attention, aten.linear.default, aten.topk.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default,
+            torch.ops._c10d_functional.all_to_all_single.default}
+    compiled = getattr(torch._higher_order_ops, "inductor_compiled_code", None)
+    return ops | ({compiled} if compiled is not None else set())
+
+
+def sac_policy(keep):
+    """torchtitan 0.3.0's SelectiveAC policy for one checkpointed forward: keep the outputs of `keep`, but
+    recompute every second matmul (counted apart in forward and recompute), and keep device-to-host copies."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    matmuls = (aten.mm.default, aten.linear.default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func == aten._to_copy.default and "cuda" in str(args[0].device) and str(kwargs.get("device")) == "cpu":
+            return CheckpointPolicy.MUST_SAVE
+        phase = "recompute" if ctx.is_recompute else "forward"
+        if func in matmuls:
+            counts[phase] += 1
+        if func in keep:
+            if func in matmuls and counts[phase] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def sac_context():
+    """`context_fn` of an op-level SAC layer: a fresh policy (its matmul counters at zero) per checkpointed forward."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(sac_policy(sac_save_ops()))
 
 
 def apply_float8(model):

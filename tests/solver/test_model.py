@@ -27,7 +27,7 @@ def instance(seed: int) -> dict:
     gpus = rng.choice(CLUSTERS)
     cluster = parse_cluster(gpus)
     engine = rng.choice([Engine.DEEPSPEED, Engine.FSDP2, None])
-    modes = rng.choice([None, Checkpoint.FULL, Checkpoint.NONE])
+    modes = rng.choice([None, None, Checkpoint.FULL, Checkpoint.NONE, Checkpoint.OP_SELECTIVE])
     batch = cluster.world_size * rng.choice([1, 2, 4])
     precision = Precision.BF16_MIXED if cluster.gpu.peak_flops("bf16") else Precision.FP16_MIXED
     return {
@@ -39,20 +39,24 @@ def instance(seed: int) -> dict:
     }
 
 
-# Enumeration cost: (canonical assignments) x (tables). Models with many layers per kind enumerate with two
-# modes (NONE, FULL) instead of three to keep each instance to a few seconds.
+# Enumeration cost: (canonical assignments) x (tables). Models with many layers per kind enumerate with fewer
+# modes (one of SELECTIVE / OP_SELECTIVE left out, alternating by seed, then both) to keep each instance to a
+# few seconds.
 MAX_ASSIGNMENTS = 300
 
 
-def tables_for(case: dict) -> tuple[list, list[int], tuple[Checkpoint, ...]]:
+def tables_for(case: dict, seed: int = 0) -> tuple[list, list[int], tuple[Checkpoint, ...]]:
+    """The tables of a case's space, lowered with op-level SAC traced (the torchrun launcher runs it per layer)."""
     resolved = resolve(case["model"])
-    graph_of = _graph_for(resolved, None, None, {})
-    space = outer_space(lower_resolved(resolved), case["cluster"], case["workload"], case["pins"])
+    graph_of = _graph_for(resolved, None, None, {}, op_selective=True)
+    graph = lower_resolved(resolved, op_selective=True)
+    space = outer_space(graph, case["cluster"], case["workload"], case["pins"])
     tables = build_tables(space, graph_of, case["cluster"], case["workload"], headroom=case["headroom"])
-    kinds = [layer.kind for layer in lower_resolved(resolved).decoder_layers()]
+    kinds = [layer.kind for layer in graph.decoder_layers()]
     modes = space.modes
-    if len(all_counts(kinds, modes)) > MAX_ASSIGNMENTS:
-        modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
+    for dropped in ((Checkpoint.SELECTIVE, Checkpoint.OP_SELECTIVE)[::1 if seed % 2 else -1]):
+        if len(all_counts(kinds, modes)) > MAX_ASSIGNMENTS and len(modes) > 1:
+            modes = tuple(m for m in modes if m is not dropped)
     return tables, kinds, modes
 
 
@@ -60,7 +64,7 @@ def tables_for(case: dict) -> tuple[list, list[int], tuple[Checkpoint, ...]]:
 @pytest.mark.parametrize("seed", range(50))
 def test_cpsat_objective_equals_enumeration_on_random_instances(seed):
     case = instance(seed)
-    tables, kinds, modes = tables_for(case)
+    tables, kinds, modes = tables_for(case, seed)
     best = enumerate_best(tables, kinds, modes)
     found = search(tables, kinds, modes, time_limit=30.0, configurations=len(tables))
     if best is None:
@@ -77,12 +81,13 @@ def test_table_costs_equal_a_fresh_estimate_of_the_same_configuration():
             "headroom": 0.05}
     tables, kinds, _ = tables_for(case)
     resolved = resolve(case["model"])
-    graph_of = _graph_for(resolved, None, None, {})
+    graph_of = _graph_for(resolved, None, None, {}, op_selective=True)
     from costmodels import estimate
 
     for table in tables[::7]:
-        # selective only where a launcher that runs the configuration expresses it (`Outer.selective`)
-        assignment = canonical_modes(kinds, {0: (5, 3 if table.outer.selective else 0)})
+        # selective modes only where a launcher that runs the configuration expresses them (`Outer.runs`)
+        counts = (5, 2 if table.outer.op_selective else 0, 3 if table.outer.selective else 0)
+        assignment = canonical_modes(kinds, {0: counts})
         est = estimate(graph_of(table.outer), case["cluster"], case["workload"], table.outer.config(assignment))
         assert table.peak_of(assignment) == est.memory.allocated_peak
         # Ticks round each layer's seconds to 1 µs: at most half a tick per term.
@@ -104,3 +109,41 @@ def test_tight_memory_forces_checkpointing_of_the_earliest_layers():
     assert checkpointed == sorted(checkpointed, reverse=True)  # canonical: earliest layers first
     weight = tie_weight(tables, len(kinds))
     assert found.result.objective == objective(tables[found.result.table], chosen, tie_weight=weight)
+
+
+@pytest.mark.parametrize("headroom", [0.3, 0.32])
+def test_cpsat_equals_enumeration_where_op_level_sac_mixes_with_other_modes(headroom):
+    # Llama-3.2-1B under DDP on one A100-40GB: at 30% headroom the best plan keeps the last layers without
+    # recompute and the first in op-level SAC; at 32% the first layers need full recompute, then op-level SAC.
+    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("1xA100-40GB"),
+            "workload": Workload(seq_len=2048, global_batch=4),
+            "pins": Pins.of(engine=Engine.DDP, micro_batch=1, offload=Offload.NONE, precision=(Precision.BF16_MIXED,)),
+            "headroom": headroom}
+    tables, kinds, modes = tables_for(case, seed=1)
+    assert Checkpoint.OP_SELECTIVE in modes
+    best = enumerate_best(tables, kinds, modes)
+    found = search(tables, kinds, modes, time_limit=30, configurations=len(tables))
+    assert best is not None and Checkpoint.OP_SELECTIVE in best.modes and len(set(best.modes)) == 2
+    assert found.result.status == "OPTIMAL" and found.result.objective == best.objective
+    assert (found.result.table, found.result.modes) == (best.table, best.modes)
+
+
+def test_canonical_modes_place_the_leanest_mode_first_within_each_kind():
+    modes = canonical_modes([0, 1, 0, 0, 1, 0], {0: (1, 2, 1), 1: (0, 1)})
+    # kind 0 (layers 0, 2, 3, 5): full, op-selective twice, selective; kind 1 (layers 1, 4): op-selective, none
+    assert modes == (Checkpoint.FULL, Checkpoint.OP_SELECTIVE, Checkpoint.OP_SELECTIVE, Checkpoint.OP_SELECTIVE,
+                     Checkpoint.NONE, Checkpoint.SELECTIVE)
+
+
+@pytest.mark.parametrize(("allowed", "expected"), [
+    # compositions of n = 3 layers into the allowed checkpointed modes (and NONE, when allowed)
+    ((Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE, Checkpoint.OP_SELECTIVE), 20),  # C(3 + 3, 3)
+    ((Checkpoint.NONE, Checkpoint.OP_SELECTIVE), 4),
+    ((Checkpoint.FULL, Checkpoint.OP_SELECTIVE), 4),  # every layer checkpointed: f + o = 3
+    ((Checkpoint.OP_SELECTIVE,), 1),
+])
+def test_all_counts_enumerate_each_canonical_assignment_once(allowed, expected):
+    counts = all_counts([0, 0, 0], allowed)
+    assignments = {canonical_modes([0, 0, 0], c) for c in counts}
+    assert len(counts) == len(assignments) == expected
+    assert all(set(a) <= set(allowed) for a in assignments)
