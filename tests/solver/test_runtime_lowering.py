@@ -1,0 +1,123 @@
+"""The runtime is part of the lowering: a plan for the torchtitan launcher is priced on torchtitan's own model code,
+op-level SAC is traced (and searched) only where an allowed launcher runs it, and a pinned mode no allowed launcher
+runs is refused with the names of those that do."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import tomllib
+from typer.testing import CliRunner
+
+from costmodels import Workload, parse_cluster
+from costmodels import estimate as estimate_config
+from graphs import Checkpoint, FitplanError, resolve
+from graphs.lower import lower_resolved
+from solver import solve
+from solver.api import _runtime_lowering
+from solver.capability import LAUNCHERS
+from solver.cli import app
+from solver.launchers import torchtitan
+from solver.pins import Pins
+
+LLAMA_8B = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--seq-len", "8192", "--global-batch", "16"]
+
+
+@pytest.fixture(scope="module")
+def titan_plan() -> dict:
+    pytest.importorskip("torchtitan")
+    result = CliRunner().invoke(app, ["solve", *LLAMA_8B, "--launcher", "torchtitan", "--checkpoint", "op_selective",
+                                      "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_torchtitan_llama_8b_at_8192_tokens_with_op_sac_fits(titan_plan):
+    # torchtitan's published llama3_8b recipe: 8 H100s, 8192 tokens, op-level SAC (issue 10: fitplan refused it)
+    d = titan_plan["decisions"]
+    assert d["checkpoint"] == ["op_selective"] * 32
+    assert titan_plan["launchers"] == ["torchtitan"]  # the others run the HF code, which this plan did not price
+    memory = titan_plan["estimate"]["memory"]
+    assert memory["device_peak"] <= titan_plan["inputs"]["cluster"]["gpu_memory_bytes"]
+
+
+def test_torchtitan_plan_is_priced_on_torchtitans_own_model(titan_plan):
+    # The plan's estimate equals a fresh estimate over the torchtitan lowering, and differs from the HF one.
+    from graphs.titan import lower_titan_resolved
+    from solver.api import config_from
+
+    d = titan_plan["decisions"]
+    knobs = {k: d[k] for k in ("tp", "dp", "engine", "zero", "micro_batch", "grad_accum", "precision", "optimizer",
+                               "optimizer_offload", "param_offload", "compile", "sequence_parallel")}
+    config = config_from({**knobs, "checkpoint": "op_selective"}, layers=32)
+    cluster, workload = parse_cluster("8xH100"), Workload(seq_len=8192, global_batch=16)
+    resolved = resolve("meta-llama/Llama-3.1-8B")
+    titan = estimate_config(lower_titan_resolved(resolved, dtype="bfloat16"), cluster, workload, config)
+    hf = estimate_config(lower_resolved(resolved, dtype="bfloat16", op_selective=True), cluster, workload, config)
+    assert titan.memory.allocated_peak == titan_plan["estimate"]["memory"]["allocated_peak"]
+    assert hf.memory.allocated_peak != titan.memory.allocated_peak
+
+
+def test_emitted_torchtitan_job_runs_selective_ac_as_torchtitan_parses_it(tmp_path, monkeypatch):
+    pytest.importorskip("torchtitan")
+    result = CliRunner().invoke(app, ["solve", *LLAMA_8B, "--launcher", "torchtitan", "--checkpoint", "op_selective",
+                                      "--emit", "torchtitan", "--emit-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    job = tomllib.loads((tmp_path / torchtitan.JOB_FILE).read_text())
+    assert job["activation_checkpoint"]["mode"] == "selective"
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, torchtitan.MODULE, raising=False)
+    config = ConfigManager().parse_args(["--module", torchtitan.MODULE, "--config", torchtitan.CONFIG])
+    monkeypatch.delitem(sys.modules, torchtitan.MODULE, raising=False)
+    assert type(config.activation_checkpoint) is SelectiveAC.Config  # torchtitan's op-level SAC
+
+
+@pytest.mark.parametrize("launcher", ["hf", "accelerate", "deepspeed", "megatron"])
+def test_op_selective_with_a_launcher_that_cannot_run_it_names_those_that_can(launcher):
+    with pytest.raises(FitplanError) as caught:
+        solve("meta-llama/Llama-3.2-1B", "8xH100", seq_len=2048, global_batch=64, time_limit=5,
+              checkpoint="op_selective", launcher=launcher)
+    assert f"The {launcher} launcher cannot run op-level selective checkpointing" in caught.value.message
+    assert "torchrun" in caught.value.hint and "torchtitan" in caught.value.hint
+
+
+def test_cli_op_selective_with_hf_exits_2_naming_the_launchers_that_can():
+    result = CliRunner().invoke(app, ["solve", "--model", "meta-llama/Llama-3.2-1B", "--gpus", "8xH100",
+                                      "--launcher", "hf", "--checkpoint", "op_selective", "--json"])
+    assert result.exit_code == 2
+    assert "torchrun, torchtitan" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_gpt2_pinned_to_op_selective_plans_it_on_every_layer_for_torchrun():
+    # Before: "min() arg is an empty sequence" (the default lowering had no op-SAC costs).
+    plan = solve("gpt2", "1xA100", time_limit=10, checkpoint="op_selective")
+    assert set(plan.decisions.checkpoint) == {Checkpoint.OP_SELECTIVE}
+    assert plan.launchers == ("torchrun",)  # gpt2 is no torchtitan flavour; the HF stacks checkpoint whole layers
+
+
+@pytest.mark.parametrize(("pins", "expected"), [
+    (Pins.of(), {"op_selective": True}),  # the torchrun script runs it per layer
+    (Pins.of(launcher="hf"), {"op_selective": False}),
+    (Pins.of(launcher="deepspeed"), {"op_selective": False}),
+    (Pins.of(checkpoint="full"), {"op_selective": False}),
+    (Pins.of(launcher="torchrun", checkpoint="op_selective"), {"op_selective": True}),
+    (Pins.of(launcher="torchtitan", checkpoint="op_selective"), {"runtime": "torchtitan"}),
+])
+def test_op_sac_is_traced_only_where_an_allowed_launcher_runs_it(pins, expected):
+    assert _runtime_lowering(pins, LAUNCHERS) == expected
+
+
+def test_lowering_cache_keeps_op_sac_and_plain_graphs_apart():
+    # Both lowerings are cached on disk; a key without op_selective would hand one the other's graph.
+    resolved = resolve("gpt2")
+    plain = lower_resolved(resolved, dtype="bfloat16")
+    traced = lower_resolved(resolved, dtype="bfloat16", op_selective=True)
+    assert Checkpoint.OP_SELECTIVE not in plain.checkpoint_modes()
+    assert Checkpoint.OP_SELECTIVE in traced.checkpoint_modes()
+    assert {m for m, _ in traced.decoder_layers()[0].modes} - {m for m, _ in plain.decoder_layers()[0].modes} == \
+        {Checkpoint.OP_SELECTIVE}
