@@ -139,7 +139,8 @@ _MM_OPS = (aten.mm.default, aten.linear.default)
 def op_sac_policy(ops: set[Any] | None = None) -> Policy:
     """torchtitan's op-SAC policy for one checkpointed forward: keep the outputs of `save_ops`, but recompute
     every second matmul (counted separately in forward and recompute), and keep device-to-host copies. The
-    transcription the HF path and the generated torchrun script use; `titan_policy` is torchtitan's own."""
+    transcription the HF path and the generated torchrun script use; `titan_policy` is torchtitan's own.
+    fp8 matmuls (`_scaled_mm`) are kept on every call: the rule counts only `mm` and `linear`."""
     keep = save_ops() if ops is None else ops
     counts = {"forward": 0, "recompute": 0}
 

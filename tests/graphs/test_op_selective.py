@@ -107,3 +107,17 @@ def test_op_selective_is_left_out_where_torchs_sac_refuses_the_model(tmp_path):
     assert Checkpoint.FULL in graph.checkpoint_modes()
     with pytest.raises(RuntimeError, match="selective activation checkpoint has been mutated"):
         hf_layer_retained(values, b=B, s=S, backward=True)
+
+
+def test_fp8_matmuls_are_kept_on_every_call_so_op_sac_reruns_no_fp8_casts():
+    # torchao's float8 linears run `_scaled_mm`, which is on the save list (compute-intensive) but not counted as a
+    # matmul by the every-second rule: op-level SAC recomputes no fp8 matmul, so it reruns none of the casts that
+    # feed them (costmodels.timing charges the forward casts again for full recompute only).
+    aten = torch.ops.aten
+    meta = torch.empty(4, 4, device="meta")
+    ours, theirs = op_sac_policy(), titan_policy()
+    for recompute in (False, True):
+        ctx = SelectiveCheckpointContext(is_recompute=recompute)
+        for _ in range(4):
+            assert ours(ctx, aten._scaled_mm.default, meta, meta) == CheckpointPolicy.MUST_SAVE
+            assert theirs(ctx, aten._scaled_mm.default, meta, meta) == CheckpointPolicy.MUST_SAVE
