@@ -105,10 +105,11 @@ class Config:
                             reads=("estimate", "optimizer_in_backward", "overhead", "states", "timing", "zero"))] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
                                    reads=("compilation", "estimate", "loss", "memory", "offload",
-                                          "optimizer_in_backward", "states", "timing", "zero"))] = Engine.DDP
+                                          "optimizer_in_backward", "optimizer_launches", "states", "timing",
+                                          "zero"))] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
                               "backward).", low=0, high=3,
-                              reads=("compilation", "memory", "states", "timing", "zero"))] = 0
+                              reads=("compilation", "memory", "optimizer_launches", "states", "timing", "zero"))] = 0
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
                                                flag="offload", reads=("offload", "optimizer_in_backward", "states",
                                                                       "timing"))] = Offload.NONE
@@ -130,7 +131,8 @@ class Config:
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
                                          pin="set", flag="optimizers",
-                                         reads=("offload", "optimizer_in_backward", "states"))
+                                         reads=("offload", "optimizer_in_backward", "optimizer_launches",
+                                                "states"))
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",

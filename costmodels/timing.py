@@ -17,6 +17,7 @@ from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, 
 from .config import Config, Engine, Offload, Precision, Workload
 from .fp8 import cast_bytes
 from .offload import offload_seconds
+from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
 from .states import paged_split
 from .tensor_parallel import tp_node_seconds
@@ -168,8 +169,10 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     # Memory savers' host traffic: paged optimizer states in and out, offloaded activations compute cannot hide.
     offload += paging_seconds(cluster, paged_split(graph, config)) + activation_offload.step_seconds(
         graph, cluster, config, speed, s=s, memory_speedup=memory_speedup)
+    # The step streams its states, or waits on its kernel launches when they take longer (small models).
     optimizer = 0.0 if config.optimizer_offload is not Offload.NONE else \
-        partition * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth
+        max(partition * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth,
+            step_launch_seconds(sum(n for _, n in graph.tensor_groups(trainable=True)), config, elements=partition))
     communication = fixed.tp + ga * dp_mb + dp_step
     total = fixed.compute + fixed.recompute + communication + offload + optimizer
     return TimeTerms(
