@@ -136,7 +136,8 @@ class Config:
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",
-                                            reads=("activation_offload", "activations", "memory", "timing"))] = False
+                                            reads=("activation_offload", "activations", "memory", "tensor_parallel",
+                                                   "timing"))] = False
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
                                   reads=("compilation",))] = False
     optimizer_in_backward: Annotated[bool, Knob(

@@ -172,6 +172,10 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     if pins is not None and knobs:
         raise FitplanError("Give pins either as `pins=` or as knob keywords, not both.", "Use one of the two.")
     pin = pins if pins is not None else _pins(knobs)
+    if lora is not None and (lora.quantization or lora.use_dora) and \
+            pin.launcher not in (None, *capability.PEFT_VARIANT_RUNNERS):
+        raise FitplanError(f"The {pin.launcher} launcher cannot load QLoRA/DoRA adapters.",
+                           f"Launchers that can: {', '.join(capability.PEFT_VARIANT_RUNNERS)}.")
     if pin.value("activation_offload") and pin.value("checkpoint") is None:
         pin = _pinned(pin, "checkpoint", Checkpoint.FULL)
         assumed = [*assumed, "full activation checkpointing on every layer (activation offload needs it)"]
@@ -277,8 +281,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)
-    adapters = None if lora is None else LoraDecision(rank=lora.rank, alpha=lora.alpha, targets=lora.targets,
-                                                      dropout=lora.dropout)
+    adapters = None if lora is None else LoraDecision.of(lora)
     decisions = replace(decisions_of(outer, result.modes, lora=adapters, attention=graph.attention),
                         compile=guide.compile, dataloader_num_workers=guide.workers)
     objective = result.objective // found.weight * TICK_SECONDS if result.objective is not None else \

@@ -43,6 +43,12 @@ Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100
 SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
                                       "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
 LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
+LoraQuantization = Annotated[Literal["nf4", "fp4"] | None, typer.Option(
+    help="QLoRA: the frozen base in bitsandbytes 4-bit, nf4 or fp4 (needs --lora-rank; DDP and tp=1 only).")]
+DoubleQuant = Annotated[bool, typer.Option("--double-quant", help="QLoRA: quantize the 4-bit block scales again "
+                                           "(bnb_4bit_use_double_quant; needs --lora-quantization).")]
+UseDora = Annotated[bool, typer.Option("--use-dora", help="DoRA: train a magnitude vector per adapted layer "
+                                       "(LoraConfig(use_dora=True); needs --lora-rank).")]
 Launcher = Enum("Launcher", {name: name for name in LAUNCHERS}, type=str)  # typer shows the registry's names
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 # What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
@@ -98,12 +104,24 @@ def _fail(error: Exception, *, as_json: bool = False) -> None:
     raise error
 
 
-def _check_lora_flags(rank: int | None, alpha: int | None, targets: str) -> None:
-    """--lora-alpha and --lora-targets describe adapters: without --lora-rank they would be dropped silently."""
-    if rank is None and (alpha is not None or targets != "all-linear"):
-        given = "--lora-alpha" if alpha is not None else f"--lora-targets {targets!r}"
+def _check_lora_flags(rank: int | None, alpha: int | None, targets: str, adapter: dict[str, Any] | None = None
+                      ) -> None:
+    """--lora-alpha, --lora-targets and the QLoRA/DoRA flags describe adapters: without --lora-rank they would be
+    dropped silently."""
+    named = {"--lora-quantization": "quantization", "--double-quant": "double_quant", "--use-dora": "use_dora"}
+    flags = [flag for flag, key in named.items() if (adapter or {}).get(key)]
+    if rank is None and (alpha is not None or targets != "all-linear" or flags):
+        given = "--lora-alpha" if alpha is not None else flags[0] if flags else f"--lora-targets {targets!r}"
         raise FitplanError(f"{given} needs --lora-rank: without it no adapters are trained.",
                            "Add --lora-rank R (e.g. 16), or drop the option.")
+    if (adapter or {}).get("double_quant") and not (adapter or {}).get("quantization"):
+        raise FitplanError("--double-quant needs --lora-quantization nf4 or fp4 (it quantizes the 4-bit scales).",
+                           "Add --lora-quantization nf4, or drop --double-quant.")
+
+
+def _adapter(quantization: str | None, double_quant: bool, use_dora: bool) -> dict[str, Any]:
+    """The LoraSpec fields of the QLoRA/DoRA flags."""
+    return {"quantization": quantization, "double_quant": double_quant, "use_dora": use_dora}
 
 
 @app.command("solve")
@@ -121,6 +139,7 @@ def solve_command(
     lora_targets: Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")
                             ] = "all-linear",
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
+    lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
                                         "excluded).", lo_open=True)] = 10.0,
@@ -144,9 +163,11 @@ def solve_command(
     from .outputs import Targets, launcher_names, write_outputs
 
     try:
-        _check_lora_flags(lora_rank, lora_alpha, lora_targets)
+        adapter = _adapter(lora_quantization, double_quant, use_dora)
+        _check_lora_flags(lora_rank, lora_alpha, lora_targets, adapter)
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
-                                                     targets=tuple(t.strip() for t in lora_targets.split(",")))
+                                                     targets=tuple(t.strip() for t in lora_targets.split(",")),
+                                                     **adapter)
         pins = pins_from_options(knob_values(knobs), launcher=launcher.value if launcher else None)
         check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
@@ -179,6 +200,7 @@ def estimate_command(
                                              "0.05, or the plan's when --config is a plan).", hi_open=True)] = None,
     seq_len: SeqLen = None,
     lora_rank: LoraRank = None,
+    lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
     as_json: AsJson = False,
     cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
     nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
@@ -189,7 +211,10 @@ def estimate_command(
 
     try:
         flags = knob_values(knobs)
-        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, headroom=headroom,
+        adapter = _adapter(lora_quantization, double_quant, use_dora)
+        _check_lora_flags(lora_rank, None, "all-linear", adapter)
+        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter,
+                                 headroom=headroom,
                                  cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
                                                                   inter_node_gbps, profile))
     except Exception as error:

@@ -16,6 +16,7 @@ from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
 from graphs.files import check_depth, parse_json, parse_yaml, read_text
 from graphs.lora import LoraSpec
 
+from .pins import KNOBS
 from .plan import Plan
 
 GIB = 2**30
@@ -94,20 +95,21 @@ class EstimateReport:
 
 
 def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
-                    lora_rank: int | None,
+                    lora_rank: int | None, adapter: dict[str, Any] | None = None,
                     headroom: float | None = None, cluster_options: dict[str, Any] | None = None) -> EstimateReport:
+    """`adapter`: LoraSpec fields beside the rank (quantization, double_quant, use_dora), from the CLI."""
     from .api import cluster_from, estimate
 
     cluster = cluster_from(gpus, **(cluster_options or {}))
     values = read_config_file(config_file) if config_file else dict(flags)
     plan = _as_plan(values, config_file)
     if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
-        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank)
+        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter)
         return report if headroom is None else replace(report, verdict=fits(report.estimate, cluster, headroom))
     if values.get("dp") is None:
         tp = values.get("tp", 1)  # a wrong type is reported by the Config check below, naming the field
         values["dp"] = cluster.world_size // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
-    lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank is not None else None
+    lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {})) if lora_rank is not None else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
     verdict = fits(result, cluster, DEFAULT_HEADROOM if headroom is None else headroom)
     return EstimateReport(result, verdict, f"{model} on {gpus}")
@@ -124,19 +126,16 @@ def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
                               "Write a plan with `solve ... -o plan.json`, or give a file of Config fields.") from error
 
 
-def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None, lora_rank: int | None
-                 ) -> EstimateReport:
+def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None, lora_rank: int | None,
+                 adapter: dict[str, Any] | None = None) -> EstimateReport:
     """The estimate of a plan's decisions on `model`/`gpus`; seq_len and LoRA rank given as flags override it."""
     from .api import estimate
 
     d = plan.decisions
-    config = {name: getattr(d, name) for name in ("tp", "dp", "engine", "zero", "optimizer_offload", "param_offload",
-                                                  "micro_batch", "grad_accum", "checkpoint", "precision", "optimizer",
-                                                  "sequence_parallel", "compile")}
-    lora = None if d.lora is None else LoraSpec(rank=d.lora.rank, alpha=d.lora.alpha, targets=d.lora.targets,
-                                                dropout=d.lora.dropout)
+    config = {name: getattr(d, name) for name in KNOBS}  # every knob the record declares
+    lora = None if d.lora is None else d.lora.spec()
     if lora_rank is not None:
-        lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
+        lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {}))
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
                       global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention)
     return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), f"{model} on {gpus}")

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, TypeAdapter
 
 from costmodels import Config, Engine, Estimate, Offload
 from costmodels.knobs import Knob, declared
-from graphs import Checkpoint, FitplanError
+from graphs import Checkpoint, FitplanError, LoraSpec
 
 SCHEMA_VERSION = "2.0"
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
@@ -98,6 +98,23 @@ class LoraDecision:
     alpha: int
     targets: tuple[str, ...]
     dropout: float
+    quantization: str | None = None
+    """bitsandbytes format of the frozen base weights (QLoRA: nf4 or fp4), or None for 16-bit base weights."""
+    double_quant: bool = False
+    """The 4-bit block scales quantized again (`bnb_4bit_use_double_quant`)."""
+    use_dora: bool = False
+    """DoRA: a trained magnitude vector per adapted layer (`LoraConfig(use_dora=True)`)."""
+
+    def spec(self) -> LoraSpec:
+        """The `graphs.LoraSpec` these adapters are lowered and emitted from."""
+        return LoraSpec(rank=self.rank, alpha=self.alpha, targets=self.targets, dropout=self.dropout,
+                        quantization=self.quantization, double_quant=self.double_quant, use_dora=self.use_dora)
+
+    @classmethod
+    def of(cls, spec: LoraSpec) -> LoraDecision:
+        return cls(rank=spec.rank, alpha=spec.alpha, targets=spec.targets, dropout=spec.dropout,
+                   quantization=None if spec.quantization is None else spec.quantization.value,
+                   double_quant=spec.double_quant, use_dora=spec.use_dora)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +144,9 @@ class Decisions(Config):
         if self.param_offload is not Offload.NONE:
             parts.append(f"param-offload={self.param_offload}")
         if self.lora:
-            parts.append(f"LoRA r={self.lora.rank}")
+            kind = "QLoRA" if self.lora.quantization else "LoRA"
+            parts.append(f"{kind}{'+DoRA' if self.lora.use_dora else ''} r={self.lora.rank}"
+                         + (f" {self.lora.quantization}" if self.lora.quantization else ""))
         return " ".join(parts)
 
 

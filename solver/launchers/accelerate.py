@@ -74,7 +74,10 @@ def emit(plan: Plan) -> dict[str, str]:
     launch = launch_script(argv, about=about(plan), forward=True, notes=nodes_note(plan))
     files = {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}
     if plan.decisions.lora:
-        from .hf import adapter_config
+        from .hf import adapter_config, quantization_config
 
         files["adapter_config.json"] = adapter_config(plan)
+        quantized = quantization_config(plan)
+        if quantized:
+            files["quantization_config.json"] = quantized
     return files

@@ -95,14 +95,26 @@ def checkpoint_snippet(plan: Plan) -> str:
 
 
 def adapter_config(plan: Plan) -> str:
-    """PEFT's adapter_config.json for the plan's LoRA decision (`LoraConfig.to_dict()`)."""
-    from graphs import LoraSpec
-
-    lora = plan.decisions.lora
-    spec = LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout)
-    values = spec.peft_config().to_dict()
+    """PEFT's adapter_config.json for the plan's LoRA decision (`LoraConfig.to_dict()`, DoRA's use_dora included)."""
+    values = plan.decisions.lora.spec().peft_config().to_dict()
     return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in values.items()}, indent=2,
                       default=str) + "\n"
+
+
+def quantization_config(plan: Plan) -> str | None:
+    """transformers' BitsAndBytesConfig (`to_dict()`) that loads the plan's QLoRA base, computing in the plan's
+    16-bit dtype (None without a quantized base): pass it as `quantization_config=BitsAndBytesConfig.from_dict(...)`
+    to `from_pretrained`."""
+    from costmodels import precision
+    from graphs.lora import Quantization
+    from graphs.quantization import bnb_config
+
+    lora = plan.decisions.lora
+    if lora is None or lora.quantization is None:
+        return None
+    config = bnb_config(Quantization(lora.quantization), double_quant=lora.double_quant,
+                        compute_dtype=precision.compute_dtype(plan.decisions.precision))
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
 def emit(plan: Plan) -> dict[str, str]:
@@ -110,6 +122,9 @@ def emit(plan: Plan) -> dict[str, str]:
              "training_args.json": json.dumps(training_arguments(plan), indent=2) + "\n"}
     if plan.decisions.lora:  # load with peft.LoraConfig.from_pretrained(folder) and get_peft_model
         files["adapter_config.json"] = adapter_config(plan)
+    quantized = quantization_config(plan)
+    if quantized:  # from_pretrained(..., quantization_config=BitsAndBytesConfig.from_dict(json.load(f)))
+        files["quantization_config.json"] = quantized
     if checkpointed_layers(plan) and not all_checkpointed(plan):
         files["fitplan_checkpointing.py"] = checkpoint_snippet(plan)
     return files

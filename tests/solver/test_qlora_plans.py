@@ -1,0 +1,85 @@
+"""QLoRA and DoRA decisions end to end: the CLI's --lora-quantization/--double-quant/--use-dora reach the lowering
+(priced by the bitsandbytes/PEFT lowering that tests/graphs/test_quantized.py checks against real runs), the plan's
+LoRA decision, and the HF/accelerate files, which transformers' own BitsAndBytesConfig and PEFT's own LoraConfig
+read back; launchers that cannot load them, and engines that would shard a packed base, are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from costmodels import Config, Engine, InvalidConfig, Precision
+from graphs import FitplanError, LoraSpec
+from solver.api import estimate, solve
+from solver.cli import app
+from solver.launchers import emit
+
+MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xL4"
+WORKLOAD = {"seq_len": 512, "global_batch": 4}
+QDORA = LoraSpec(rank=16, alpha=32, quantization="nf4", double_quant=True, use_dora=True)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return solve(MODEL, GPUS, **WORKLOAD, lora=QDORA, time_limit=5)
+
+
+def test_the_plan_records_the_quantized_dora_adapters_and_prices_the_packed_base(plan):
+    lora = plan.decisions.lora
+    assert (lora.quantization, lora.double_quant, lora.use_dora) == ("nf4", True, True)
+    assert lora.spec() == QDORA
+    assert (plan.decisions.engine, plan.decisions.tp) == (Engine.DDP, 1)
+    assert set(plan.launchers) == {"hf", "accelerate"}
+    config = Config(**{name: getattr(plan.decisions, name) for name in Config.__dataclass_fields__})
+    again = estimate(MODEL, GPUS, config, seq_len=WORKLOAD["seq_len"], global_batch=WORKLOAD["global_batch"],
+                     lora=QDORA)
+    assert again.memory == plan.estimate.memory
+    plain = estimate(MODEL, GPUS, config, seq_len=WORKLOAD["seq_len"], global_batch=WORKLOAD["global_batch"],
+                     lora=LoraSpec(rank=16, alpha=32, use_dora=True))
+    # 4-bit packed (plus double-quantized scales) against 16-bit frozen weights: well under half the bytes
+    assert again.memory.parameters < 0.5 * plain.memory.parameters
+
+
+@pytest.mark.parametrize("launcher", ["hf", "accelerate"])
+def test_emitted_quantization_and_adapter_configs_parse_with_transformers_and_peft(plan, launcher, tmp_path):
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    files = emit(plan, launcher)
+    bnb = BitsAndBytesConfig.from_dict(json.loads(files["quantization_config.json"]))
+    assert bnb.load_in_4bit and not bnb.load_in_8bit
+    assert (bnb.bnb_4bit_quant_type, bnb.bnb_4bit_use_double_quant) == ("nf4", True)
+    assert bnb.bnb_4bit_compute_dtype == {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16,
+                                          }.get(plan.decisions.precision, torch.float32)
+    (tmp_path / "adapter_config.json").write_text(files["adapter_config.json"])
+    adapters = LoraConfig.from_pretrained(str(tmp_path))
+    assert (adapters.r, adapters.lora_alpha, adapters.use_dora) == (16, 32, True)
+
+
+def test_launchers_that_cannot_load_qlora_or_dora_refuse_it(plan):
+    for launcher in ("torchrun", "deepspeed"):
+        with pytest.raises(FitplanError, match="QLoRA"):
+            emit(plan, launcher)
+    with pytest.raises(FitplanError, match="cannot load QLoRA/DoRA"):
+        solve(MODEL, GPUS, **WORKLOAD, lora=QDORA, launcher="torchrun", time_limit=5)
+
+
+def test_a_quantized_base_is_refused_under_sharding_engines():
+    qlora = LoraSpec(rank=8, alpha=16, quantization="nf4")
+    with pytest.raises(InvalidConfig, match="DDP with tp=1"):
+        estimate(MODEL, "2xL4", {"engine": "fsdp2", "zero": 3, "dp": 2, "micro_batch": 1}, seq_len=256, lora=qlora)
+
+
+def test_cli_takes_the_qlora_flags_and_refuses_them_without_adapters():
+    common = ["estimate", "--model", MODEL, "--gpus", GPUS, "--seq-len", "512", "--json"]
+    quantized = CliRunner().invoke(app, [*common, "--lora-rank", "8", "--lora-quantization", "nf4", "--double-quant"])
+    plain = CliRunner().invoke(app, [*common, "--lora-rank", "8"])
+    assert quantized.exit_code == 0 == plain.exit_code, quantized.output
+    assert json.loads(quantized.stdout)["memory"]["parameters"] < json.loads(plain.stdout)["memory"]["parameters"]
+    for flags, message in ((["--use-dora"], "--use-dora needs --lora-rank"),
+                           (["--lora-rank", "8", "--double-quant"], "--double-quant needs --lora-quantization")):
+        result = CliRunner().invoke(app, [*common, *flags])
+        assert result.exit_code == 2 and message in result.stderr, result.output
