@@ -184,6 +184,10 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
                            f"--checkpoint {pin.value('checkpoint')} (torchtune refuses it otherwise).",
                            "Use --checkpoint full (or leave it to the solver).")
     try:
+        if _uniform_modes(pin):
+            return _fastest_uniform(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit,
+                                    lora=lora, attention=attention, assumed=assumed, started=started,
+                                    alternatives_count=alternatives_count, gpus=gpus, input_rate=input_tokens_per_s)
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=lora,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
                       gpus=gpus, input_rate=input_tokens_per_s)
@@ -195,6 +199,41 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
         return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
                       attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
                       gpus=gpus, input_rate=input_tokens_per_s)
+
+
+def _uniform_modes(pins: Pins) -> tuple[Checkpoint, ...]:
+    """The checkpoint modes to compare when the pinned launcher applies one mode to every layer (torchtitan) and
+    none is pinned: every mode it runs, least recompute first (ties go to it); empty otherwise."""
+    entry = capability.REGISTRY.get(pins.launcher) if pins.launcher else None
+    if entry is None or entry.per_layer or pins.value("checkpoint") is not None:
+        return ()
+    runs = {Checkpoint.NONE: True, Checkpoint.SELECTIVE: entry.selective != "none",
+            Checkpoint.OP_SELECTIVE: entry.op_selective != "none", Checkpoint.FULL: True}
+    return tuple(m for m in (Checkpoint.NONE, Checkpoint.SELECTIVE, Checkpoint.OP_SELECTIVE, Checkpoint.FULL)
+                 if runs[m] and pins.allows("checkpoint", m))
+
+
+def _fastest_uniform(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, *,
+                     time_limit: float, assumed: list[str], **options: Any) -> Plan:
+    """The fastest plan over the launcher's whole-model checkpoint modes, each searched with that mode pinned
+    (the time limit shared); Infeasible (the leanest mode's diagnosis) when none fits."""
+    modes = _uniform_modes(pins)
+    note = (f"one checkpoint mode for every layer ({pins.launcher} applies one policy): the fastest that fits "
+            f"of {', '.join(map(str, modes))}")
+    best: Plan | None = None
+    failure: Infeasible | None = None
+    for mode in modes:
+        try:
+            plan = _solve(resolved, cluster, workload, _pinned(pins, "checkpoint", mode),
+                          time_limit=time_limit / len(modes), assumed=[*assumed, note], **options)
+        except Infeasible as err:
+            failure = err
+            continue
+        if best is None or plan.estimate.time.step_time < best.estimate.time.step_time:
+            best = plan
+    if best is None:
+        raise failure or Infeasible("Nothing fits.", "Relax the pins.")
+    return replace(best, inputs=replace(best.inputs, pins=pins.shown()))
 
 
 # The knobs that save memory without changing the training (besides the optimizer): pinned, they can leave no

@@ -121,3 +121,18 @@ def test_lowering_cache_keeps_op_sac_and_plain_graphs_apart():
     assert Checkpoint.OP_SELECTIVE in traced.checkpoint_modes()
     assert {m for m, _ in traced.decoder_layers()[0].modes} - {m for m, _ in plain.decoder_layers()[0].modes} == \
         {Checkpoint.OP_SELECTIVE}
+
+
+def test_torchtitan_without_a_mode_pinned_plans_the_fastest_whole_model_mode():
+    # torchtitan applies one policy to every layer: with no --checkpoint the plan is the fastest of the modes it
+    # runs, each searched with that mode pinned (the reference: the three pinned solves).
+    pytest.importorskip("torchtitan")
+    args = ("meta-llama/Llama-3.1-8B", "8xH100")
+    common = {"seq_len": 8192, "global_batch": 16, "launcher": "torchtitan"}
+    plan = solve(*args, **common, time_limit=30)
+    pinned = {mode: solve(*args, **common, time_limit=10, checkpoint=mode.value)
+              for mode in (Checkpoint.NONE, Checkpoint.OP_SELECTIVE, Checkpoint.FULL)}
+    fastest = min(pinned, key=lambda mode: pinned[mode].estimate.time.step_time)
+    assert set(plan.decisions.checkpoint) == {fastest}
+    assert plan.estimate.time.step_time == pytest.approx(pinned[fastest].estimate.time.step_time, rel=1e-12)
+    assert "checkpoint" not in plan.inputs.pins and plan.launchers == ("torchtitan",)
