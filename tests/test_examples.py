@@ -13,7 +13,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"
 EXPECTED = {"plan_llama8b_deepspeed.py": "zero_optimization", "plan_llama70b_two_nodes.py": "MFU",
             "plan_qwen7b_lora_24gb.py": "LoRA", "cheapest_cluster_sweep.py": "fits",
             "estimate_fixed_config.py": "device peak", "local_config_json.py": "local",
-            "choose_gpus.py": "cheapest within"}
+            "choose_gpus.py": "cheapest within", "plan_qwen7b_qlora_24gb.py": "QLoRA r=16 nf4"}
 
 
 @pytest.mark.slow

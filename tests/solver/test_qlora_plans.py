@@ -83,3 +83,42 @@ def test_cli_takes_the_qlora_flags_and_refuses_them_without_adapters():
                            (["--lora-rank", "8", "--double-quant"], "--double-quant needs --lora-quantization")):
         result = CliRunner().invoke(app, [*common, *flags])
         assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+@pytest.mark.slow
+def test_emitted_hf_files_train_a_tiny_quantized_model_on_cpu(tmp_path):
+    """The files the QLoRA example writes, used as its last line says, run two real Trainer steps: bitsandbytes'
+    4-bit layers load from quantization_config.json, PEFT's adapters from adapter_config.json, and
+    TrainingArguments' optim builds bitsandbytes' paged 8-bit AdamW (on CPU bitsandbytes falls back to unpaged
+    states; the sizes are the same). Only what a CPU run cannot do is overridden: no bf16 autocast, no compile,
+    no worker processes, two steps."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+
+    from tests.graphs.tiny_configs import tiny_values
+
+    plan = solve(MODEL, GPUS, **WORKLOAD, lora=LoraSpec(rank=8, alpha=16, quantization="nf4", double_quant=True),
+                 optimizers="paged-adamw-8bit", launcher="hf", time_limit=5)
+    files = emit(plan, "hf")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    fields = dict(tiny_values("llama"))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
+    quantization = BitsAndBytesConfig.from_dict(json.loads((tmp_path / "quantization_config.json").read_text()))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantization,
+                                                 dtype=torch.bfloat16, device_map="cpu")
+    model = get_peft_model(model, LoraConfig.from_pretrained(str(tmp_path)))
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    kwargs = {**json.loads(files["training_args.json"]), "output_dir": str(tmp_path / "run"), "use_cpu": True,
+              "bf16": False, "torch_compile": False, "dataloader_num_workers": 0, "dataloader_pin_memory": False,
+              "max_steps": 2, "report_to": [], "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
+    ids = torch.randint(0, config.vocab_size, (4, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data)
+    result = trainer.train()
+    built = trainer.optimizer.optimizer  # transformers builds bitsandbytes' AdamW(optim_bits=8, is_paged=True)
+    assert isinstance(built, bnb.optim.AdamW) and built.is_paged and built.args.optim_bits == 8
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
