@@ -152,37 +152,23 @@ class Config:
         reads=("activation_offload", "estimate", "memory"))] = False
 
     def __post_init__(self) -> None:
+        from .engines import rules_of  # the engines' rules are written in this module's enums
+
         for name in ("tp", "dp", "micro_batch", "grad_accum"):
             require_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
-        if self.engine is Engine.DDP and self.zero:
-            raise ValueError(f"engine=ddp has no ZeRO stage (zero={self.zero}); use deepspeed or fsdp2")
-        if self.engine is Engine.FSDP2 and self.zero not in (2, 3):
-            raise ValueError(f"engine=fsdp2 shards like ZeRO-2 or ZeRO-3 (zero={self.zero}); use 2 or 3")
-        if self.param_offload is not Offload.NONE and self.zero != 3:
-            raise ValueError(f"param_offload={self.param_offload} needs ZeRO-3 (zero={self.zero})")
-        if self.engine is Engine.DDP and self.optimizer_offload is not Offload.NONE:
-            raise ValueError("engine=ddp cannot offload the optimizer; use deepspeed or fsdp2")
-        if Offload.NVME in (self.optimizer_offload, self.param_offload) and \
-                (self.engine is not Engine.DEEPSPEED or self.zero != 3):
-            raise ValueError("NVMe offload needs DeepSpeed ZeRO-3")
-        if self.engine is Engine.DEEPSPEED and self.zero == 0 and self.optimizer_offload is not Offload.NONE:
-            # DeepSpeed 0.19 runtime/zero/config.py: offload_optimizer is "Valid for ZeRO stage 1, 2, 3" (stage 0
-            # keeps no partitioned optimizer to move; the engine ignores the block there).
-            raise ValueError(f"optimizer_offload={self.optimizer_offload} needs DeepSpeed ZeRO stage 1-3 (zero=0): "
-                             "DeepSpeed offloads only the optimizer states it partitions")
-        if self.engine is Engine.DEEPSPEED and self.optimizer_offload is not Offload.NONE and \
+        rules = rules_of(self.engine)  # what the engine runs (costmodels/engines: version and source per rule)
+        problems = rules.refusals(self.zero, optimizer_offload=self.optimizer_offload.value,
+                                  param_offload=self.param_offload.value)
+        if problems:
+            raise ValueError(problems[0])
+        if rules.offload_runs_own_optimizer and self.optimizer_offload is not Offload.NONE and \
                 self.optimizer in BNB_OPTIMIZERS:
-            # DeepSpeed 0.19 runtime/engine.py refuses a client optimizer under ZeRO-Offload unless
-            # zero_force_ds_cpu_optimizer is false, and the offloaded step then runs on CPU tensors that
-            # bitsandbytes' CUDA kernels cannot update; accelerate swaps in DeepSpeedCPUAdam (fp32) silently.
+            # bitsandbytes' CUDA kernels cannot update the CPU tensors of the engine's own offloaded step
+            # (costmodels/engines/deepspeed.py).
             raise ValueError(f"optimizer={self.optimizer} cannot run under DeepSpeed optimizer offload "
                              f"({self.optimizer_offload}): the offloaded step is DeepSpeed's fp32 CPU Adam")
-        if self.engine is Engine.FSDP2 and self.optimizer_offload != self.param_offload:
-            raise ValueError("FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer states together: "
-                             f"optimizer_offload={self.optimizer_offload} must equal "
-                             f"param_offload={self.param_offload}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         self._check_memory_savers()

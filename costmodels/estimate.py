@@ -9,7 +9,8 @@ from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
 from .compute import CAUSAL_FRACTION, KERNEL_LAUNCH_SECONDS
-from .config import Config, Engine, Precision, Workload
+from .config import Config, Precision, Workload
+from .engines import rules_of
 from .memory import memory_breakdown
 from .timing import time_breakdown
 
@@ -25,7 +26,7 @@ def lowering_for(config: Config, *, lora: bool = False) -> tuple[str, str | None
     DeepSpeed and FSDP2 run the module in 16 bits and keep fp32 masters / shards themselves.
     """
     compute = precision.compute_dtype(config.precision)
-    if precision.is_mixed(config.precision) and config.engine is Engine.DDP:
+    if precision.is_mixed(config.precision) and rules_of(config.engine).runs_autocast:
         return (compute if lora else "float32"), compute
     return compute, None
 
@@ -83,7 +84,7 @@ def model_refusals(graph: LayerGraph, config: Config, *, modes_decided: bool = T
     if config.activation_offload and modes_decided:
         reasons += activation_offload.refusals(graph, config)
     quantization = graph.lora.quantization if graph.lora is not None else None
-    if quantization is not None and (config.engine is not Engine.DDP or config.tp > 1):
+    if quantization is not None and (not rules_of(config.engine).quantized_base or config.tp > 1):
         # fitplan keeps the packed base whole on every rank (states._param_bytes): sharding it (FSDP-QLoRA's
         # bnb_4bit_quant_storage) and tensor-parallel bitsandbytes layers are not modelled.
         reasons.append(f"a {quantization}-quantized base runs on DDP with tp=1 only ({config.engine}, "

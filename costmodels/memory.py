@@ -13,16 +13,13 @@ from .activation_offload import host_bytes, moved_bytes, offload_terms
 from .activations import NodeMemory, Peak, evaluate, node_memory, walk
 from .breakdown import MemoryBreakdown
 from .cluster import Cluster
-from .config import Config, Engine, Offload, Workload
+from .config import Config, Offload, Workload
+from .engines import UnitBytes, rules_of
 from .loss import loss_terms
 from .optimizer_in_backward import in_backward_timeline
 from .overhead import reserved_bytes, runtime_overhead
 from .states import ModelStates, model_states
 from .zero import local_elements, persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
-
-# DeepSpeed's estimators size host memory for offload with a 1.5x buffer factor
-# (`estimate_zero3_model_states_mem_needs(..., additional_buffer_factor=1.5)`), for pinned staging buffers.
-OFFLOAD_HOST_BUFFER_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +127,15 @@ def model_wide_bytes(graph: LayerGraph, config: Config, *, b: int, s: int) -> tu
 def offload_bytes(cluster: Cluster, config: Config, states: ModelStates) -> tuple[int, int]:
     """Host RAM and NVMe per node for the offloaded states of its ranks."""
     ranks = min(cluster.gpus_per_node, config.world_size)
-    factor = OFFLOAD_HOST_BUFFER_FACTOR if config.engine is Engine.DEEPSPEED else 1.0
+    factor = rules_of(config.engine).host_buffer_factor
     return math.ceil(states.cpu * ranks * factor), states.nvme * ranks
 
 
 def _gathered(graph: LayerGraph, config: Config, layer: Layer) -> int:
     """Bytes of one node's parameters gathered whole (within its TP shard) in the compute dtype."""
     tensors = [t for t in layer.params if not t.quantized  # kept whole on every rank (states._param_bytes)
-               and not (config.engine is Engine.DEEPSPEED and t.numel <= persistence_threshold(graph.dims.hidden))]
+               and not (config.zero in rules_of(config.engine).small_params_whole_stages
+                        and t.numel <= persistence_threshold(graph.dims.hidden))]
     itemsize = precision.compute_itemsize(config.precision)
     return itemsize * local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False)
 
@@ -146,43 +144,28 @@ def _unsharded_grads(config: Config, layer: Layer) -> int:
     """An FSDP2 unit's full gradients before reduce-scatter, plus their fp32 copy when reducing in fp32."""
     elements = local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=1, engine=config.engine,
                               sharded=False)
-    reduce_copy = 4 if precision.is_mixed(config.precision) else 0
+    fp32_reduce = precision.is_mixed(config.precision) and rules_of(config.engine).reduce_fp32_when_mixed
+    reduce_copy = 4 if fp32_reduce else 0
     return elements * (precision.compute_itemsize(config.precision) + reduce_copy)
 
 
 def engine_buffers(graph: LayerGraph, config: Config) -> list[tuple[int, int, int]]:
-    """Per node: (forward transient, kept from forward to backward, backward transient) engine bytes."""
+    """Per node: (forward transient, kept from forward to backward, backward transient) engine bytes
+    (`EngineRules.buffers`)."""
     layers = graph.nodes()
-    zeros = [(0, 0, 0)] * len(layers)
-    sharded_params = (config.engine is Engine.FSDP2) or (config.engine is Engine.DEEPSPEED and config.zero == 3)
-    if config.engine is Engine.DEEPSPEED and config.zero == 2:
-        bucket = _bucket_bytes(graph, config)
-        return [(0, 0, bucket)] * len(layers)
-    if not sharded_params:
-        return zeros
-    keys = [layer.kind if layer.kind is not None else layer.name for layer in layers]
-    per_kind: dict[object, tuple[int, int]] = {}  # layers of one kind gather the same bytes
-    for layer, key in zip(layers, keys, strict=True):
-        if key not in per_kind:
-            per_kind[key] = (_gathered(graph, config, layer), _unsharded_grads(config, layer))
-    gathered = [per_kind[key][0] for key in keys]
-    grads = [per_kind[key][1] for key in keys]
-    bucket = _bucket_bytes(graph, config)
+    rules = rules_of(config.engine)
+    gathered = grads = [0] * len(layers)
+    if rules.sharded(config.zero)[0]:  # parameters gathered per unit
+        keys = [layer.kind if layer.kind is not None else layer.name for layer in layers]
+        per_kind: dict[object, tuple[int, int]] = {}  # layers of one kind gather the same bytes
+        for layer, key in zip(layers, keys, strict=True):
+            if key not in per_kind:
+                per_kind[key] = (_gathered(graph, config, layer), _unsharded_grads(config, layer))
+        gathered = [per_kind[key][0] for key in keys]
+        grads = [per_kind[key][1] for key in keys]
     prefetch = precision.compute_itemsize(config.precision) * prefetch_bucket_elements(graph.dims.hidden)
-    result = []
-    for i in range(len(layers)):
-        after = gathered[i + 1] if i + 1 < len(layers) else 0
-        before = gathered[i - 1] if i > 0 else 0
-        if config.engine is Engine.DEEPSPEED:
-            # ZeRO-3 gathers a module's parameters and prefetches up to `stage3_prefetch_bucket_size`.
-            result.append((gathered[i] + min(prefetch, after), 0, gathered[i] + min(prefetch, before) + bucket))
-        elif config.zero == 3:
-            # FSDP2 reshards after forward; the next unit's all-gather is prefetched (implicit prefetching).
-            result.append((gathered[i] + after, 0, gathered[i] + before + grads[i]))
-        else:
-            # reshard_after_forward=False: each unit stays gathered from its forward to its backward.
-            result.append((gathered[i] + after, gathered[i], grads[i]))
-    return result
+    return rules.buffers(config.zero, UnitBytes(gathered=gathered, grads=grads, bucket=_bucket_bytes(graph, config),
+                                                prefetch=prefetch))
 
 
 def _bucket_bytes(graph: LayerGraph, config: Config) -> int:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from graphs import LayerGraph
 
 from . import optimizers, precision
-from .config import Config, Engine, Offload, Precision
+from .config import Config, Offload, Precision
+from .engines import rules_of
 from .zero import local_elements, local_shape
 
 if TYPE_CHECKING:  # memory.py, states.py and config.py call this module: no import cycle at run time
@@ -37,10 +38,10 @@ def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
     if clip_grad_norm:
         # Same recipes: "Gradient clipping is not supported with optimizer in bwd."
         reasons.append("gradient clipping needs the norm over all gradients before any step (torchtune refuses it)")
-    if config.engine is Engine.DEEPSPEED:
+    if rules_of(config.engine).own_fused_optimizer:
         reasons.append("DeepSpeed steps its own (partitioned) optimizer after backward; it has no per-parameter "
                        "hook path")
-    if config.engine is Engine.DDP and config.dp > 1:
+    elif not rules_of(config.engine).reduces_before_grad_hooks and config.dp > 1:
         # torch DistributedDataParallel all-reduces buckets from its own autograd hooks; a post-accumulate-grad
         # hook would step on the unreduced local gradient (DDP uses these hooks only for compiled autograd).
         reasons.append(f"DDP with dp={config.dp} reduces gradients after the hooks would have stepped them; "
@@ -74,7 +75,7 @@ def in_backward_states(graph: LayerGraph, config: Config, states: ModelStates) -
 def node_backward_extra(graph: LayerGraph, config: Config) -> list[int]:
     """Per node, bytes added to its backward transient: under FSDP2, the unit's sharded gradients (the
     reduce-scatter output, in the reduce dtype) that stay allocated until every hook of the unit has run."""
-    if config.engine is not Engine.FSDP2:
+    if not rules_of(config.engine).reduces_before_grad_hooks:
         return [0] * len(graph.nodes())
     reduce = 4 if precision.is_mixed(config.precision) else precision.compute_itemsize(config.precision)
     return [reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=config.dp,

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from graphs import LayerGraph, ParamTensor
 
 from . import optimizer_in_backward, optimizers, paging, precision
-from .config import Config, Engine, Offload, Precision
+from .config import Config, Offload, Precision
+from .engines import GradientSizes, rules_of
 from .zero import local_elements, local_shape, persistence_threshold, sharding
 
 Group = tuple[ParamTensor, int]
@@ -79,9 +80,9 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))
     offloaded = config.optimizer_offload is not Offload.NONE
     gpu_grads, host_grads = grads, 0
-    if offloaded and engine is Engine.FSDP2:  # CPUOffloadPolicy keeps the sharded gradients on the CPU
+    if offloaded and rules_of(engine).offload_moves_all_states:  # CPUOffloadPolicy: sharded grads on the CPU
         gpu_grads, host_grads = 0, grads
-    elif offloaded and config.zero >= 2:
+    elif offloaded and rules_of(engine).sharded(config.zero)[1]:
         # ZeRO-Offload keeps the fp32 gradient partition on the host, and with accumulation also a 16-bit
         # accumulation buffer (DeepSpeed stage_1_and_2.py `accumulated_grads_in_cpu`); nothing stays on the GPU.
         accumulation = 2 * count(trainable, True) if config.grad_accum > 1 else 0
@@ -121,7 +122,7 @@ def fp8_weight_cache(graph: LayerGraph, config: Config) -> int:
 def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tuple[int, ...], int]]:
     """(shape, count) the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
     tp, dp, engine = config.tp, config.dp, config.engine
-    if engine is Engine.DEEPSPEED and sharding(config).optimizer > 1:
+    if not rules_of(engine).per_tensor_dim_shards and sharding(config).optimizer > 1:
         return [((math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) / dp),), n) for t, n in trainable]
     return [(local_shape(t, tp=tp, dp=dp, engine=engine), n) for t, n in trainable]
 
@@ -153,38 +154,33 @@ def _param_bytes(graph: LayerGraph, config: Config, trainable: list[Group], froz
 
 
 def _persistent(graph: LayerGraph, config: Config, tensor: ParamTensor) -> bool:
-    """DeepSpeed ZeRO-3 keeps small parameters (norm weights, biases) whole on every rank."""
-    return (config.engine is Engine.DEEPSPEED and config.zero == 3
+    """DeepSpeed ZeRO-3 keeps small parameters (norm weights, biases) whole on every rank
+    (`EngineRules.small_params_whole_stages`)."""
+    return (config.zero in rules_of(config.engine).small_params_whole_stages
             and tensor.numel <= persistence_threshold(graph.dims.hidden))
 
 
 def _fp32_grad_partition(config: Config, elements: int) -> int:
     """DeepSpeed under mixed precision keeps an fp32 gradient buffer beside the 16-bit gradients (the
     estimator's 18 bytes/param for ZeRO-2/3: `estimate_zero2_model_states_mem_needs`, stage3 likewise)."""
-    if config.engine is Engine.DEEPSPEED and precision.is_mixed(config.precision):
+    if rules_of(config.engine).fp32_grad_copy_when_mixed and precision.is_mixed(config.precision):
         return 4 * elements
     return 0
 
 
 def _grad_bytes(config: Config, full: int, partition: int, itemsize: int) -> tuple[int, int]:
-    """(persistent, accumulating) gradient bytes per rank."""
-    fp32 = _fp32_grad_partition(config, partition if config.zero >= 1 else full)
-    if config.engine is Engine.FSDP2:
-        # Sharded gradients in the reduce dtype: fp32 under mixed precision (MixedPrecisionPolicy reduce_dtype).
-        reduce = 4 if precision.is_mixed(config.precision) else itemsize
-        return partition * reduce, 0
-    if config.engine is Engine.DEEPSPEED and config.zero == 3:
-        return fp32 or partition * itemsize, 0
-    if config.engine is Engine.DEEPSPEED and config.zero == 2:
-        return partition * itemsize + fp32, 0
-    # DDP / ZeRO-0/1: every rank accumulates full gradients. DDP (dp > 1) also keeps flat reduction buckets of
-    # the same size (torch DistributedDataParallel, gradient_as_bucket_view=False, the default).
-    buckets = full * itemsize if config.engine is Engine.DDP and config.dp > 1 else 0
-    return fp32 + buckets, full * itemsize
+    """(persistent, accumulating) gradient bytes per rank, laid out as the engine keeps them
+    (`EngineRules.gradients`)."""
+    rules = rules_of(config.engine)
+    fp32 = _fp32_grad_partition(config, partition if rules.sharded(config.zero)[2] else full)
+    mixed = precision.is_mixed(config.precision)
+    reduce = 4 if mixed and rules.reduce_fp32_when_mixed else itemsize
+    return rules.gradients(config.zero, GradientSizes(full=full, partition=partition, itemsize=itemsize,
+                                                      fp32_copy=fp32, reduce_itemsize=reduce, dp=config.dp))
 
 
 def _step_temp(config: Config, local: list[tuple[int, ...]], itemsize: int) -> int:
     """DeepSpeed runs its own fused Adam (no list-wide temporaries); torch optimizers use foreach on CUDA."""
-    if config.engine is Engine.DEEPSPEED:
+    if rules_of(config.engine).own_fused_optimizer:
         return 0
     return optimizers.step_temp_bytes(config.optimizer, local, itemsize)

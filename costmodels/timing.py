@@ -14,7 +14,8 @@ from .cluster import Cluster
 from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
 from .compilation import memory_bound_speedup
 from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
-from .config import Config, Engine, Offload, Precision, Workload
+from .config import Config, Offload, Precision, Workload
+from .engines import rules_of
 from .fp8 import cast_bytes
 from .offload import offload_seconds
 from .optimizer_launches import step_launch_seconds
@@ -245,7 +246,7 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     first_gather = all_gather_seconds(cluster, group, edge_params * param_itemsize) if gather_f else 0.0
     last_reduce = 0.0
     if reduce_b:
-        bucketed = config.engine is Engine.DEEPSPEED and config.zero == 2
+        bucketed = config.zero in rules_of(config.engine).bucketed_reduce_stages
         last = min(trainable, reduce_bucket_elements(graph.dims.hidden)) if bucketed else edge_grads
         last_reduce = reduce_scatter_seconds(cluster, group, last * grad_itemsize)
     last_bucket = 0.0
@@ -271,19 +272,17 @@ def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
     return count, trainable
 
 
-# DDP's gradient buckets hold 25 MB (`bucket_cap_mb=25`, torch.nn.parallel.DistributedDataParallel); DeepSpeed
-# ZeRO-0/1 reduces `reduce_bucket_size` elements at a time (the HF integration's hidden^2, `zero.py`).
-DDP_BUCKET_BYTES = 25 * 2**20
-
-
 def _allreduce_bucket_elements(graph: LayerGraph, config: Config) -> int:
-    if config.engine is Engine.DEEPSPEED:
+    """DDP's fixed bucket (`bucket_cap_mb`), or DeepSpeed ZeRO-0/1's `reduce_bucket_size` elements (the HF
+    integration's hidden^2, `zero.py`)."""
+    fixed = rules_of(config.engine).allreduce_bucket_bytes
+    if fixed is None:
         return reduce_bucket_elements(graph.dims.hidden)
-    return DDP_BUCKET_BYTES // _reduce_itemsize(config)
+    return fixed // _reduce_itemsize(config)
 
 
 def _reduce_itemsize(config: Config) -> int:
     """Gradients are reduced in fp32 by FSDP2 under mixed precision, otherwise in the dtype they have."""
-    if config.engine is Engine.FSDP2 and precision.is_mixed(config.precision):
+    if rules_of(config.engine).reduce_fp32_when_mixed and precision.is_mixed(config.precision):
         return 4
     return precision.grad_itemsize(config.precision, config.engine)

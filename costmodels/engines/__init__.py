@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..config import Engine
 from . import ddp, deepspeed, fsdp2
-from .base import DataParallelTraffic, EngineRules
+from .base import DataParallelTraffic, EngineRules, GradientSizes, UnitBytes
 
 RULES: dict[Engine, EngineRules] = {rules.engine: rules for rules in (ddp.RULES, deepspeed.RULES, fsdp2.RULES)}
 
@@ -15,4 +15,4 @@ def rules_of(engine: Engine) -> EngineRules:
     return RULES[engine]
 
 
-__all__ = ["RULES", "DataParallelTraffic", "EngineRules", "rules_of"]
+__all__ = ["RULES", "DataParallelTraffic", "EngineRules", "GradientSizes", "UnitBytes", "rules_of"]

@@ -3,7 +3,8 @@ module with the version and the source each rule was checked against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..config import Engine
 
@@ -22,6 +23,45 @@ class DataParallelTraffic:
     """Gradients all-reduced once per step, overlapping the last backward (DDP, ZeRO-0/1)."""
     step_gather: int = 0
     """Updated parameters all-gathered after the optimizer step (ZeRO-1/2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GradientSizes:
+    """What a rank's gradient buffers are made of (elements after TP; bytes per element)."""
+
+    full: int
+    """Trainable elements of the whole (TP-local) model."""
+    partition: int
+    """Trainable elements of this rank's gradient shard."""
+    itemsize: int
+    """Bytes per element of gradients as backward produces them."""
+    fp32_copy: int
+    """Bytes of the engine's fp32 gradient copy (0 where it keeps none)."""
+    reduce_itemsize: int
+    """Bytes per element the engine reduces in."""
+    dp: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnitBytes:
+    """Per node (unit) of the model, what a sharding engine gathers and reduces."""
+
+    gathered: list[int]
+    """Parameters gathered whole (within the TP shard) in the compute dtype."""
+    grads: list[int]
+    """Unsharded gradients before reduce-scatter (with their reduce-dtype copy)."""
+    bucket: int
+    """The double-buffered reduce bucket."""
+    prefetch: int
+    """Bytes of the engine's parameter prefetch bucket."""
+
+
+Buffers = list[tuple[int, int, int]]
+"""Per node: (forward transient, kept from forward to backward, backward transient) engine bytes."""
+
+
+def _no_buffers(stage: int, units: UnitBytes) -> Buffers:
+    return [(0, 0, 0)] * len(units.gathered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +101,32 @@ class EngineRules:
     """Under optimizer offload the step is the engine's own CPU optimizer, whatever optimizer was asked for."""
     host_optimizer: str = ""
     """The optimizer implementation that runs a host (offloaded) step (profile rate name)."""
+    gradients: Callable[[int, GradientSizes], tuple[int, int]] = field(default=lambda stage, sizes: (0, 0))
+    """(persistent, accumulating) gradient bytes per rank at a stage."""
+    buffers: Callable[[int, UnitBytes], Buffers] = _no_buffers
+    """The engine's gather/reduce buffers per node at a stage."""
+    runs_autocast: bool = False
+    """Runs mixed precision as autocast over an fp32 module (lowered in fp32 with autocast) rather than a
+    16-bit module."""
+    reduce_fp32_when_mixed: bool = False
+    """Reduces gradients in fp32 under mixed precision (FSDP2's MixedPrecisionPolicy reduce_dtype)."""
+    fp32_grad_copy_when_mixed: bool = False
+    """Keeps an fp32 gradient buffer beside the 16-bit gradients under mixed precision."""
+    small_params_whole_stages: tuple[int, ...] = ()
+    """Stages that keep small parameters (norms, biases) whole on every rank instead of sharding them."""
+    own_fused_optimizer: bool = False
+    """Steps its own fused optimizer (no torch foreach temporaries), after backward only."""
+    bucketed_reduce_stages: tuple[int, ...] = ()
+    """Stages that reduce-scatter gradients in fixed-size buckets (the last bucket is exposed)."""
+    allreduce_bucket_bytes: int | None = None
+    """Fixed gradient all-reduce bucket (DDP's bucket_cap_mb); None: the engine's hidden^2-element bucket."""
+    host_buffer_factor: float = 1.0
+    """Host memory per offloaded byte (pinned staging buffers)."""
+    reduces_before_grad_hooks: bool = False
+    """Its reduce-scatter runs before the post-accumulate-grad hooks (so an optimizer can step in backward on
+    reduced, sharded gradients)."""
+    quantized_base: bool = False
+    """Runs a bitsandbytes-quantized (packed) base as fitplan prices it (whole on every rank)."""
 
     def sharded(self, stage: int) -> tuple[bool, bool, bool]:
         """Whether (parameters, gradients, optimizer states) are split over the data-parallel ranks."""

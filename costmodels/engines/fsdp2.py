@@ -4,17 +4,38 @@
 from __future__ import annotations
 
 from ..config import Engine
-from .base import EngineRules
+from .base import Buffers, EngineRules, GradientSizes, UnitBytes
+
+
+def gradients(stage: int, sizes: GradientSizes) -> tuple[int, int]:
+    """Sharded gradients in the reduce dtype (fp32 under mixed precision: MixedPrecisionPolicy reduce_dtype)."""
+    return sizes.partition * sizes.reduce_itemsize, 0
+
+
+def buffers(stage: int, units: UnitBytes) -> Buffers:
+    """Each unit gathers its parameters and prefetches the next unit's (implicit prefetching); with
+    reshard_after_forward (stage 3) it frees them after forward and gathers again in backward, otherwise they
+    stay gathered from its forward to its backward; backward holds the unit's unsharded gradients."""
+    gathered, result = units.gathered, []
+    for i, (own, grads) in enumerate(zip(gathered, units.grads, strict=True)):
+        after = gathered[i + 1] if i + 1 < len(gathered) else 0
+        before = gathered[i - 1] if i > 0 else 0
+        result.append((own + after, 0, own + before + grads) if stage == 3 else (own + after, own, grads))
+    return result
+
 
 RULES = EngineRules(
     engine=Engine.FSDP2, runtime="torch FSDP2", stages=(2, 3), stage_rule="shards like ZeRO-2 or ZeRO-3; use 2 or 3",
     sharded_from=(2, 2, 2), per_tensor_dim_shards=True, reshard_stages=(3,),
     # MixedPrecisionPolicy(param_dtype=bf16) keeps fp32 sharded parameters and casts the gathered copy; the
-    # unsharded gradients come out in param_dtype and are reduced in reduce_dtype (torch FSDP2 docs).
-    fp32_weights_when_mixed=True, fp32_grads_when_mixed=False,
+    # unsharded gradients come out in param_dtype and are reduced in reduce_dtype=fp32 (torch FSDP2 docs).
+    fp32_weights_when_mixed=True, fp32_grads_when_mixed=False, reduce_fp32_when_mixed=True,
     compile_stages=(2, 3),  # per-layer fully_shard + compile is torchtitan's default stack
     # CPUOffloadPolicy offloads sharded parameters, gradients and optimizer states together; fitplan runs it
     # with reshard_after_forward=True (ZeRO-3), as torchtitan's training.enable_cpu_offload does.
     optimizer_offload_stages=(3,), param_offload_stages=(3,), offload_moves_all_states=True,
-    host_optimizer="adamw_torch",
+    host_optimizer="adamw_torch", gradients=gradients, buffers=buffers,
+    # FSDP2 reduce-scatters a unit's gradients before its post-accumulate-grad hooks run (torchtune's
+    # optimizer-in-backward steps on the sharded, reduced gradient).
+    reduces_before_grad_hooks=True,
 )

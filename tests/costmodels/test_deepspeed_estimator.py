@@ -15,7 +15,8 @@ import math
 import pytest
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision, parse_cluster
-from costmodels.memory import OFFLOAD_HOST_BUFFER_FACTOR, engine_buffers, offload_bytes
+from costmodels.engines.deepspeed import OFFLOAD_HOST_BUFFER_FACTOR
+from costmodels.memory import engine_buffers, offload_bytes
 from costmodels.states import model_states
 from costmodels.zero import persistence_threshold
 from graphs import Role, lower
