@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from .compute import KERNEL_LAUNCH_SECONDS
-from .config import Config, Engine, Optimizer
+from .config import Config, Optimizer
+from .engines import rules_of
 
 # Multi-tensor ops each step issues over the parameter-sized tensor lists, counted over torch 2.13's own
 # implementations (`_multi_tensor_adamw`, `_fused_adamw`, `_multi_tensor_sgd` with momentum,
@@ -35,7 +36,8 @@ def optimizer_tensors(trainable_tensors: int, config: Config) -> int:
     """Tensors the optimizer steps on one rank: DeepSpeed ZeRO 1-3 steps one flat fp32 partition per parameter
     group (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`); DDP and FSDP2 step every
     parameter (FSDP2's are DTensor shards of the same tensors)."""
-    if config.engine is Engine.DEEPSPEED and config.zero >= 1:
+    rules = rules_of(config.engine)
+    if rules.sharded(config.zero)[2] and not rules.per_tensor_dim_shards:  # a flat optimizer partition
         return 1
     return trainable_tensors
 
