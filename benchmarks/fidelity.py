@@ -120,7 +120,7 @@ def time_fidelity(data: Path, folder: Path) -> tuple[list[dict], list[dict]]:
             continue
         predicted = est.tokens_per_second / row["hw"]["num_gpus"]
         rows.append({"id": row["id"], "source": row["src"], "measured": measured, "predicted": predicted,
-                     "error": predicted / measured - 1, "mfu": est.mfu})
+                     "error": predicted / measured - 1, "mfu": est.mfu, "params": graph.param_count})
     return rows, skipped
 
 
@@ -173,6 +173,21 @@ def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
                 "max_abs_error": max(e)} for s, e in by_source.items()}
 
 
+# Model sizes (parameters) whose signed errors are summarised together: a size-dependent bias (small models
+# systematically fast or slow, as fixed costs and small kernels would cause) shows as a signed median away from 0.
+SIZE_BUCKETS = ((0, 1e9, "< 1B"), (1e9, 1e10, "1B-10B"), (1e10, float("inf"), ">= 10B"))
+
+
+def size_bias(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Signed median error (predicted over measured tokens/s, minus 1) per model-size bucket."""
+    result = {}
+    for low, high, name in SIZE_BUCKETS:
+        errors = [r["error"] for r in rows if low <= r["params"] < high]
+        if errors:
+            result[name] = {"n": len(errors), "signed_median_error": statistics.median(errors)}
+    return result
+
+
 def print_summary(rows: list[dict]) -> None:
     for source, s in summarize(rows).items():
         print(f"  {source:22} n={s['n']:3} median |error| {s['median_abs_error']:.1%} p90 {s['p90_abs_error']:.1%} "
@@ -205,6 +220,9 @@ def main() -> None:
               f"error {r['error']:+6.1%}")
     print("In sample (the constants in costmodels/compute.py, fitted on all of these rows):")
     print_summary(time_rows)
+    print("Signed median error by model size (negative: predicted slower than measured):")
+    for bucket, entry in size_bias(time_rows).items():
+        print(f"  {bucket:8} n={entry['n']:3} {entry['signed_median_error']:+.1%}")
     loso_rows = [] if args.no_loso else leave_one_source_out_rows()
     if loso_rows:
         print("Leave one source out (each source scored with constants fitted on the others only):")
@@ -218,7 +236,8 @@ def main() -> None:
     print_summary(memory_rows)
     reasons = "; ".join(sorted({s["reason"][:60] for s in memory_skipped}))
     print(f"  not modelled: {len(memory_skipped)} rows ({reasons})")
-    result = {"time": {"rows": time_rows, "summary": summarize(time_rows), "skipped": time_skipped,
+    result = {"time": {"rows": time_rows, "summary": summarize(time_rows), "size_bias": size_bias(time_rows),
+                       "skipped": time_skipped,
                        "leave_one_source_out": {"rows": loso_rows, "summary": summarize(loso_rows)}},
               "memory": {"rows": memory_rows, "summary": summarize(memory_rows), "skipped": memory_skipped}}
     Path(args.out).write_text(json.dumps(result, indent=1))
