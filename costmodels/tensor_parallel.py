@@ -15,23 +15,47 @@ def tp_node_seconds(graph: LayerGraph, cluster: Cluster, config: Config, layer: 
                     b: int, s: int) -> float:
     """Seconds of one node's TP collectives per micro-batch (forward, backward and recompute); not overlapped.
 
-    Each row-wise module all-reduces its output in forward and each column-wise group all-reduces its input
-    gradient in backward (one per row-wise module in Megatron's pairing); recompute repeats forward ones
-    (`recomputed_allreduces`). With sequence parallelism the all-reduce becomes a reduce-scatter plus an
-    all-gather of equal cost.
+    Each row-wise module all-reduces its output in forward and the column-wise modules all-reduce their input
+    gradients in backward (`backward_allreduces`); recompute repeats forward ones (`recomputed_allreduces`).
+    With sequence parallelism the all-reduce becomes a reduce-scatter plus an all-gather of equal cost.
     """
     if config.tp == 1:
         return 0.0
     group = tp_group(cluster, config.tp)
     boundary = evaluate(layer.boundary, b=b, s=s, tp=1, sequence_parallel=False)
-    calls = 2 * layer.tp_allreduces + recomputed_allreduces(layer.tp_allreduces, mode,
-                                                             sequence_parallel=config.sequence_parallel)
+    calls = forward_allreduces(layer) + backward_allreduces(graph, layer) + recomputed_allreduces(
+        layer.tp_allreduces, mode, sequence_parallel=config.sequence_parallel)
     seconds = calls * all_reduce_seconds(cluster, group, boundary)
     if layer.role is Role.HEAD and any(p.tp_dim is not None for p in layer.params):
         # The LM head's column-wise output is gathered (`colwise_gather_output`) so the loss sees all logits.
         logits = b * s * graph.dims.vocab * precision.compute_itemsize(config.precision)
         seconds += all_gather_seconds(cluster, group, logits)
     return seconds
+
+
+# Column-wise styles of the lowering's TP plan (`graphs.structure`): each module shards its output features.
+_COLWISE = ("colwise", "packed_colwise")
+
+
+def forward_allreduces(layer: Layer) -> int:
+    """Output all-reduces of one node's forward: one per row-wise module, and the row-wise embedding's."""
+    return layer.tp_allreduces + any(p.tp_style == "embedding_rowwise" for p in layer.params)
+
+
+def backward_allreduces(graph: LayerGraph, layer: Layer) -> int:
+    """Input-gradient all-reduces of one node's backward. torchtitan (and Megatron) prepare each block's input
+    once (`PrepareModuleInput`), so the column-wise projections sharing it reduce one gradient: one per row-wise
+    module. The HF TP plan (transformers' and the generated torchrun script's `parallelize_module`) makes each
+    column-wise module's input a DTensor of its own, so each all-reduces its own gradient (q, k, v, gate and up
+    in a Llama layer), the LM head's (`colwise_gather_output`, tied or not) included; checked against a real
+    gloo run (tests/costmodels/test_tp_recompute_gloo.py)."""
+    if graph.runtime != "hf":
+        return layer.tp_allreduces
+    if layer.role is Role.HEAD:
+        return 1
+    modules = {p.name.rsplit(".", 1)[0] if p.name.endswith((".weight", ".bias")) else p.name
+               for p in layer.params if p.tp_style in _COLWISE}
+    return max(layer.tp_allreduces, len(modules))
 
 
 def recomputed_allreduces(rowwise: int, mode: Checkpoint, *, sequence_parallel: bool) -> float:

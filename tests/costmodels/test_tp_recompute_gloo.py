@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from costmodels.tensor_parallel import recomputed_allreduces
-from graphs import Checkpoint
+from costmodels.tensor_parallel import backward_allreduces, forward_allreduces, recomputed_allreduces
+from graphs import Checkpoint, lower
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +41,6 @@ def worker(out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from graphs.sac import op_sac_policy
-    from tests.graphs.tiny_configs import tiny_values
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -104,6 +105,16 @@ def counts(tmp_path_factory) -> dict:
 def test_forward_all_reduces_are_one_per_rowwise_module(counts):
     for mode in MODES:  # checkpointing changes nothing in forward; the embedding's row-wise all-reduce is the +1
         assert counts[mode]["forward"] == {"all_reduce": LAYERS * ROWWISE + 1, "all_gather_single": 1}
+
+
+def test_modelled_all_reduces_per_step_equal_the_real_run_without_checkpointing(counts, tmp_path):
+    # Every node of the lowered tiny Llama: forward (row-wise outputs, the embedding) and backward (each HF
+    # column-wise module's input gradient, the LM head's included) against what DTensor issued.
+    graph = lower(str(write_config(tmp_path / "tiny-llama", tiny_values("llama"))))
+    assert graph.runtime == "hf"
+    assert sum(forward_allreduces(layer) for layer in graph.nodes()) == counts["none"]["forward"]["all_reduce"]
+    assert sum(backward_allreduces(graph, layer) for layer in graph.nodes()) == \
+        counts["none"]["backward"]["all_reduce"]
 
 
 @pytest.mark.parametrize("mode", [Checkpoint.FULL, Checkpoint.OP_SELECTIVE])
