@@ -9,15 +9,16 @@ from __future__ import annotations
 from itertools import product
 from typing import Any
 
-from costmodels import Config, Engine, Offload
+from costmodels import Config, Offload
+from costmodels.engines import RULES
 from graphs import FitplanError
 
 from .pins import Pins
 
 # Unpinned knobs are completed most permissive first, with the stages each engine has, so the rule reported is
 # one the pins themselves break.
-_ENGINES = (Engine.DEEPSPEED, Engine.FSDP2, Engine.DDP)
-_STAGES = {Engine.DEEPSPEED: (3, 2, 1, 0), Engine.FSDP2: (3, 2), Engine.DDP: (0,)}
+_ENGINES = tuple(sorted(RULES, key=lambda engine: -len(RULES[engine].stages)))  # DeepSpeed, FSDP2, DDP
+_STAGES = {engine: tuple(reversed(rules.stages)) for engine, rules in RULES.items()}
 _OFFLOADS = (Offload.NONE, Offload.CPU, Offload.NVME)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
+from costmodels.engines import RULES
 from costmodels.estimate import model_refusals
 from graphs import Checkpoint, FitplanError, LayerGraph
 
@@ -77,8 +78,8 @@ class Space:
     """torch.compile is "auto": each table keeps it only where it saves enough (`tables.build_table`)."""
 
 
-# Tie-break order of (engine, ZeRO stage): the simplest runtime first.
-ENGINE_STAGES = ((Engine.DDP, 0), *((Engine.DEEPSPEED, z) for z in range(4)), (Engine.FSDP2, 2), (Engine.FSDP2, 3))
+# Tie-break order of (engine, ZeRO stage): the simplest runtime first (the engines' order in RULES).
+ENGINE_STAGES = tuple((engine, zero) for engine, rules in RULES.items() for zero in rules.stages)
 
 
 def engine_stages(pins: Pins, launchers: tuple[str, ...] = LAUNCHERS) -> list[tuple[Engine, int]]:
