@@ -13,12 +13,15 @@ from importlib import resources
 from .hardware import GPU
 
 # PyTorch's scaled_dot_product_attention runs FlashAttention-2 on NVIDIA GPUs from Ampere on (its flash backend
-# vendors FlashAttention-2: torch/nn/attention docs, SDPBackend.FLASH_ATTENTION); HF transformers ("sdpa") and
-# torchtitan call it, so that is the kernel every plan assumes.
+# vendors FlashAttention-2 and needs sm80+: torch.nn.attention.SDPBackend.FLASH_ATTENTION); before Ampere it falls
+# back to the memory-efficient backend (xformers' CUTLASS kernel). HF transformers ("sdpa") and torchtitan call
+# SDPA, so that is the kernel every plan assumes.
 DEFAULT_KERNEL = "flash-attention-2"
+PRE_AMPERE_KERNEL = "memory-efficient"
+PRE_AMPERE = {"volta", "turing"}
 # Architectures without a measured table use the fraction of peak of the nearest measured one (an assumption,
-# named in the plan's notes): Ada and the other Ampere parts run the same FlashAttention-2 code as the A100,
-# Blackwell runs the Hopper-generation code paths; GPUs FlashAttention-2 does not support are priced alike.
+# named in the plan's notes): Ada and the other Ampere parts run the same kernels as the A100, Blackwell runs
+# the Hopper-generation code paths, the rest (Volta, Turing, AMD's ROCm builds) are priced like the A100.
 NEAREST_ARCH = {"ampere": "ampere", "ada": "ampere", "hopper": "hopper", "blackwell": "hopper"}
 FALLBACK_ARCH = "ampere"
 
@@ -57,16 +60,22 @@ def curves() -> tuple[Curve, ...]:
                  for row in json.loads(text)["kernels"])
 
 
+def kernel_for(gpu: GPU) -> str:
+    """The attention kernel torch's SDPA picks on `gpu` for 16-bit training."""
+    return PRE_AMPERE_KERNEL if gpu.arch in PRE_AMPERE else DEFAULT_KERNEL
+
+
 def table_arch(gpu: GPU) -> str:
     """The architecture whose measured tables price attention on `gpu`."""
     return NEAREST_ARCH.get(gpu.arch, FALLBACK_ARCH)
 
 
 def fraction_of_peak(gpu: GPU, *, seq_len: int, head_dim: int, causal: bool = True,
-                     kernel: str = DEFAULT_KERNEL) -> float:
-    """Forward + backward speed of `kernel` as a fraction of the dense 16-bit peak of the GPU it was measured on,
-    at `seq_len` and `head_dim` (linear between the measured head dims, held at the nearest beyond them)."""
-    arch = table_arch(gpu)
+                     kernel: str | None = None) -> float:
+    """Forward + backward speed of `kernel` (by default the one SDPA picks on `gpu`) as a fraction of the dense
+    16-bit peak of the GPU it was measured on, at `seq_len` and `head_dim` (linear between the measured head dims,
+    held at the nearest beyond them)."""
+    arch, kernel = table_arch(gpu), kernel or kernel_for(gpu)
     panels = sorted((c for c in curves() if c.kernel == kernel and c.arch == arch and c.causal == causal),
                     key=lambda c: c.head_dim)
     if not panels:
@@ -81,10 +90,11 @@ def fraction_of_peak(gpu: GPU, *, seq_len: int, head_dim: int, causal: bool = Tr
     return f0 + (head_dim - d0) / (d1 - d0) * (f1 - f0)
 
 
-def kernel_note(gpu: GPU, *, kernel: str = DEFAULT_KERNEL) -> str:
+def kernel_note(gpu: GPU) -> str:
     """What the plan assumes about attention, for its notes."""
-    arch = table_arch(gpu)
+    arch, kernel = table_arch(gpu), kernel_for(gpu)
     measured = next(c for c in curves() if c.kernel == kernel and c.arch == arch)
     borrowed = "" if arch == gpu.arch else f" ({gpu.arch} priced at the {arch} fraction of peak, an assumption)"
-    return (f"attention kernel: {kernel} (torch SDPA flash backend), causal forward+backward speed by sequence "
+    backend = "flash" if kernel == DEFAULT_KERNEL else "memory-efficient"
+    return (f"attention kernel: {kernel} (torch SDPA {backend} backend), causal forward+backward speed by sequence "
             f"length and head dim as measured on {measured.measured_on}{borrowed}; {measured.source.split(' Fig')[0]}")

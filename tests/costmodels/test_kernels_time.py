@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from costmodels import Config, Engine, Workload, estimate, parse_cluster
-from costmodels.attention_kernels import DEFAULT_KERNEL, curves, fraction_of_peak
+from costmodels.attention_kernels import DEFAULT_KERNEL, curves, fraction_of_peak, kernel_for, kernel_note
 from costmodels.compute import KERNEL_LAUNCH_SECONDS, KernelSpeed, kernel_speed, launch_seconds, work_seconds
 from costmodels.hardware import find_gpu
 from graphs import Poly, Work, lower
@@ -90,3 +90,12 @@ def test_tiny_model_step_is_launch_bound_and_the_plan_names_its_attention_kernel
     assert details["kernel_launch_exposed"] > 0.9 * details["kernel_launch_host"]
     assert est.time.compute >= details["kernel_launch_host"] * (1 - 1e-9)
     assert any(note.startswith(f"attention kernel: {DEFAULT_KERNEL}") for note in est.notes)
+
+
+def test_pre_ampere_gpus_use_sdpas_memory_efficient_kernel():
+    # FlashAttention-2 needs sm80+; SDPA falls back to the CUTLASS memory-efficient kernel (the paper's xformers bars).
+    v100, a100 = find_gpu("V100-32GB"), find_gpu("A100-80GB")
+    assert kernel_for(v100) == "memory-efficient" and kernel_for(a100) == DEFAULT_KERNEL
+    table = next(c for c in curves() if c.kernel == "memory-efficient" and c.head_dim == 128 and c.causal)
+    assert fraction_of_peak(v100, seq_len=2048, head_dim=128) == pytest.approx(table.tflops[2] / 312, rel=1e-12)
+    assert kernel_note(v100).startswith("attention kernel: memory-efficient")
