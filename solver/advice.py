@@ -69,7 +69,11 @@ def _batch(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
         per_rank = config.micro_batch * config.grad_accum
         if mb < 1 or per_rank % mb:
             continue
-        other = _try(graph, cluster, workload, replace(config, micro_batch=mb, grad_accum=per_rank // mb))
+        try:
+            varied = replace(config, micro_batch=mb, grad_accum=per_rank // mb)
+        except ValueError:  # Config refuses that split (e.g. accumulation under optimizer-in-backward)
+            continue
+        other = _try(graph, cluster, workload, varied)
         if other is None:
             continue
         if not fits(other, cluster, headroom).fits:

@@ -225,10 +225,12 @@ def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
 
 # Where each memory saver runs as emitted. transformers 5.24 TrainingArguments: `optim` names bitsandbytes' paged
 # AdamW (OptimizerNames.PAGED_ADAMW_8BIT / PAGED_ADAMW) and `use_liger_kernel` with `liger_kernel_config` patches in
-# Liger's fused linear cross-entropy alone; torchtune's optimizer-in-backward, chunked loss and activation offload
-# have no launcher here (torchtune is not one, and torchtitan 0.3.0 has none of the three).
+# Liger's fused linear cross-entropy alone; torchtune's chunked loss and activation offload have no launcher here
+# (torchtune is not one, and torchtitan 0.3.0 has neither).
 _PAGED_RUNNERS = ("hf", "deepspeed", "accelerate")
 _FUSED_LOSS_RUNNERS = ("hf",)
+# The generated torchrun script registers torchtune's per-parameter hooks (train_fitplan.py `InBackward`).
+_IN_BACKWARD_RUNNERS = ("torchrun",)
 
 
 def _memory_savers(launcher: str, d: Config) -> list[str]:
@@ -238,9 +240,9 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
     if d.optimizer in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT) and launcher not in _PAGED_RUNNERS:
         problems.append(f"optimizer {d.optimizer} (bitsandbytes' paged AdamW: it builds torch or its own optimizers; "
                         f"launchers that run it: {', '.join(_PAGED_RUNNERS)})")
-    if d.optimizer_in_backward:
-        problems.append("optimizer-in-backward (torchtune's optimizer_in_bwd: every registered launcher steps one "
-                        "optimizer after backward)")
+    if d.optimizer_in_backward and launcher not in _IN_BACKWARD_RUNNERS:
+        problems.append("optimizer-in-backward (torchtune's optimizer_in_bwd: steps one optimizer after backward; "
+                        f"launchers that run it: {', '.join(_IN_BACKWARD_RUNNERS)})")
     if d.loss is Loss.CHUNKED:
         problems.append("torchtune's chunked cross-entropy (no registered launcher runs torchtune's loss)")
     elif d.loss is Loss.FUSED_LINEAR and launcher not in _FUSED_LOSS_RUNNERS:

@@ -256,8 +256,43 @@ def shard_dim(shape, ranks):
 
 
 def optimizer_for(model, lr):
-    d = PLAN["decisions"]
     params = [p for p in model.parameters() if p.requires_grad]
+    if PLAN["decisions"].get("optimizer_in_backward"):
+        return InBackward(params, functools.partial(build_optimizer, lr=lr))
+    return build_optimizer(params, lr)
+
+
+class InBackward(torch.optim.Optimizer):
+    """Optimizer-in-backward as torchtune runs it (0.6.1 training/memory.py `register_optim_in_bwd_hooks`): one
+    optimizer per parameter, stepped and zeroed by the parameter's post-accumulate-grad hook, so no gradient
+    outlives its hook (FSDP2 runs the hooks after its reduce-scatter). This object holds the learning rate the
+    scheduler sets and the states the report counts; its own step has nothing left to do."""
+
+    def __init__(self, params, build):
+        self.each = {param: build([param]) for param in params}
+        super().__init__(list(self.each), dict(next(iter(self.each.values())).defaults))
+        for param, optimizer in self.each.items():
+            param.register_post_accumulate_grad_hook(functools.partial(self._step_one, optimizer))
+
+    def _step_one(self, optimizer, param):
+        optimizer.param_groups[0]["lr"] = self.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(self, closure=None):
+        return None
+
+    @property
+    def state(self):
+        return {p: s for optimizer in self.each.values() for p, s in optimizer.state.items()}
+
+    @state.setter
+    def state(self, value):
+        pass  # torch.optim.Optimizer.__init__ assigns an empty one; the states live in the per-parameter optimizers
+
+
+def build_optimizer(params, lr):
+    d = PLAN["decisions"]
     if d["optimizer"] == "adafactor":
         return torch.optim.Adafactor(params, lr=lr)
     if d["optimizer"] == "sgd":
@@ -411,7 +446,7 @@ def main():
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients
         lrs.append(optimizer.param_groups[0]["lr"])
-        if args.max_grad_norm > 0:
+        if args.max_grad_norm > 0 and not d.get("optimizer_in_backward"):  # no gradient is left to clip
             norms.append(clip_gradients(model, args.max_grad_norm))
         if scaler:
             scaler.step(optimizer)

@@ -58,7 +58,6 @@ def test_the_fused_linear_loss_is_emitted_as_liger_s_fused_loss_alone(tmp_path):
 
 
 @pytest.mark.parametrize(("knobs", "reason"), [
-    ({"optimizer_in_backward": True}, "optimizer-in-backward"),
     ({"loss": Loss.CHUNKED}, "chunked cross-entropy"),
     ({"activation_offload": True}, "activation offloading"),
 ])
@@ -67,9 +66,11 @@ def test_every_launcher_refuses_what_no_launcher_runs(knobs, reason):
         assert any(reason in p for p in unsupported(launcher, Config(**knobs))), launcher
 
 
-def test_only_the_trainer_runs_the_fused_loss():
+def test_only_the_trainer_runs_the_fused_loss_and_only_the_torchrun_script_steps_in_backward():
     runs = [name for name in LAUNCHERS if not unsupported(name, Config(loss=Loss.FUSED_LINEAR))]
     assert runs == ["hf"]
+    runs = [name for name in LAUNCHERS if not unsupported(name, Config(optimizer_in_backward=True))]
+    assert runs == ["torchrun"]
 
 
 def invoke(args: list[str]):
@@ -88,10 +89,48 @@ def test_estimate_cli_prices_each_knob_and_refuses_accumulation_in_backward():
     assert refused.exit_code == 2 and "grad_accum=2" in refused.stderr
 
 
-def test_solve_cli_refuses_offload_without_full_checkpointing_and_in_backward_without_a_launcher():
+def test_solve_cli_refuses_offload_without_full_checkpointing_and_what_no_allowed_launcher_or_kernel_runs():
     common = ["solve", "--model", MODEL, "--gpus", GPUS, "--seq-len", "512", "--global-batch", "4",
               "--time-limit", "5"]
     offload = invoke([*common, "--activation-offload", "on", "--checkpoint", "none"])
     assert offload.exit_code == 2 and "full checkpointing" in offload.stderr
-    in_backward = invoke([*common, "--optimizer-in-backward", "on"])
-    assert in_backward.exit_code == 2
+    in_backward = invoke([*common, "--optimizer-in-backward", "on", "--launcher", "hf"])
+    assert in_backward.exit_code == 2 and "launchers that run it: torchrun" in " ".join(in_backward.stderr.split())
+    gpt2 = invoke([*common[:2], "gpt2", *common[3:], "--loss", "fused-linear"])
+    assert gpt2.exit_code == 2 and "no fused linear cross-entropy patch for model type 'gpt2'" in \
+        " ".join(gpt2.stderr.split())
+
+
+@pytest.mark.distributed
+def test_emitted_script_steps_in_backward_and_keeps_no_gradient(tmp_path):
+    """torchtune's hooks in the generated script, on two gloo ranks under FSDP2: two steps train, no gradient is
+    left after backward (the estimate's gradients are 0), and the per-parameter optimizers hold exactly the states
+    the plan's estimate counts."""
+    import math
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from solver.commands import emit_files
+    from tests.graphs.reference import write_config
+    from tests.graphs.tiny_configs import tiny_values
+
+    model_dir = write_config(tmp_path / "tiny", tiny_values("llama"))
+    plan = solve(str(model_dir), "2xCPU", seq_len=32, global_batch=4, engine="fsdp2", zero=3, tp=1,
+                 optimizer_in_backward="on", offload="none", param_offload="none", time_limit=5)
+    assert plan.decisions.optimizer_in_backward and plan.decisions.grad_accum == 1
+    assert plan.launchers == ("torchrun",) and plan.estimate.memory.gradients == 0
+    emit_files(plan, "torchrun", tmp_path / "out")
+    report = tmp_path / "report"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(tmp_path / "out" / "train_fitplan.py"), "--model", str(model_dir), "--from-config", "--steps", "2",
+               "--report", str(report)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    losses = [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    ranks = [json.loads((report / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["grad_bytes"] == 0 and r["grad_norms"] == [] for r in ranks)
+    assert max(r["optimizer_bytes"] for r in ranks) == plan.estimate.memory.optimizer_states
