@@ -41,6 +41,10 @@ from .sac import SacRecorder, observing
 from .sources import ResolvedModel, resolve
 from .structure import layer_signature
 
+# The attention a torchtitan-lowered graph records (its models attend with FlexAttention); a plan priced on it
+# carries it, so launchers that run the HF code can tell (`solver.launchers.support`). No HF name equals it.
+TITAN_ATTENTION = "flex"
+
 # The checkpoint modes torchtitan runs: none, `FullAC` and `SelectiveAC` (op-level SAC).
 TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
 # HF model_type -> torchtitan model family (torchtitan 0.3.0 `torchtitan/models/`).
@@ -124,7 +128,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
     wide = model_wide_bytes(probes)
     wide["shared"] = wide["shared"] + rope_cache_bytes(model)
     block = next(iter(model.layers.values()))
-    study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention="flex",
+    study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention=TITAN_ATTENTION,
                   dims=dims, itemsize=torch.finfo(getattr(torch, dtype)).bits // 8, params=params, kinds=kinds,
                   slot_scopes={(s.kind, s.mode): f"layers.{j}" for j, s in enumerate(slots) if s.kind is not None},
                   costs=costs, rowwise_modules=[_rowwise(layer) for layer in model.layers.values()], moe={},

@@ -337,9 +337,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
         and outer.param_offload is Offload.NONE
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
-    runners = runnable_by(decisions, inputs)
-    if graph.runtime == "torchtitan":  # the other launchers run the HF modeling code, which this plan did not price
-        runners = tuple(name for name in runners if name == "torchtitan")
+    runners = runnable_by(decisions, inputs)  # a plan priced on torchtitan's code runs there only (its attention)
     if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
         raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
                            "This is a fitplan bug; please report it with the command line.")

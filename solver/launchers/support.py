@@ -10,10 +10,19 @@ from ..capability import unsupported as _unsupported
 from ..plan import Decisions, Inputs
 from . import torchtitan
 
+# `graphs.titan.TITAN_ATTENTION` (not imported: graphs.titan imports torch): the attention of a plan priced on
+# torchtitan's own model code, which only the torchtitan launcher runs.
+_TITAN_PRICED = "flex"
+
 
 def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
     """What `launcher` cannot run of the plan's model (empty for launchers that load any transformers model)."""
-    return torchtitan.model_problems(inputs, attention) if launcher == "torchtitan" else []
+    if launcher == "torchtitan":
+        return torchtitan.model_problems(inputs, attention)
+    if attention == _TITAN_PRICED:
+        return ["a plan priced on torchtitan's model code (made with --launcher torchtitan), whose memory and time "
+                "the HF modeling code does not have"]
+    return []
 
 
 def model_launchers(inputs: Inputs, attention: str) -> tuple[str, ...]:

@@ -136,3 +136,16 @@ def test_torchtitan_without_a_mode_pinned_plans_the_fastest_whole_model_mode():
     assert set(plan.decisions.checkpoint) == {fastest}
     assert plan.estimate.time.step_time == pytest.approx(pinned[fastest].estimate.time.step_time, rel=1e-12)
     assert "checkpoint" not in plan.inputs.pins and plan.launchers == ("torchtitan",)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "hf"])
+def test_a_plan_priced_on_torchtitans_code_is_refused_by_launchers_running_hf_code(launcher):
+    pytest.importorskip("torchtitan")
+    from solver.launchers import emit
+
+    plan = solve("meta-llama/Llama-3.2-1B", "8xH100", seq_len=2048, global_batch=64, time_limit=5,
+                 launcher="torchtitan", checkpoint="full")
+    assert plan.launchers == ("torchtitan",)
+    with pytest.raises(FitplanError) as caught:
+        emit(plan, launcher)
+    assert "torchtitan's model code" in caught.value.message

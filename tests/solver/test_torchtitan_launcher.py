@@ -203,7 +203,9 @@ def test_torchtitan_config_manager_parses_every_decided_knob(name, base, parse, 
 @pytest.mark.parametrize("name", UNSUPPORTED)
 def test_every_unsupported_value_is_refused_with_its_reason(name, base, tmp_path):
     changes, word = UNSUPPORTED[name]
-    knobs = SimpleNamespace(**{**BASE, **changes})  # what the search asks about (space.Outer has these knobs)
+    # what the search asks about (space.Outer has these knobs; knobs BASE leaves out keep the plan's values)
+    decided = {field.name: getattr(base.decisions, field.name) for field in dataclasses.fields(base.decisions)}
+    knobs = SimpleNamespace(**{**decided, **BASE, **changes})
     problems = unsupported("torchtitan", knobs, checkpoint=knobs.checkpoint, lora=knobs.lora is not None) + \
         torchtitan.model_problems(base.inputs, knobs.attention)
     assert len(problems) == 1 and word in problems[0] and torchtitan.TORCHTITAN in problems[0], problems
