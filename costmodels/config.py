@@ -131,8 +131,8 @@ class Config:
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
                                          pin="set", flag="optimizers",
-                                         reads=("offload", "optimizer_in_backward", "optimizer_launches",
-                                                "states"))
+                                         reads=("estimate", "offload", "optimizer_in_backward",
+                                                "optimizer_launches", "states"))
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",
@@ -142,7 +142,7 @@ class Config:
                                   reads=("compilation",))] = False
     optimizer_in_backward: Annotated[bool, Knob(
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
-        "no gradient accumulation or clipping).", reads=("memory", "states"))] = False
+        "no gradient accumulation or clipping).", reads=("estimate", "memory", "states"))] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
                                "or fused-linear (Liger, no full logits).",
                                reads=("estimate", "memory"))] = Loss.HF

@@ -9,7 +9,7 @@ from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
 from .compute import CAUSAL_FRACTION, KERNEL_LAUNCH_SECONDS
-from .config import Config, Precision, Workload
+from .config import Config, Loss, Optimizer, Precision, Workload
 from .engines import rules_of
 from .memory import memory_breakdown
 from .timing import time_breakdown
@@ -139,4 +139,24 @@ def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
         notes.append("checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
     if any(layer.role is Role.DECODER and layer.moe for layer in graph.nodes()):
         notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)")
+    return tuple(notes) + _saver_notes(config)
+
+
+def _saver_notes(config: Config) -> tuple[str, ...]:
+    """What the memory-saving knobs assume, in words."""
+    notes = []
+    if config.optimizer in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT):
+        notes.append("paged optimizer: its states of tensors >= 1e5 elements are counted in host RAM, one tensor's "
+                     "on the device while it steps, and every page moves in and out once per step over the host "
+                     "link (bitsandbytes prefetches per tensor)")
+    if config.optimizer_in_backward:
+        notes.append("optimizer in backward: each parameter steps and frees its gradient in its "
+                     "post-accumulate-grad hook (torchtune); no accumulation and no gradient clipping")
+    if config.loss is not Loss.HF:
+        notes.append(f"{config.loss} loss: the head and cross-entropy allocate as "
+                     f"{'torchtune' if config.loss is Loss.CHUNKED else 'liger-kernel'}'s code does; its time is "
+                     "the lowered head's (the same matmul FLOPs)")
+    if config.activation_offload:
+        notes.append("activation offload: saved tensors go to pinned host memory after each layer's forward and "
+                     "come back one layer ahead in backward; copies not hidden by compute are added")
     return tuple(notes)

@@ -143,6 +143,9 @@ class Decisions(Config):
             parts.append(f"opt-offload={self.optimizer_offload}")
         if self.param_offload is not Offload.NONE:
             parts.append(f"param-offload={self.param_offload}")
+        savers = (("optimizer-in-backward", self.optimizer_in_backward), (f"loss={self.loss}", self.loss != "hf"),
+                  ("activation-offload", self.activation_offload))
+        parts += [name for name, on in savers if on]
         if self.lora:
             kind = "QLoRA" if self.lora.quantization else "LoRA"
             parts.append(f"{kind}{'+DoRA' if self.lora.use_dora else ''} r={self.lora.rank}"

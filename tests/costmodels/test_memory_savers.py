@@ -57,6 +57,7 @@ def test_paged_optimizer_estimate_keeps_only_resident_states_and_adds_the_paging
     unpaged = estimate(graph, CLUSTER, WORKLOAD, replace(cfg, optimizer=Optimizer.ADAMW_8BIT))
     assert got.memory.optimizer_states == split.device
     assert got.memory.cpu_bytes_per_node == split.paged
+    assert any(note.startswith("paged optimizer") for note in got.notes)  # the assumption is printed
     assert got.time.offload - unpaged.time.offload == pytest.approx(paging_seconds(CLUSTER, split), rel=1e-9)
     if optimizer is Optimizer.PAGED_ADAMW_8BIT:  # the same states as AdamW8bit, split by where they live
         assert split.resident + split.paged == unpaged.memory.optimizer_states
