@@ -32,7 +32,7 @@ from .alternatives import alternatives
 from .bounds import check_workload
 from .capability import op_selective_runners
 from .diagnose import Infeasible, NoPlanInTime, diagnose
-from .launchers.support import model_launchers, model_problems, runnable_by
+from .launchers.support import TITAN_PRICED, model_launchers, model_problems, runnable_by
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
@@ -378,8 +378,12 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     dtype, autocast = shared_lowering(cfg, lora=lora is not None)
     mode = config.get("checkpoint") if isinstance(config, dict) else None
     op_selective = Checkpoint.OP_SELECTIVE in cfg.checkpoint or str(mode) == Checkpoint.OP_SELECTIVE.value
-    graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                           op_selective=op_selective)
+    if attention == TITAN_PRICED:  # a torchtitan plan's decisions: priced on torchtitan's own model code
+        graph = _graph_for(resolved, lora, None, {}, runtime="torchtitan")(Outer(**{
+            name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"}))
+    else:
+        graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                               op_selective=op_selective)
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp
     workload, _ = _workload(resolved, cluster, seq_len, batch, None)

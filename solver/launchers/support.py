@@ -12,14 +12,14 @@ from . import torchtitan
 
 # `graphs.titan.TITAN_ATTENTION` (not imported: graphs.titan imports torch): the attention of a plan priced on
 # torchtitan's own model code, which only the torchtitan launcher runs.
-_TITAN_PRICED = "flex"
+TITAN_PRICED = "flex"
 
 
 def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
     """What `launcher` cannot run of the plan's model (empty for launchers that load any transformers model)."""
     if launcher == "torchtitan":
         return torchtitan.model_problems(inputs, attention)
-    if attention == _TITAN_PRICED:
+    if attention == TITAN_PRICED:
         return ["a plan priced on torchtitan's model code (made with --launcher torchtitan), whose memory and time "
                 "the HF modeling code does not have"]
     return []

@@ -149,3 +149,18 @@ def test_a_plan_priced_on_torchtitans_code_is_refused_by_launchers_running_hf_co
     with pytest.raises(FitplanError) as caught:
         emit(plan, launcher)
     assert "torchtitan's model code" in caught.value.message
+
+
+def test_estimate_of_a_torchtitan_plan_json_gives_the_plans_own_estimate(tmp_path):
+    # `fitplan estimate --config plan.json` prices the decisions on the code the plan was priced on.
+    pytest.importorskip("torchtitan")
+    plan_path = tmp_path / "plan.json"
+    solved = CliRunner().invoke(app, ["solve", *LLAMA_8B, "--launcher", "torchtitan", "--checkpoint", "op_selective",
+                                      "--json", "-o", str(plan_path)])
+    assert solved.exit_code == 0, solved.stderr
+    result = CliRunner().invoke(app, ["estimate", "--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100",
+                                      "--config", str(plan_path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    plan = json.loads(plan_path.read_text())
+    assert {k: v for k, v in data.items() if k not in ("fits", "device_capacity_bytes", "verdict")} == plan["estimate"]
