@@ -194,11 +194,20 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     except Infeasible:
         if not allow_lora or lora is not None:
             raise
-        fallback = LoraSpec()
-        assumed = [*assumed, f"full fine-tuning does not fit; LoRA fallback r={fallback.rank} on all linear layers"]
-        return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
-                      attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
-                      gpus=gpus, input_rate=input_tokens_per_s)
+    # Parameter-efficient fallbacks, each only when the one before cannot fit (each changes the training more):
+    # LoRA, then QLoRA (the same adapters on a 4-bit NF4 base with double quantisation, as the QLoRA paper trains).
+    fallbacks = ((LoraSpec(), "full fine-tuning does not fit; LoRA fallback r=16 on all linear layers"),
+                 (LoraSpec(quantization="nf4", double_quant=True), "neither full fine-tuning nor 16-bit LoRA fits; "
+                  "QLoRA fallback r=16 on all linear layers over a 4-bit NF4 base (double quantisation)"))
+    for index, (fallback, why) in enumerate(fallbacks):
+        try:
+            return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
+                          attention=attention, assumed=[*assumed, why], started=started,
+                          alternatives_count=alternatives_count, gpus=gpus, input_rate=input_tokens_per_s)
+        except Infeasible:
+            if index == len(fallbacks) - 1:
+                raise
+    raise AssertionError("unreachable: the last fallback returns or raises")
 
 
 def _uniform_modes(pins: Pins) -> tuple[Checkpoint, ...]:

@@ -122,3 +122,19 @@ def test_emitted_hf_files_train_a_tiny_quantized_model_on_cpu(tmp_path):
     built = trainer.optimizer.optimizer  # transformers builds bitsandbytes' AdamW(optim_bits=8, is_paged=True)
     assert isinstance(built, bnb.optim.AdamW) and built.is_paged and built.args.optim_bits == 8
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+
+
+@pytest.mark.slow
+def test_allow_lora_falls_back_to_qlora_only_when_16_bit_lora_cannot_fit():
+    """Qwen2.5-7B on one 16 GB T4 with 8 GiB of host RAM: full fine-tuning and 16-bit LoRA (15 GB of frozen fp16
+    weights, nowhere to offload them) cannot fit, QLoRA does, and the plan says what it gave up."""
+    plan = solve("Qwen/Qwen2.5-7B", "1xT4", seq_len=1024, global_batch=16, allow_lora=True, time_limit=10,
+                 cluster_options={"cpu_ram_gib": 8})
+    lora = plan.decisions.lora
+    assert (lora.quantization, lora.double_quant, lora.rank) == ("nf4", True, 16)
+    assert any("QLoRA fallback" in line for line in plan.inputs.assumed)
+    with pytest.raises(FitplanError):  # what the fallback gave up: the same request without QLoRA
+        solve("Qwen/Qwen2.5-7B", "1xT4", seq_len=1024, global_batch=16, lora=LoraSpec(), time_limit=10,
+              cluster_options={"cpu_ram_gib": 8})
+    roomy = solve("Qwen/Qwen2.5-0.5B", "1xT4", seq_len=512, global_batch=4, allow_lora=True, time_limit=5)
+    assert roomy.decisions.lora is None  # no fallback where full fine-tuning fits
