@@ -17,6 +17,7 @@ from solver.api import estimate, solve
 from solver.capability import LAUNCHERS, unsupported
 from solver.cli import app
 from solver.launchers import emit
+from solver.plan import Plan
 
 MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xA10G"
 WORKLOAD = {"seq_len": 512, "global_batch": 4}
@@ -47,6 +48,7 @@ def test_the_fused_linear_loss_is_emitted_as_liger_s_fused_loss_alone(tmp_path):
 
     plan = solve(MODEL, GPUS, **WORKLOAD, loss="fused-linear", launcher="hf", time_limit=5)
     assert plan.decisions.loss is Loss.FUSED_LINEAR and plan.launchers == ("hf",)
+    assert Plan.from_json(json.loads(plan.dumps())).decisions == plan.decisions  # the knob round-trips
     args = training_arguments(emit(plan, "hf"), tmp_path)
     assert args.use_liger_kernel
     patch = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN["qwen2"]).parameters

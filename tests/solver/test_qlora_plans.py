@@ -16,6 +16,7 @@ from graphs import FitplanError, LoraSpec
 from solver.api import estimate, solve
 from solver.cli import app
 from solver.launchers import emit
+from solver.plan import Plan
 
 MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xL4"
 WORKLOAD = {"seq_len": 512, "global_batch": 4}
@@ -31,6 +32,7 @@ def test_the_plan_records_the_quantized_dora_adapters_and_prices_the_packed_base
     lora = plan.decisions.lora
     assert (lora.quantization, lora.double_quant, lora.use_dora) == ("nf4", True, True)
     assert lora.spec() == QDORA
+    assert Plan.from_json(json.loads(plan.dumps())).decisions.lora == lora  # written and read back whole
     assert (plan.decisions.engine, plan.decisions.tp) == (Engine.DDP, 1)
     assert set(plan.launchers) == {"hf", "accelerate"}
     config = Config(**{name: getattr(plan.decisions, name) for name in Config.__dataclass_fields__})
