@@ -69,7 +69,7 @@ def transformers_config(resolved: ResolvedModel) -> Any:
 
 
 def study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
-          b0: int, s0: int, widen: int, op_selective: bool = False) -> Study:
+          b0: int, s0: int, widen: int, op_selective: bool = False, compiled: bool = False) -> Study:
     from .lower import dims_of, widened_config
 
     dims = dims_of(config)
@@ -83,7 +83,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
     moe = _moe(wide, kinds, dims)
     slots = trace_slots(kinds, selective=True, op_selective=op_selective)
     trace = build_trace_model(wide, kinds, slots)
-    run = _runner(trace, slots, dims.vocab, fake, autocast, lora)
+    run = _runner(trace, slots, dims.vocab, fake, autocast, lora, compiled)
     probes = Probes(run(b0, s0), run(b0, 2 * s0), run(b0, 3 * s0), run(2 * b0, s0), None)
     tp_degrees = _tp_degrees(params, dims)
     if _clean(plan) and len(tp_degrees) > 1:
@@ -92,7 +92,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
         if _matches_widening(widened, wide_params=params, factor=widen):
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
-                            _runner(widened_trace, slots, dims.vocab, fake, autocast, lora)(b0, s0))
+                            _runner(widened_trace, slots, dims.vocab, fake, autocast, lora, compiled)(b0, s0))
     if probes.widened is None:  # no measured 1/TP split: TP > 1 would be priced as if nothing were divided
         tp_degrees = (1,)
     costs = segment_costs(probes)
@@ -131,7 +131,7 @@ def _quantized_sizes(params: list[ParamTensor], parts: ModelParts, lora: LoraSpe
 
 
 def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTensorMode,
-            autocast: str | None, lora: LoraSpec | None) -> Any:
+            autocast: str | None, lora: LoraSpec | None, compiled: bool = False) -> Any:
     to_fake(parts.model, fake)
     if lora is not None and lora.quantization is not None:
         from .quantization import pack
@@ -141,7 +141,8 @@ def _runner(parts: ModelParts, slots: list[TraceSlot], vocab: int, fake: FakeTen
     def run(b: int, s: int) -> Any:
         try:
             with fake:
-                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast, lora=lora)
+                return run_pass(parts, slots, b=b, s=s, vocab=vocab, autocast=autocast, lora=lora,
+                                compiled=compiled)
         except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
             raise UnsupportedModel(f"{type(parts.model).__name__} could not be traced on fake tensors: {err}",
                                    "Try --attention eager, or report the architecture.") from err

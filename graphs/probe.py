@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .compiled import compile_forward
 from .fake import full_checkpoint_function, quirks
 from .layer import Checkpoint
 from .lora import LoraSpec, adapter_tracing
@@ -78,16 +79,22 @@ def build_trace_model(parts: ModelParts, kinds: list[int], slots: list[TraceSlot
 
 
 def run_pass(parts: ModelParts, slots: list[TraceSlot], *, b: int, s: int, vocab: int,
-             autocast: str | None = None, lora: LoraSpec | None = None) -> Recording:
+             autocast: str | None = None, lora: LoraSpec | None = None, compiled: bool = False) -> Recording:
     """Record a forward and backward pass of the trace model at micro-batch b and sequence length s.
 
     `lora`: the adapters the model carries; bitsandbytes 4-bit bases and DoRA are traced as they run in training
-    (`lora.adapter_tracing`).
+    (`lora.adapter_tracing`). `compiled`: layers without checkpointing run as torch.compile trains them
+    (`compiled.compile_forward`); checkpointed ones save their inputs either way.
     """
     for param in parts.model.parameters():
         param.grad = None
     recorder = SacRecorder([*parts.model.parameters(), *parts.model.buffers()])
     _set_modes(parts, slots, recorder)
+    if compiled:
+        for layer, slot in zip(parts.layers, slots, strict=True):
+            if slot.mode is Checkpoint.NONE and not getattr(layer, "_fitplan_compiled", False):
+                compile_forward(layer)
+                layer._fitplan_compiled = True
     scopes: dict[torch.nn.Module, str] = {layer: f"layers.{i}" for i, layer in enumerate(parts.layers)}
     scopes[parts.head] = "head"
     dynamic = {child for child in parts.base.children() if child is not parts.layers}

@@ -1,6 +1,6 @@
-"""`graphs.compiled.CompiledLayer` saves for backward exactly what `torch.compile(backend="inductor")` saves: a real
-Inductor compile of a transformers decoder layer on CPU (kernels generated and run) against the fake-tensor layer,
-compared tensor by tensor through saved-tensor hooks (parameters and the layer's inputs left out)."""
+"""`graphs.compiled.compile_forward` makes a layer save for backward exactly what `torch.compile(backend="inductor")`
+saves: a real Inductor compile of a transformers decoder layer on CPU (kernels generated and run) against the
+fake-tensor layer, compared tensor by tensor through saved-tensor hooks (parameters and the layer's inputs left out)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from graphs.compiled import CompiledLayer
+from graphs.compiled import compile_forward
 from graphs.fake import to_fake
 
 HIDDEN, HEAD_DIM = 128, 32
@@ -66,10 +66,11 @@ def test_fake_compiled_layer_saves_what_inductor_saves(arch):
     mode = FakeTensorMode()
     fake_layer = decoder_layer(arch, "meta")
     to_fake(fake_layer, mode)
+    compile_forward(fake_layer)
     with mode:
         fx, fcos, fsin = inputs(b, s)
         outside = {id(t.untyped_storage()) for t in (*fake_layer.parameters(), fx, fcos, fsin)}
-        fake = saved(lambda: CompiledLayer(fake_layer)(fx, position_embeddings=(fcos, fsin), attention_mask=None),
+        fake = saved(lambda: fake_layer(fx, position_embeddings=(fcos, fsin), attention_mask=None),
                      outside)
     assert fake == real
     assert sum(n for *_, n in fake) < sum(n for *_, n in eager)  # the partitioner recomputes the cheap ops
