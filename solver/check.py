@@ -151,7 +151,8 @@ def plan_graph(plan: Plan, config: Config) -> LayerGraph:
                                               dropout=lora.dropout)
     dtype, autocast = shared_lowering(config, lora=spec is not None)
     return lower_resolved(resolve(plan.inputs.model), dtype=dtype, autocast=autocast,
-                          attention=plan.decisions.attention, lora=spec)
+                          attention=plan.decisions.attention, lora=spec,
+                          op_selective=Checkpoint.OP_SELECTIVE in plan.decisions.checkpoint)
 
 
 def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -> int:

@@ -141,6 +141,11 @@ def apply_checkpointing(model):
         type(ALL_ATTENTION_FUNCTIONS).get_interface = get_interface
 
 
+# While a report measures a forward (`saved_bytes`): who counts the outputs op-level SAC keeps, which live in its
+# cache and never pass autograd's saved-tensor hooks.
+SAC_WATCHERS = []
+
+
 @functools.cache
 def sac_save_ops():
     """The ops whose outputs op-level SAC keeps, as torchtitan 0.3.0's `_get_default_save_ops`
@@ -155,6 +160,9 @@ def sac_save_ops():
             torch._higher_order_ops.flex_attention, aten.linear.default, aten.topk.default,
             torch.ops._c10d_functional.reduce_scatter_tensor.default,
             torch.ops._c10d_functional.all_to_all_single.default}
+    # The CPU build runs SDPA as this kernel, which neither list names; it stands for the GPU flash kernel (same
+    # outputs), so a CPU run keeps what a GPU run keeps, as fitplan prices it.
+    ops.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
     compiled = getattr(torch._higher_order_ops, "inductor_compiled_code", None)
     return ops | ({compiled} if compiled is not None else set())
 
@@ -168,7 +176,7 @@ def sac_policy(keep):
     matmuls = (aten.mm.default, aten.linear.default)
     counts = {"forward": 0, "recompute": 0}
 
-    def policy(ctx, func, *args, **kwargs):
+    def decide(ctx, func, *args, **kwargs):
         if func == aten._to_copy.default and "cuda" in str(args[0].device) and str(kwargs.get("device")) == "cpu":
             return CheckpointPolicy.MUST_SAVE
         phase = "recompute" if ctx.is_recompute else "forward"
@@ -179,6 +187,12 @@ def sac_policy(keep):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def policy(ctx, func, *args, **kwargs):
+        decision = decide(ctx, func, *args, **kwargs)
+        if SAC_WATCHERS and decision is CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            SAC_WATCHERS[-1](getattr(ctx, "op_output", None))  # torch >= 2.13 hands the policy the output
+        return decision
 
     return policy
 
@@ -353,8 +367,9 @@ def local_bytes(tensor):
 
 @contextlib.contextmanager
 def saved_bytes(model, batch, found):
-    """Adds to found[0] the bytes autograd saves for backward in this forward: each storage once, without the
-    parameters (FSDP2's gathered ones included), buffers and the batch; what fitplan's activation model counts."""
+    """Adds to found[0] the bytes autograd saves for backward in this forward, and the outputs op-level SAC keeps:
+    each storage once, without the parameters (FSDP2's gathered ones included), buffers and the batch; what
+    fitplan's activation model counts."""
     def storage(t):
         return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
 
@@ -369,8 +384,17 @@ def saved_bytes(model, batch, found):
             found[0] += st.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
+    def keep_output(output):  # what op-level SAC keeps (`sac_policy`), counted like a saved tensor
+        for tensor in torch.utils._pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor):
+                pack(tensor)
+
+    SAC_WATCHERS.append(keep_output)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        SAC_WATCHERS.remove(keep_output)
 
 
 def clip_gradients(model, max_norm):

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from graphs import Checkpoint
-from graphs.sac import op_sac_policy, save_ops
+from graphs.sac import GPU_EQUIVALENT_OPS, observed_policy, op_sac_policy, save_ops
 from solver import solve
 from solver.commands import emit_files
 from tests.graphs.reference import write_config
@@ -50,8 +50,9 @@ def test_plan_pinned_to_op_selective_checkpoints_every_layer_that_way(script):
 
 
 def test_script_saves_the_ops_graphs_sac_saves(script):
+    # and the CPU flash kernel, which the lowering asks the policy about as the GPU one (GPU_EQUIVALENT_OPS)
     _, module = script
-    assert module.sac_save_ops() == save_ops()
+    assert module.sac_save_ops() == save_ops() | set(GPU_EQUIVALENT_OPS)
 
 
 def _recording(policy, log: list):
@@ -70,7 +71,8 @@ def _step(model: torch.nn.Module) -> None:
 def test_script_policy_decides_each_op_as_graphs_sac_does_in_a_real_step(script, monkeypatch):
     # A real forward and backward of the tiny Llama on CPU, checkpointed once by the script's own
     # `apply_checkpointing` and once through transformers with `graphs.sac.op_sac_policy`: the same ops are kept
-    # and recomputed (torch 2.13 asks the policy in forward only; the recompute replays its decisions).
+    # and recomputed (torch 2.13 asks the policy in forward only; the recompute replays its decisions), the CPU
+    # flash kernel decided as the GPU one in both.
     _, module = script
     values = dict(tiny_values("llama"))
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -89,7 +91,8 @@ def test_script_policy_decides_each_op_as_graphs_sac_does_in_a_real_step(script,
     expected: list = []
     reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False,
-        "context_fn": lambda: create_selective_checkpoint_contexts(_recording(op_sac_policy(), expected))})
+        "context_fn": lambda: create_selective_checkpoint_contexts(
+            _recording(observed_policy(op_sac_policy(), None), expected))})
     _step(reference)
 
     assert emitted == expected
@@ -116,3 +119,25 @@ def test_emitted_script_trains_two_ranks_with_op_level_sac(engine, tmp_path):
     losses = [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert all(json.loads((tmp_path / "r" / f"rank{rank}.json").read_text()) for rank in range(2))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_check_of_an_op_sac_plan_measures_saved_bytes_equal_to_the_estimate(engine, tmp_path):
+    # `fitplan check`: the emitted script counts what SAC keeps (its cache, outside autograd's hooks) beside the
+    # saved tensors, on two gloo ranks; the lowering's op-SAC costs must equal it exactly.
+    from typer.testing import CliRunner
+
+    from solver.cli import app
+
+    model_dir = write_config(tmp_path / "tiny-llama", tiny_values("llama"))
+    plan = solve(str(model_dir), "2xCPU", seq_len=64, global_batch=4, time_limit=5, checkpoint="op_selective",
+                 engine=engine, offload="none", param_offload="none", tp=1)
+    (tmp_path / "plan.json").write_text(plan.dumps())
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "plan.json"), "--steps", "2", "--device", "cpu",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.stdout)["rows"]}
+    saved = rows["saved activations (one micro-batch)"]
+    assert saved["exact"] and saved["measured"] == saved["estimated"] > 0
