@@ -145,7 +145,7 @@ class Config:
         "no gradient accumulation or clipping).", reads=("estimate", "memory", "states"))] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
                                "or fused-linear (Liger, no full logits).",
-                               reads=("estimate", "memory"))] = Loss.HF
+                               reads=("estimate", "loss", "memory"))] = Loss.HF
     activation_offload: Annotated[bool, Knob(
         "Offload saved activations to host memory between forward and backward (torchtune's "
         "enable_activation_offloading; needs full checkpointing on every layer).",

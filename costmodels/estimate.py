@@ -155,7 +155,8 @@ def _saver_notes(config: Config) -> tuple[str, ...]:
     if config.loss is not Loss.HF:
         notes.append(f"{config.loss} loss: the head and cross-entropy allocate as "
                      f"{'torchtune' if config.loss is Loss.CHUNKED else 'liger-kernel'}'s code does; its time is "
-                     "the lowered head's (the same matmul FLOPs)")
+                     + ("the lowered ops on each chunk" if config.loss is Loss.CHUNKED else
+                        "the head's matmuls plus Liger's three passes over the logits"))
     if config.activation_offload:
         notes.append("activation offload: saved tensors go to pinned host memory after each layer's forward and "
                      "come back one layer ahead in backward; copies not hidden by compute are added")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from graphs import Checkpoint, LayerGraph, Role
+from graphs import Checkpoint, Layer, LayerGraph, Poly, Role, Work
 
 from . import precision
 from .activations import NodeMemory
@@ -38,6 +38,13 @@ LIGER_MODEL_TYPES = frozenset({
     "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama", "llama4_text", "ministral", "mistral",
     "mixtral", "nemotron", "olmo2", "olmo3", "phi3", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "smollm3"})
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# liger-kernel 0.8.5 ops/cross_entropy.py `liger_cross_entropy_kernel`, per logits row: "[Online softmax] first
+# pass: find max + sum" loads the row, the "Second pass: compute gradients" loads it again and stores the gradient in
+# place (`tl.store(X_ptr + X_offsets, X_block)`): three passes over the row in the logits dtype.
+LIGER_ROW_PASSES = 3
+# ops/fused_linear_cross_entropy.py, per chunk: the logits `mm`, the cross-entropy kernel, the grad_input `mm` and
+# the grad_weight accumulation; its backward only rescales when grad_output != 1 (a scalar loss's is 1).
+LIGER_KERNELS_PER_CHUNK = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,3 +275,22 @@ def replace_head_nodes(terms: MemoryTerms, head: NodeMemory, loss: NodeMemory) -
     nodes = tuple(((Checkpoint.NONE, replaced[name]),) if name in replaced else options
                   for name, options in zip(terms.names, terms.nodes, strict=True))
     return replace(terms, nodes=nodes)
+
+
+def timed_layer(graph: LayerGraph, config: Config, layer: Layer, *, s: int) -> Layer:
+    """`layer` as `config.loss` computes it, for timing. Liger's fused loss keeps the head's matmul FLOPs (all in
+    forward: logits, input and weight gradients per chunk) and replaces the traced cross-entropy's memory-bound
+    work by its kernel's passes over the logits; torchtune's chunked loss runs the traced ops on each chunk (the
+    same bytes), so it and HF's keep the lowered costs."""
+    if config.loss is not Loss.FUSED_LINEAR or layer.role not in (Role.HEAD, Role.LOSS):
+        return layer
+    cost = layer.cost()
+    if layer.role is Role.LOSS:
+        return replace(layer, modes=((Checkpoint.NONE, replace(cost, forward=Work(), backward=Work())),))
+    tokens = config.micro_batch * s
+    dims, itemsize = graph.dims, precision.compute_itemsize(config.precision)
+    chunks = -(-tokens // liger_chunk_size(tokens, dims.hidden, dims.vocab))
+    fused = Work(flops=cost.forward.flops + cost.backward.flops,
+                 io_bytes=Poly.of({(1, 1, 0): LIGER_ROW_PASSES * dims.vocab * itemsize}),
+                 kernels=Poly.const(chunks * LIGER_KERNELS_PER_CHUNK))
+    return replace(layer, modes=((Checkpoint.NONE, replace(cost, forward=fused, backward=Work())),))

@@ -17,6 +17,7 @@ from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, 
 from .config import Config, Offload, Precision, Workload
 from .engines import rules_of
 from .fp8 import cast_bytes
+from .loss import timed_layer
 from .offload import offload_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
@@ -154,6 +155,7 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
             layers.append(options)
             fwd, bwd = fwd + layer_fwd, bwd + layer_bwd
         else:
+            layer = timed_layer(graph, config, layer, s=s)  # the head and loss as `config.loss` computes them
             node_speed = head_speed if layer.role is Role.HEAD else speed
             fwd += work_seconds(layer.cost().forward, node_speed, **kwargs)
             bwd += work_seconds(layer.cost().backward, node_speed, **kwargs)

@@ -20,7 +20,7 @@ from costmodels.optimizer_in_backward import in_backward_terms
 from costmodels.paging import paged_states, paging_seconds
 from costmodels.states import _optimizer_shapes, model_states
 from costmodels.timing import speed_for
-from graphs import Checkpoint, lower
+from graphs import Checkpoint, Work, lower
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -141,3 +141,39 @@ def test_estimate_refuses_model_dependent_settings(folder):
     llama = graph_for(folder, config())
     with pytest.raises(InvalidConfig, match="activation offloading needs full"):
         estimate(llama, CLUSTER, WORKLOAD, Config(precision=Precision.BF16, micro_batch=B, activation_offload=True))
+
+
+def test_fused_loss_time_keeps_the_head_flops_and_makes_the_cross_entropy_three_passes(folder):
+    import re
+    from pathlib import Path
+
+    import liger_kernel.ops.cross_entropy as liger_ce
+
+    from costmodels.activations import evaluate
+    from costmodels.loss import LIGER_ROW_PASSES, timed_layer
+
+    # Liger's own kernel: two loops load each logits block (online-softmax pass, gradient pass), one stores it
+    source = Path(liger_ce.__file__).read_text()
+    kernel = source[source.index("def liger_cross_entropy_kernel"):source.index("def cross_entropy_forward")]
+    loads = len(re.findall(r"X_block = tl\.load\(\s*X_ptr \+ X_offsets", kernel))
+    stores = len(re.findall(r"tl\.store\(X_ptr \+ X_offsets, X_block", kernel))
+    assert loads + stores == LIGER_ROW_PASSES == 3
+    cfg = replace(config(), loss=Loss.FUSED_LINEAR)
+    graph = graph_for(folder, cfg)
+    head, loss = (next(layer for layer in graph.nodes() if layer.name == name) for name in ("head", "loss"))
+    fused_head, fused_loss = (timed_layer(graph, cfg, layer, s=S).cost() for layer in (head, loss))
+    assert fused_head.forward.flops == head.cost().forward.flops + head.cost().backward.flops
+    moved = evaluate(fused_head.forward.io_bytes, b=B, s=S, tp=1, sequence_parallel=False)
+    assert moved == 3 * B * S * graph.dims.vocab * 2  # bf16 logits
+    assert fused_loss.forward == fused_loss.backward == fused_head.backward == Work()
+    assert timed_layer(graph, config(), head, s=S) is head  # the HF loss keeps the lowered costs
+
+
+def test_fused_loss_is_faster_where_the_vocabulary_makes_the_loss_memory_bound():
+    from solver.api import estimate as estimate_model
+
+    knobs = {"micro_batch": 4, "precision": "bf16", "checkpoint": "full"}
+    hf = estimate_model("Qwen/Qwen2.5-0.5B", "1xA10G", knobs, seq_len=2048)
+    fused = estimate_model("Qwen/Qwen2.5-0.5B", "1xA10G", {**knobs, "loss": "fused-linear"}, seq_len=2048)
+    # 152k-entry vocabulary: HF's upcast cross-entropy moves 44 bytes per logit (the lowering's count), Liger's 6
+    assert fused.time.compute < hf.time.compute and fused.time.recompute == hf.time.recompute
