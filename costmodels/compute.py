@@ -22,7 +22,7 @@ DEFAULT_MAMF = 0.75
 
 # Matmuls reach MAMF only when large: efficiency = MAMF * m / (m + GEMM_HALF_TOKENS) over the tokens per
 # micro-batch on one rank, and * k / (k + GEMM_HALF_WIDTH) over the layer width each rank multiplies.
-# The four constants below (with MEMORY_EFFICIENCY and ATTENTION_SUSTAINED) are fitted together, globally (never
+# These two, MEMORY_EFFICIENCY and ATTENTION_SUSTAINED are the four constants fitted together, globally (never
 # per row), by benchmarks/calibrate.py on benchmarks/data/calibration/throughput_published.json (torchtitan,
 # MosaicML, Mist/Megatron rows): median |error| of tokens/s fell from 23% (first-principles values 256, 512, 0.8,
 # 0.6) to 11.5%, to 8.0% once collectives across nodes, the exposed edges of overlap and each GEMM's own
