@@ -227,8 +227,9 @@ def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
 # AdamW (OptimizerNames.PAGED_ADAMW_8BIT / PAGED_ADAMW) and `use_liger_kernel` with `liger_kernel_config` patches in
 # Liger's fused linear cross-entropy alone; torchtune's chunked loss and activation offload have no launcher here
 # (torchtune is not one, and torchtitan 0.3.0 has neither).
-_PAGED_RUNNERS = ("hf", "deepspeed", "accelerate")
-_FUSED_LOSS_RUNNERS = ("hf",)
+_PAGED_RUNNERS = ("torchrun", "hf", "deepspeed", "accelerate")
+# The generated torchrun script applies the same Liger patch (train_fitplan.py `apply_liger`).
+_FUSED_LOSS_RUNNERS = ("torchrun", "hf")
 # The generated torchrun script registers torchtune's per-parameter hooks (train_fitplan.py `InBackward`).
 _IN_BACKWARD_RUNNERS = ("torchrun",)
 

@@ -8,6 +8,7 @@ import re
 
 from ..plan import Plan
 from .common import LEARNING_RATE, MAX_GRAD_NORM, about
+from .hf import LIGER_FUSED_LOSS_ONLY
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import launch_script, option
 
@@ -82,6 +83,20 @@ def build(args, device):
         model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
                                                  lora_dropout=lora["dropout"], task_type="CAUSAL_LM"))
     return model.to(device)
+
+
+# Liger's fused linear cross-entropy alone, as the plan prices it (liger-kernel's other kernels change what the
+# layers save); the keyword arguments of `_apply_liger_kernel_to_instance`, the call transformers' use_liger_kernel
+# makes (liger-kernel 0.8.5).
+LIGER_KERNELS = __LIGER__
+
+
+def apply_liger(model):
+    """Patch the model's forward to compute its loss with Liger's fused linear cross-entropy (CUDA/Triton only)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
+    _apply_liger_kernel_to_instance(model=base, **LIGER_KERNELS)
 
 
 def materialize(model, args, device):
@@ -315,6 +330,12 @@ def build_optimizer(params, lr):
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, lr=lr)
+    if d["optimizer"] in ("paged-adamw-8bit", "paged-adamw-32bit"):
+        import bitsandbytes
+
+        paged = {"paged-adamw-8bit": bitsandbytes.optim.PagedAdamW8bit,
+                 "paged-adamw-32bit": bitsandbytes.optim.PagedAdamW32bit}[d["optimizer"]]
+        return paged(params, lr=lr)
     # Fused AdamW runs on CUDA and (torch >= 2.4) on the CPU; it keeps each `step` on the parameters' device.
     # Not under FSDP2's fp16 ShardedGradScaler: its found_inf has shape [1], which fused Adam's step update
     # refuses (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]"); same update, foreach.
@@ -429,6 +450,8 @@ def main():
     torch.manual_seed(0)
     model = build(args, device)
     vocab = model.config.vocab_size  # read before DDP wraps the model (the wrapper has no .config)
+    if d.get("loss") == "fused-linear":
+        apply_liger(model)
     apply_checkpointing(model)
     if d["precision"] == "fp8":
         apply_float8(model)
@@ -513,8 +536,9 @@ def emit(plan: Plan) -> dict[str, str]:
     # a placeholder inside user text is never substituted.
     values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len})),
               "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary(), "LR": repr(LEARNING_RATE),
-              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM)}
-    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM)__", lambda match: values[match.group(1)], SCRIPT)
+              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM), "LIGER": repr(LIGER_FUSED_LOSS_ONLY)}
+    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER)__", lambda match: values[match.group(1)],
+                    SCRIPT)
     program = ["train_fitplan.py", *option("--model", plan.inputs.model)]
     launch = launch_script([*torchrun_argv(plan), *program], about=about(plan), forward=True, notes=nodes_note(plan))
     files = {"train_fitplan.py": script, "torchrun_launch.sh": launch}

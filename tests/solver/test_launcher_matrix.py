@@ -179,7 +179,8 @@ def torchrun_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch)
 READERS = {"deepspeed": deepspeed_reads, "hf": hf_reads, "accelerate": accelerate_reads,
            "megatron": megatron_reads, "torchrun": torchrun_reads}
 TORCH_OPTIMIZER = {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_FUSED: "AdamW", Optimizer.ADAFACTOR: "Adafactor",
-                   Optimizer.ADAMW_8BIT: "AdamW8bit", Optimizer.SGD: "SGD"}
+                   Optimizer.ADAMW_8BIT: "AdamW8bit", Optimizer.SGD: "SGD",
+                   Optimizer.PAGED_ADAMW_8BIT: "PagedAdamW8bit", Optimizer.PAGED_ADAMW_32BIT: "PagedAdamW32bit"}
 
 
 def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:

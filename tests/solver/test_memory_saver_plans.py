@@ -8,6 +8,7 @@ import inspect
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from costmodels import Config, Optimizer
@@ -32,22 +33,34 @@ def training_arguments(files: dict[str, str], tmp_path):
 
 @pytest.mark.parametrize(("optimizer", "optim"), [(Optimizer.PAGED_ADAMW_8BIT, "paged_adamw_8bit"),
                                                   (Optimizer.PAGED_ADAMW_32BIT, "paged_adamw_32bit")])
-def test_a_pinned_paged_optimizer_is_planned_priced_and_emitted_for_the_trainer(optimizer, optim, tmp_path):
+def test_a_pinned_paged_optimizer_is_planned_priced_and_emitted(optimizer, optim, tmp_path):
     plan = solve(MODEL, GPUS, **WORKLOAD, optimizers=optimizer.value, launcher="hf", time_limit=5)
-    assert plan.decisions.optimizer is optimizer and "hf" in plan.launchers and "torchrun" not in plan.launchers
+    assert plan.decisions.optimizer is optimizer and {"hf", "torchrun"} <= set(plan.launchers)
     config = Config(**{name: getattr(plan.decisions, name) for name in Config.__dataclass_fields__})
     again = estimate(MODEL, GPUS, config, seq_len=WORKLOAD["seq_len"], global_batch=WORKLOAD["global_batch"])
     assert plan.estimate.memory == again.memory and plan.estimate.memory.cpu_bytes_per_node > 0  # paged states
     assert training_arguments(emit(plan, "hf"), tmp_path).optim.value == optim
+    script = emitted_script(plan, tmp_path)  # bitsandbytes falls back to unpaged states on CPU; the class is built
+    built = script["optimizer_for"](torch.nn.Linear(512, 512), 1e-3)
+    assert type(built).__name__ == {Optimizer.PAGED_ADAMW_8BIT: "PagedAdamW8bit",
+                                    Optimizer.PAGED_ADAMW_32BIT: "PagedAdamW32bit"}[optimizer]
     with pytest.raises(FitplanError, match="paged AdamW"):
-        emit(plan, "torchrun")
+        emit(plan, "megatron")
+
+
+def emitted_script(plan, folder) -> dict:
+    """The emitted train_fitplan.py's namespace (its functions, not run)."""
+    import runpy
+
+    (folder / "train_fitplan.py").write_text(emit(plan, "torchrun")["train_fitplan.py"])
+    return runpy.run_path(str(folder / "train_fitplan.py"), run_name="fitplan_emitted")
 
 
 def test_the_fused_linear_loss_is_emitted_as_liger_s_fused_loss_alone(tmp_path):
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     plan = solve(MODEL, GPUS, **WORKLOAD, loss="fused-linear", launcher="hf", time_limit=5)
-    assert plan.decisions.loss is Loss.FUSED_LINEAR and plan.launchers == ("hf",)
+    assert plan.decisions.loss is Loss.FUSED_LINEAR and plan.launchers == ("torchrun", "hf")
     assert Plan.from_json(json.loads(plan.dumps())).decisions == plan.decisions  # the knob round-trips
     args = training_arguments(emit(plan, "hf"), tmp_path)
     assert args.use_liger_kernel
@@ -57,6 +70,19 @@ def test_the_fused_linear_loss_is_emitted_as_liger_s_fused_loss_alone(tmp_path):
     plain = solve(MODEL, GPUS, **WORKLOAD, launcher="hf", time_limit=5)
     assert plan.estimate.memory.allocated_peak < plain.estimate.memory.allocated_peak
     assert "use_liger_kernel" not in json.loads(emit(plain, "hf")["training_args.json"])
+    # the torchrun script makes the same call transformers makes, with the same kernels
+    import liger_kernel.transformers
+
+    calls = []
+    script = emitted_script(plan, tmp_path)
+    original = liger_kernel.transformers._apply_liger_kernel_to_instance
+    liger_kernel.transformers._apply_liger_kernel_to_instance = lambda **kw: calls.append(kw)
+    try:
+        model = torch.nn.Linear(2, 2)
+        script["apply_liger"](model)
+    finally:
+        liger_kernel.transformers._apply_liger_kernel_to_instance = original
+    assert calls == [{"model": model, **args.liger_kernel_config}]
 
 
 @pytest.mark.parametrize(("knobs", "reason"), [
@@ -68,9 +94,9 @@ def test_every_launcher_refuses_what_no_launcher_runs(knobs, reason):
         assert any(reason in p for p in unsupported(launcher, Config(**knobs))), launcher
 
 
-def test_only_the_trainer_runs_the_fused_loss_and_only_the_torchrun_script_steps_in_backward():
+def test_the_trainer_and_the_torchrun_script_run_the_fused_loss_and_only_the_script_steps_in_backward():
     runs = [name for name in LAUNCHERS if not unsupported(name, Config(loss=Loss.FUSED_LINEAR))]
-    assert runs == ["hf"]
+    assert runs == ["torchrun", "hf"]
     runs = [name for name in LAUNCHERS if not unsupported(name, Config(optimizer_in_backward=True))]
     assert runs == ["torchrun"]
 
