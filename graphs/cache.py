@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .lora import LoraSpec
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11  # 11: compiled lowerings (variants), with the eager trace's work
 
 
 def cache_dir() -> Path:

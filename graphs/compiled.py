@@ -27,7 +27,10 @@ def _inductor_partition() -> Callable[..., Any]:
 
 
 def _as_is(graph: torch.fx.GraphModule, _: Any) -> Callable[..., Any]:
-    return graph
+    """Run the partitioned graph as traced (boxed: AOTAutograd frees each input as the graph consumes it)."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(graph)
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,9 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
         return cached
     graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                      op_selective=op_selective, compiled=compiled)
+    if compiled:
+        graph = _eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
+                                                  lora=lora, use_cache=use_cache, op_selective=op_selective))
     if use_cache:
         store_cached(key, graph)
     return graph
@@ -94,6 +97,18 @@ def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, atten
         # divides its kept topk output), so op-level SAC cannot run it: the graph goes without that mode.
         study = measure.study(config, **options, op_selective=False)
     return assemble(resolved, study, dtype=dtype, autocast=autocast, lora=lora)
+
+
+def _eager_work(compiled: LayerGraph, eager: LayerGraph) -> LayerGraph:
+    """A compiled lowering's memory with the eager trace's work (FLOPs, bytes moved, kernels). Inductor fuses the
+    pointwise ops its partitioner recomputes in backward, which the unfused ATen graph would count as more kernels
+    and traffic; the time model prices compiled work as the eager work fused (costmodels/compilation.py)."""
+    data, work = compiled.to_json(), eager.to_json()["kind_modes"]
+    for kind, modes in data["kind_modes"].items():
+        for mode, cost in modes.items():
+            for field in ("forward", "backward", "recompute"):
+                cost[field] = work[kind][mode][field]
+    return LayerGraph.from_json(data)
 
 
 def _sac_refused(err: Exception) -> bool:

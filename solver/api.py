@@ -19,9 +19,10 @@ from costmodels import (
 )
 from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
+from costmodels.compilation import compile_credited
 from costmodels.estimate import model_refusals
 from costmodels.profile import load_profile
-from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
+from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
 from graphs.lower import lower_resolved
 from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel
@@ -113,7 +114,8 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
                runtime: str = "hf", op_selective: bool = False) -> Any:
     """The lowering each configuration needs, through the code that runs it: torchtitan's own model for the
     torchtitan launcher (`graphs.titan`), else the Hugging Face modeling code, traced with op-level SAC only when
-    `op_selective` (some allowed launcher runs it; the extra trace is not paid otherwise)."""
+    `op_selective` (some allowed launcher runs it; the extra trace is not paid otherwise), and as torch.compile
+    trains it where the configuration compiles (`graphs.compiled`)."""
     def graph(outer: Outer) -> LayerGraph:
         dtype, autocast = shared_lowering(outer.config(), lora=lora is not None)
         if runtime == "torchtitan":  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out)
@@ -123,12 +125,27 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
 
                 cache[key] = lower_titan_resolved(resolved, dtype=dtype)
             return cache[key]
-        key = (dtype, autocast, op_selective)
+        compiled = compile_credited(outer.config())
+        key = (dtype, autocast, op_selective, compiled)
         if key not in cache:
-            cache[key] = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                                        op_selective=op_selective)
+            cache[key] = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                                   op_selective=op_selective, compiled=compiled)
         return cache[key]
     return graph
+
+
+def _lower_hf(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
+              lora: LoraSpec | None, op_selective: bool, compiled: bool) -> LayerGraph:
+    """The HF-code lowering; a compiled one falls back to eager where AOTAutograd cannot trace the model
+    (compiling saves memory, so eager prices it conservatively)."""
+    options = {"dtype": dtype, "autocast": autocast, "attention": attention, "lora": lora,
+               "op_selective": op_selective}
+    try:
+        return lower_resolved(resolved, **options, compiled=compiled)
+    except UnsupportedModel:
+        if not compiled:
+            raise
+        return lower_resolved(resolved, **options)
 
 
 def _titan_priced(space: Space, *, lora: bool) -> Space:
@@ -304,6 +321,8 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
     for outer in space.outers:  # lower every needed variant first: lowering is outside the time limit
         graph_of(outer)
+        if space.compile_auto and outer.compile:  # the table may keep it eager (`tables.build_table`)
+            graph_of(replace(outer, compile=False))
     begin = time.perf_counter()
     deadline = begin + time_limit
     tables = build_tables(space, graph_of, cluster, workload, headroom=headroom, deadline=begin + 0.5 * time_limit)
@@ -391,8 +410,8 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
         graph = _graph_for(resolved, lora, None, {}, runtime="torchtitan")(Outer(**{
             name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"}))
     else:
-        graph = lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                               op_selective=op_selective)
+        graph = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                          op_selective=op_selective, compiled=compile_credited(cfg))
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp
     workload, _ = _workload(resolved, cluster, seq_len, batch, None)

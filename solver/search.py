@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Offload, Workload, precision
 from graphs import Checkpoint, LayerGraph
@@ -58,8 +58,10 @@ def build_tables(space: Space, graphs: Callable[[Outer], LayerGraph], cluster: C
     for index in build_order(space.outers):
         if deadline is not None and tables and time.perf_counter() > deadline:
             break
-        tables.append(build_table(graphs(space.outers[index]), cluster, workload, space.outers[index], rank=index,
-                                  headroom=headroom, compile_auto=space.compile_auto))
+        outer = space.outers[index]
+        eager = graphs(replace(outer, compile=False)) if space.compile_auto and outer.compile else None
+        tables.append(build_table(graphs(outer), cluster, workload, outer, rank=index, headroom=headroom,
+                                  compile_auto=space.compile_auto, eager_graph=eager))
     return tie_break_ranks(tables)
 
 

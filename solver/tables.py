@@ -69,17 +69,19 @@ class Table:
 
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
-                headroom: float, compile_auto: bool = False) -> Table:
+                headroom: float, compile_auto: bool = False, eager_graph: LayerGraph | None = None) -> Table:
     """One configuration's table. With `compile_auto` a compiled configuration keeps torch.compile only where
-    it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs."""
+    it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs;
+    `eager_graph` is its lowering without compile (what it then saves)."""
     config = outer.config()
     check(graph, cluster, workload, config)
     terms = time_terms(graph, cluster, workload, config)
     if compile_auto and outer.compile:
         eager_config = replace(config, compile=False)
-        eager = time_terms(graph, cluster, workload, eager_config)
+        graph_eager = eager_graph or graph
+        eager = time_terms(graph_eager, cluster, workload, eager_config)
         if 1 - fastest_step(terms) / fastest_step(eager) < COMPILE_MIN_SAVING:
-            outer, config, terms = replace(outer, compile=False), eager_config, eager
+            outer, config, terms, graph = replace(outer, compile=False), eager_config, eager, graph_eager
     fixed = ticks(terms.fixed.step_time)
     layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.runs(mode)) for options in terms.layers)
     states = model_states(graph, config)

@@ -37,7 +37,7 @@ def test_deepspeed_stages_shard_what_deepspeeds_stage_classes_partition():
     assert rules.reshards(stages.weights) and not rules.per_tensor_dim_shards
 
 
-def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings():
+def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings(tmp_path):
     """`fully_shard` turns every parameter into a DTensor sharded on dim 0 over the mesh, whether or not it
     reshards after forward (one gloo rank stands in for the mesh)."""
     import torch.distributed as dist
@@ -48,7 +48,7 @@ def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings():
     rules = rules_of(Engine.FSDP2)
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         for stage in rules.stages:

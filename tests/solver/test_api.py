@@ -8,6 +8,7 @@ import time
 import pytest
 
 from costmodels import Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster, shared_lowering
+from costmodels.compilation import compile_credited
 from graphs import Checkpoint, FitplanError, lower
 from solver import Infeasible, solve
 from solver.api import config_from
@@ -81,7 +82,8 @@ def test_plan_estimate_is_a_fresh_estimate_of_its_decisions():
                           "checkpoint": [m.value for m in d.checkpoint], "precision": d.precision,
                           "optimizer": d.optimizer, "compile": d.compile}, layers=len(d.checkpoint))
     dtype, autocast = shared_lowering(config)
-    graph = lower(MODEL, dtype=dtype, autocast=autocast)
+    graph = lower(MODEL, dtype=dtype, autocast=autocast, compiled=compile_credited(config),  # as the plan runs
+                  op_selective=Checkpoint.OP_SELECTIVE in config.checkpoint)
     again = estimate(graph, parse_cluster("2xL4"), Workload(seq_len=1024, global_batch=16), config)
     assert again.memory.allocated_peak == plan.estimate.memory.allocated_peak
     assert again.time.step_time == pytest.approx(plan.estimate.time.step_time, rel=1e-12)
