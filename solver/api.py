@@ -21,6 +21,7 @@ from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
 from costmodels.estimate import model_refusals
+from costmodels.packing import Lengths, packed, padded
 from costmodels.profile import load_profile
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
 from graphs.lower import lower_resolved
@@ -172,20 +173,76 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
           tokens_per_step: int | None = None, headroom: float = DEFAULT_HEADROOM,
           time_limit: float = DEFAULT_TIME_LIMIT, lora: LoraSpec | None = None, allow_lora: bool = False,
           attention: str | None = None, alternatives_count: int = 3, input_tokens_per_s: float | None = None,
-          cluster_options: dict[str, Any] | None = None, pins: Pins | None = None, **knobs: Any) -> Plan:
+          cluster_options: dict[str, Any] | None = None, pins: Pins | None = None,
+          dataset_lengths: Lengths | None = None, packing: str = "none", **knobs: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: `pins`, or knob values by name (`costmodels.knobs`: tp=2, engine="fsdp2", precision=("bf16-mixed",
     "fp8"), compile="off", checkpoint="full", ...) and `launcher` (see `Pins.of`). `input_tokens_per_s` is the rate one
     data-loading worker supplies (for the input-pipeline check). `cluster_options` override what a cluster
     string assumes (cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps, inter_node_gbps; see `parse_cluster`).
+    `dataset_lengths` (`costmodels.packing.read_lengths`) with `packing` ("none": each micro-batch padded to its
+    longest sequence; "wrapped" or "bfd": TRL's packing into rows of seq_len) plans memory on the longest
+    micro-batch the data can make, and the plan says how many of the computed tokens are real.
     """
     started = time.perf_counter()
     if not 0 <= headroom < 1:
         raise FitplanError(f"headroom={headroom} must be in [0, 1)", "e.g. --headroom 0.1 keeps 10% free.")
+    if packing not in PACKINGS:
+        raise FitplanError(f"packing={packing!r} is not one of {', '.join(PACKINGS)}",
+                           "none pads each micro-batch; wrapped and bfd pack sequences into rows (TRL).")
     resolved = resolve(model)
     cluster = cluster_from(gpus, **(cluster_options or {}))
     workload, assumed = _workload(resolved, cluster, seq_len, global_batch, tokens_per_step)
+    if dataset_lengths is not None:
+        cap, workload = workload.seq_len, _longest_batch(workload, dataset_lengths, packing)
+        if workload.seq_len < cap:
+            assumed = [*assumed, f"sequence length {workload.seq_len:,}: the longest in the dataset lengths "
+                                 f"(padding to the longest in each micro-batch; --seq-len {cap:,} caps it)"]
+        plan = _plan(resolved, cluster, workload, headroom=headroom, time_limit=time_limit, lora=lora,
+                     allow_lora=allow_lora, attention=attention, alternatives_count=alternatives_count,
+                     input_tokens_per_s=input_tokens_per_s, pins=pins, knobs=knobs, assumed=assumed,
+                     started=started, gpus=gpus)
+        return _with_batching(plan, dataset_lengths, packing, cap)
+    return _plan(resolved, cluster, workload, headroom=headroom, time_limit=time_limit, lora=lora,
+                 allow_lora=allow_lora, attention=attention, alternatives_count=alternatives_count,
+                 input_tokens_per_s=input_tokens_per_s, pins=pins, knobs=knobs, assumed=assumed, started=started,
+                 gpus=gpus)
+
+
+PACKINGS = ("none", "wrapped", "bfd")
+
+
+def _longest_batch(workload: Workload, lengths: Lengths, packing: str) -> Workload:
+    """The workload memory must be planned on: padded micro-batches are as long as the longest sequence the data
+    holds (cut to seq_len); packed rows are seq_len tokens."""
+    if packing != "none":
+        return workload
+    return replace(workload, seq_len=min(workload.seq_len, lengths.longest))
+
+
+def _with_batching(plan: Plan, lengths: Lengths, packing: str, seq_len: int) -> Plan:
+    """The plan with what its batching computes: the real share of its tokens (`costmodels.packing`)."""
+    batching = padded(lengths, seq_len, plan.decisions.micro_batch) if packing == "none" else \
+        packed(lengths, seq_len, packing)
+    # Padded steps are priced at the longest micro-batch (an upper bound on the step), so the real share of what
+    # is priced is the mean length over that; packed rows are priced as they run.
+    share = lengths.truncated(seq_len).mean() / plan.inputs.seq_len if packing == "none" else \
+        batching.useful_fraction
+    real = plan.estimate.tokens_per_second * share
+    line = (f"Dataset batching, {batching.describe()}; real tokens/s "
+            f"{'at least ' if packing == 'none' else ''}{real:,.0f} of the {plan.estimate.tokens_per_second:,.0f} "
+            "priced"
+            + (" (the step is priced at the longest micro-batch, an upper bound)" if packing == "none" else
+               f" (global batch {plan.inputs.global_batch} rows hold about "
+               f"{plan.inputs.global_batch * batching.sequences_per_row:,.0f} sequences)"))
+    return replace(plan, advice=(*plan.advice, line))
+
+
+def _plan(resolved: ResolvedModel, cluster: Cluster, workload: Workload, *, headroom: float, time_limit: float,
+          lora: LoraSpec | None, allow_lora: bool, attention: str | None, alternatives_count: int,
+          input_tokens_per_s: float | None, pins: Pins | None, knobs: dict[str, Any], assumed: list[str],
+          started: float, gpus: str | Cluster) -> Plan:
     if pins is not None and knobs:
         raise FitplanError("Give pins either as `pins=` or as knob keywords, not both.", "Use one of the two.")
     pin = pins if pins is not None else _pins(knobs)

@@ -19,6 +19,7 @@ import typer.rich_utils
 from rich.console import Console
 
 import costmodels.cluster as C
+from costmodels.packing import read_lengths
 from graphs import FitplanError, LoraSpec
 
 from . import bounds as B
@@ -151,6 +152,12 @@ def solve_command(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
     emit: Annotated[str | None, text(200, f"Launcher files to write, comma-separated: {', '.join(LAUNCHERS)}.")
                     ] = None,
+    dataset_lengths: Annotated[Path | None, typer.Option(help="Token lengths of the training sequences: a JSON "
+                                                          "{length: count} histogram, a list, or JSON Lines. "
+                                                          "Memory is planned on the longest micro-batch.")] = None,
+    packing: Annotated[Literal["none", "wrapped", "bfd"], typer.Option(
+        help="With --dataset-lengths: none pads each micro-batch to its longest sequence; wrapped and bfd pack "
+             "sequences into rows of --seq-len (TRL's packing strategies).")] = "none",
     emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
@@ -171,13 +178,18 @@ def solve_command(
         pins = pins_from_options(knob_values(knobs), launcher=launcher.value if launcher else None)
         check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
+        if packing != "none" and dataset_lengths is None:
+            raise FitplanError(f"--packing {packing} needs --dataset-lengths.",
+                               "Give the lengths of the training sequences (a JSON histogram or JSON Lines).")
+        lengths = read_lengths(dataset_lengths) if dataset_lengths is not None else None
         if not as_json:
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
                      headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
                      attention=attention, input_tokens_per_s=input_tokens_per_s,
                      cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
-                                                      inter_node_gbps, profile), pins=pins)
+                                                      inter_node_gbps, profile), pins=pins,
+                     dataset_lengths=lengths, packing=packing)
         for line in write_outputs(plan, targets, force=force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:
