@@ -15,11 +15,12 @@ _MIN_MULTIPLE = {"fp32": 1, "tf32": 4, "fp16": 8, "bf16": 8, "fp8": 16}
 # Larger multiples that fill whole tiles; the HF guide quotes 64 for A100 (and Hopper/Blackwell alike).
 _PREFERRED = {"ampere": 64, "hopper": 64, "blackwell": 64, "ada": 32, "cdna3": 64}
 
-# Relative GEMM throughput when a dimension misses the 16-byte multiple (cuBLAS falls back to slower kernels or
-# pads internally) and when it meets it but not the preferred tile multiple. Conservative values: the NVIDIA
-# guide shows large drops for unaligned fp16 shapes and a few percent for tile quantisation.
+# Relative GEMM throughput when a dimension misses the 16-byte multiple: cuBLAS before 11.0 then runs no tensor
+# cores at all, later versions run tensor-core kernels with narrower loads (the NVIDIA guide, "Tensor Core
+# Requirements"). NOT SOURCED: the guide shows the drop only as a figure, no calibration row has such a dimension
+# (so benchmarks/calibrate.py cannot fit it), and no GPU was available to measure it; the one efficiency constant
+# of costmodels/ without a source (tests/costmodels/test_constant_sources.py lists it as such).
 MISALIGNED = 0.6
-UNTILED = 0.95
 
 
 def preferred_multiple(gpu: GPU, dtype: str) -> int:
@@ -39,8 +40,14 @@ def alignment_factor(gpu: GPU, dtype: str, dims: tuple[int, ...]) -> float:
         if dim % minimum:
             factor = min(factor, MISALIGNED)
         elif dim % preferred:
-            factor = min(factor, UNTILED)
+            factor = min(factor, tile_fraction(dim, preferred))
     return factor
+
+
+def tile_fraction(dim: int, tile: int) -> float:
+    """Useful share of the work when `dim` is cut into whole tiles of `tile`: the last tile is partly idle but
+    costs a full tile (tile quantisation, NVIDIA Matrix Multiplication Background guide, section 3.1)."""
+    return dim / padded(dim, tile)
 
 
 def padded(size: int, multiple: int) -> int:

@@ -10,9 +10,13 @@ from .profile import CollectiveOp
 # nccl-tests all_reduce on an A100 node reaches ~235 GB/s bus bandwidth of the 300 GB/s per-direction NVLink
 # (stas00/ml-engineering network/README, commit 744d01e): ~0.8 of the link. Applied to every link.
 LINK_EFFICIENCY = 0.8
-# Per-step latency of a ring collective (an assumption: a few microseconds per hop on NVLink, more on IB).
-INTRA_NODE_LATENCY = 5e-6
-INTER_NODE_LATENCY = 15e-6
+# Per-step latency of a ring collective: the time of an 8-byte all_reduce (nothing but latency) divided by its
+# 2 (n-1) ring steps. Inside a node: 12.49 us on the 8 NVSwitch-connected Hopper GPUs of one HGX H20 node
+# (nccl-tests all_reduce_perf, 8 B float sum, out-of-place; github.com/deepseek-ai/DeepEP/issues/303) gives
+# 12.49 / 14 = 0.89 us. Across nodes: 19.90 us between two A100 80GB nodes over HDR InfiniBand, one GPU each
+# (all_reduce_perf, 8 B; github.com/NVIDIA/nccl-tests/issues/150) gives 19.90 / 2 = 9.95 us.
+INTRA_NODE_LATENCY = 12.49e-6 / 14
+INTER_NODE_LATENCY = 19.90e-6 / 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,22 @@ PCIE_EFFICIENCY = 0.88
 # The CPU Adam step streams fp32 param, grad, m, v in and param, m, v out: 28 bytes per parameter
 # (ZeRO-Offload, Ren et al. 2021, §4.1: the CPU step is memory-bandwidth bound).
 CPU_ADAM_BYTES_PER_PARAM = 28
-# Host memory bandwidth per node actually reached by the optimizer threads: half of a 2-socket, 8-channel
-# DDR4-3200 server's 409.6 GB/s peak (an assumption; nodes vary widely).
-HOST_MEMORY_BANDWIDTH = 200e9
+
+
+@functools.cache
+def _host_memory() -> dict:
+    text = resources.files("costmodels").joinpath("data/host_memory.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def host_memory_bandwidth(gpu_id: str) -> float:
+    """Sustained bytes/s of the host memory of the node a GPU's catalog record assumes: the CPU datasheet's peak
+    (sockets x channels x MT/s x 8 bytes) at the STREAM Triad fraction measured on the same DRAM generation
+    (data/host_memory.json, with its sources)."""
+    data = _host_memory()
+    node = data["nodes"].get(gpu_id, data["default"])
+    peak = node["sockets"] * node["channels"] * node["mts"] * 1e6 * 8
+    return peak * data["stream_fraction"][node["dram"]]
 
 
 @functools.cache
@@ -79,7 +92,7 @@ def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
         measured = cluster.profile.rate(rules.host_optimizer)
         if measured:
             return params / measured
-    step = params * CPU_ADAM_BYTES_PER_PARAM / HOST_MEMORY_BANDWIDTH
+    step = params * CPU_ADAM_BYTES_PER_PARAM / host_memory_bandwidth(cluster.gpu.id)
     # DeepSpeed runs its own CPUAdam whatever was asked for; torch's host step runs the asked optimizer.
     own = rules.offload_runs_own_optimizer
     return step * (1.0 if own else cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)])
