@@ -1,0 +1,155 @@
+"""The megatron-core lowering against megatron-core's own GPTModel (local spec) run on fake tensors, measured with
+torch's MemTracker only, at shapes the probes never used.
+
+The reference builds the real model with `recompute_granularity` set in its TransformerConfig (megatron's own
+`TransformerBlock._checkpointed_forward` and `SelfAttention._checkpointed_attention_forward` do the recompute),
+where the lowering wraps trace layers itself. Both run inside `graphs.megatron.cpu_runtime` (megatron-core's
+CUDA-only calls redirected to the CPU) and with the GPU RMSNorm kernel's autograd formula (`cuda_rms_norm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+pytest.importorskip("megatron.core")
+
+import graphs.megatron as mg
+from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster
+from graphs import Checkpoint, LayerGraph, UnsupportedModel
+from graphs.measure import transformers_config
+from graphs.sources import resolve
+from graphs.titan import cuda_rms_norm
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
+
+UNSEEN_B, UNSEEN_S = 3, 80  # probes use b in {2, 4} and s in {32, 64, 96}
+# The lowering is 0.0-0.4% above MemTracker's peak at the shapes tried ((1-4) x (80-1024) tokens, every mode).
+# Whole steps run at 256 tokens so that activations, not the optimizer step, bind.
+TOLERANCE = 0.01
+STEP_B, STEP_S = 2, 256
+GRANULARITY = {Checkpoint.NONE: None, Checkpoint.FULL: "full", Checkpoint.SELECTIVE: "selective"}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    values = {**tiny_values("llama"), "num_hidden_layers": 2}
+    return str(write_config(tmp_path_factory.mktemp("megatron") / "llama", values))
+
+
+@pytest.fixture(scope="module")
+def graph(folder: str) -> LayerGraph:
+    return mg.lower_megatron(folder, use_cache=False)
+
+
+def _reference(folder: str, mode: Checkpoint, fake: FakeTensorMode) -> torch.nn.Module:
+    config = transformers_config(resolve(folder))
+    model = mg.build_megatron(config, layers=config.num_hidden_layers, granularity=GRANULARITY[mode])
+    mg.to_fake(model, fake, torch.bfloat16)
+    return model
+
+
+def _kept(model: torch.nn.Module) -> list[Any]:
+    from megatron.core import parallel_state
+
+    return [*parallel_state.get_global_memory_buffer().buffer.values()]
+
+
+def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int) -> list[int]:
+    """Bytes each layer's forward left alive (MemTracker: Post-Forward minus Pre-Forward); the RoPE table and the
+    attention global buffer, which megatron makes at the first step and keeps, exist before."""
+    with mg.cpu_runtime():
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        model = _reference(folder, mode, fake)
+        layers = list(model.decoder.layers)
+        with fake, cuda_rms_norm():
+            kept = mg.prepare_step(model, b=b, s=s)
+            tracker = MemTracker()
+            tracker.track_external(model, *kept)
+            with tracker:
+                loss = mg.megatron_loss(model, b, s, model.vocab_size)
+            stats = [tracker.memory_tracking[layer].snapshots for layer in layers]
+            del loss
+    return [_total(st["Post-Forward"][-1]) - _total(st["Pre-Forward"][-1]) for st in stats]
+
+
+def step_peak(folder: str, mode: Checkpoint, *, b: int, s: int) -> int:
+    """MemTracker's allocated peak over one training step of megatron's GPTModel (forward with labels, summed
+    loss, backward, foreach AdamW, zero_grad) after a warm-up step; the RoPE table and the attention global
+    buffer, which megatron keeps from the first step on, are tracked as external tensors."""
+    with mg.cpu_runtime():
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        model = _reference(folder, mode, fake)
+        with fake, cuda_rms_norm():
+            optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+
+            def step() -> None:
+                mg.megatron_loss(model, b, s, model.vocab_size).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            model.rotary_pos_emb.forward.cache_clear()
+            step()
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, model.rotary_pos_emb(s), *_kept(model))
+            with tracker:
+                step()
+    return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+
+
+def _total(snapshot: dict[torch.device, dict[str, int]]) -> int:
+    return sum(per_device["Total"] for per_device in snapshot.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_megatron_saved_bytes_match_what_memtracker_sees_each_layer_keep(mode, folder, graph):
+    # MemTracker sees what a layer's forward leaves alive: its saved tensors and its output. Every mode saves the
+    # layer's input (the fused RMSNorm, or megatron's checkpoint), which existed before and is the output's size.
+    assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S) for layer in graph.decoder_layers()] == \
+        layer_saved(folder, mode, b=UNSEEN_B, s=UNSEEN_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_megatron_allocated_peak_matches_memtracker_over_a_training_step(mode, folder, graph):
+    config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
+                    checkpoint=(mode,) * 2)
+    predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
+    measured = step_peak(folder, mode, b=STEP_B, s=STEP_S)
+    assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
+
+
+def test_selective_recompute_frees_exactly_the_local_attention_scores(graph):
+    # megatron-core's local DotProductAttention keeps, per score (b * heads * s^2), the fp32 softmax output (4 B)
+    # and its bf16 copy saved by the probs @ V bmm (2 B), and per layer the causal (s, s) bool mask saved by
+    # masked_fill_; selective recompute keeps none of them. Powers are (b, s, 1/t).
+    heads = tiny_values("llama")["num_attention_heads"]
+    layer = graph.node("layers.1")
+    plain = layer.cost(Checkpoint.NONE).saved.as_dict()
+    selective = layer.cost(Checkpoint.SELECTIVE).saved.as_dict()
+    assert plain[(1, 2, 1)] == 6 * heads and plain[(0, 2, 0)] == 1
+    assert (1, 2, 1) not in selective and (0, 2, 0) not in selective
+    assert layer.cost(Checkpoint.SELECTIVE).recompute.flops(UNSEEN_B, UNSEEN_S) > 0
+
+
+def test_megatron_graph_has_the_transformers_models_parameters_and_runtime(graph):
+    values = tiny_values("llama")
+    hidden, ffn, vocab = values["hidden_size"], values["intermediate_size"], values["vocab_size"]
+    qkv = (values["num_attention_heads"] + 2 * values["num_key_value_heads"]) * values["head_dim"]
+    per_layer = hidden * qkv + values["num_attention_heads"] * values["head_dim"] * hidden + 3 * hidden * ffn
+    per_layer += 2 * hidden
+    assert [layer.param_count for layer in graph.decoder_layers()] == [per_layer] * 2
+    assert graph.param_count == 2 * per_layer + vocab * hidden + hidden  # tied embeddings (Llama-3.2-1B)
+    assert graph.runtime == "megatron"
+    assert LayerGraph.from_json(graph.to_json()).to_json() == graph.to_json()
+
+
+def test_models_megatrons_local_spec_does_not_run_are_refused(tmp_path):
+    folder = write_config(tmp_path / "gpt2", tiny_values("gpt2"))
+    with pytest.raises(UnsupportedModel, match="megatron"):
+        mg.lower_megatron(str(folder), use_cache=False)
