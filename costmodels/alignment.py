@@ -16,11 +16,12 @@ _MIN_MULTIPLE = {"fp32": 1, "tf32": 4, "fp16": 8, "bf16": 8, "fp8": 16}
 _PREFERRED = {"ampere": 64, "hopper": 64, "blackwell": 64, "ada": 32, "cdna3": 64}
 
 # Relative GEMM throughput when a dimension misses the 16-byte multiple: cuBLAS before 11.0 then runs no tensor
-# cores at all, later versions run tensor-core kernels with narrower loads (the NVIDIA guide, "Tensor Core
-# Requirements"). NOT SOURCED: the guide shows the drop only as a figure, no calibration row has such a dimension
-# (so benchmarks/calibrate.py cannot fit it), and no GPU was available to measure it; the one efficiency constant
-# of costmodels/ without a source (tests/costmodels/test_constant_sources.py lists it as such).
-MISALIGNED = 0.6
+# cores at all, later versions run tensor-core kernels with 1-element loads (NVIDIA guide, "Tensor Core
+# Requirements"). Measured on square bf16 matmuls on an RTX 4090 (github.com/pytorch/pytorch/issues/181718): odd
+# N = 2055, 2057, 2071, 2073 run cuBLAS' `..._align1` kernels at 115.6, 106.8, 110.9, 112.0 TFLOP/s against
+# 155.9 for N = 2040 (`..._ldg8`, 8-element aligned; its tile share 2040/2048 is within 0.4% of whole tiles):
+# the mean, 111.3 / 155.9 = 0.714. One GPU and one shape family: no calibration row has such a dimension.
+MISALIGNED = (115.6 + 106.8 + 110.9 + 112.0) / 4 / 155.9
 
 
 def preferred_multiple(gpu: GPU, dtype: str) -> int:
