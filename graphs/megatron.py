@@ -22,6 +22,9 @@ megatron-core 0.16; each correction or choice is named where it is applied:
 - megatron's RoPE table (`RotaryEmbedding.forward`, lru-cached per length, fp32 (s, head_dim)) lives for the run;
 - CPU-only quirks of megatron-core 0.16 (`_cpu_runtime`): `torch.cuda.current_device()` for new tensors, the CUDA
   RNG tracker around dropout (p = 0 for Llama) and in `CheckpointFunction`, `get_default_causal_mask` on "cuda".
+Megatron-LM runs this spec with `--transformer-impl local` (its default is Transformer Engine) and these fusions
+off (`--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-gradient-accumulation-fusion`);
+dropout is the HF config's (0 for Llama and Qwen2; Megatron-LM's flag defaults are 0.1).
 The loss is megatron's `vocab_parallel_cross_entropy` (fp32 upcast of the logits) summed over tokens. Tensor
 parallelism is measured by a widened probe like the other lowerings (no sequence parallelism, loss replicated).
 """
@@ -50,8 +53,9 @@ from .sources import ResolvedModel, resolve
 MEGATRON_ATTENTION = "megatron-local"
 # Megatron's recompute granularities: none, "full" (uniform, one layer each) and "selective" (attention core).
 MEGATRON_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
-# HF model types megatron-core's GPT local spec runs as Llama-style models (RMSNorm, SwiGLU, RoPE, GQA).
-MEGATRON_TYPES = ("llama", "mistral", "qwen2")
+# HF model types lowered as megatron-core Llama-style GPT models (RMSNorm, SwiGLU, RoPE, GQA; Qwen2 adds the QKV
+# bias). Mistral is left out: its sliding window would need megatron's `window_size`, not set here.
+MEGATRON_TYPES = ("llama", "qwen2")
 PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2

@@ -42,6 +42,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    values = {**tiny_values("qwen2"), "num_hidden_layers": 2}
+    return str(write_config(tmp_path_factory.mktemp("megatron") / "qwen2", values))
+
+
+@pytest.fixture(scope="module")
 def graph(folder: str) -> LayerGraph:
     return mg.lower_megatron(folder, use_cache=False)
 
@@ -121,6 +127,18 @@ def test_megatron_allocated_peak_matches_memtracker_over_a_training_step(mode, f
                     checkpoint=(mode,) * 2)
     predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
     measured = step_peak(folder, mode, b=STEP_B, s=STEP_S)
+    assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_megatron_qwen2_allocated_peak_matches_memtracker_over_a_training_step(mode, qwen2_folder):
+    # Qwen2: the QKV bias (`add_qkv_bias`), tied embeddings, rope_theta 1e6.
+    graph = mg.lower_megatron(qwen2_folder, use_cache=False)
+    config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
+                    checkpoint=(mode,) * 2)
+    predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
+    measured = step_peak(qwen2_folder, mode, b=STEP_B, s=STEP_S)
     assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
 
 
