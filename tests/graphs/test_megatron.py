@@ -171,3 +171,17 @@ def test_models_megatrons_local_spec_does_not_run_are_refused(tmp_path):
     folder = write_config(tmp_path / "gpt2", tiny_values("gpt2"))
     with pytest.raises(UnsupportedModel, match="megatron"):
         mg.lower_megatron(str(folder), use_cache=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_megatron_saved_bytes_at_tp2_equal_the_model_one_tp_rank_holds(mode, graph, tmp_path):
+    # Without sequence parallelism a TP rank of megatron-core runs the layer with half the heads and query groups
+    # and half the FFN width (ColumnParallelLinear linear_qkv/linear_fc1, RowParallelLinear linear_proj/fc2);
+    # norms and the residual stream stay whole.
+    assert graph.tp_splits_activations and 2 in graph.tp_degrees
+    values = {**tiny_values("llama"), "num_hidden_layers": 2}
+    rank = {**values, **{k: values[k] // 2 for k in ("num_attention_heads", "num_key_value_heads",
+                                                    "intermediate_size")}}
+    ref = layer_saved(str(write_config(tmp_path / "rank", rank)), mode, b=UNSEEN_B, s=UNSEEN_S)
+    assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S, 2) for layer in graph.decoder_layers()] == ref
