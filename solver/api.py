@@ -42,10 +42,6 @@ from .search import build_tables, search
 from .space import Outer, Space, outer_space
 from .tables import TICK_SECONDS
 
-# `graphs.megatron.MEGATRON_ATTENTION` (not imported: it imports torch): the attention a plan priced on
-# megatron-core's local GPT layers records.
-MEGATRON_PRICED = "megatron-local"
-
 # Common fine-tuning practice when the user gives no workload: 4096-token sequences (or the model's limit)
 # and 64 sequences per step (e.g. the Alpaca/Tulu recipes use 64-128), raised to one per data-parallel rank.
 DEFAULT_SEQ_LEN = 4096
@@ -130,13 +126,6 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
 
                 cache[key] = lower_titan_resolved(resolved, dtype=dtype)
             return cache[key]
-        if runtime == "megatron":  # megatron's Float16Module casts the parameters (no autocast either)
-            key = ("megatron", dtype)
-            if key not in cache:
-                from graphs.megatron import lower_megatron_resolved  # imports torch and megatron-core
-
-                cache[key] = lower_megatron_resolved(resolved, dtype=dtype)
-            return cache[key]
         compiled = compile_credited(outer.config())
         key = (dtype, autocast, op_selective, compiled)
         if key not in cache:
@@ -168,34 +157,16 @@ def _titan_priced(space: Space, *, lora: bool) -> Space:
     return replace(space, outers=kept, notes=(*space.notes, note) if len(kept) < len(space.outers) else space.notes)
 
 
-def _runtime_lowering(pins: Pins, launchers: tuple[str, ...], resolved: ResolvedModel | None = None) -> dict[str, Any]:
-    """The lowering options of `_graph_for` for the allowed launchers: torchtitan's code when pinned, megatron-core's
-    (local spec) when Megatron is pinned for a model it lowers, else HF's with op-level SAC traced where an allowed
-    launcher can run it and the checkpoint pin allows it."""
+def _runtime_lowering(pins: Pins, launchers: tuple[str, ...]) -> dict[str, Any]:
+    """The lowering options of `_graph_for` for the allowed launchers: torchtitan's code when pinned, else HF's
+    with op-level SAC traced where an allowed launcher can run it and the checkpoint pin allows it."""
     if pins.launcher == "torchtitan":
         return {"runtime": "torchtitan"}
-    if pins.launcher == "megatron" and resolved is not None and _megatron_lowers(resolved):
-        return {"runtime": "megatron"}
     pinned = pins.value("checkpoint")
     allowed = (pins.launcher,) if pins.launcher else launchers
     wanted = pins.allows("checkpoint", Checkpoint.OP_SELECTIVE) and \
         bool(op_selective_runners(allowed, all_layers=pinned is Checkpoint.OP_SELECTIVE))
     return {"op_selective": wanted}
-
-
-def _megatron_lowers(resolved: ResolvedModel) -> bool:
-    """Whether `graphs.megatron` lowers this model (Llama-style types) through megatron-core's own GPT code."""
-    from graphs.megatron import MEGATRON_TYPES  # imports torch: only when Megatron is planned
-
-    return resolved.as_dict().get("model_type") in MEGATRON_TYPES
-
-
-def _megatron_note(pins: Pins, resolved: ResolvedModel) -> list[str]:
-    """The assumption a Megatron plan states when its model is priced on the HF modeling code instead."""
-    if pins.launcher != "megatron" or _megatron_lowers(resolved):
-        return []
-    return ["memory priced on the HF modeling code: megatron-core's local GPT spec is lowered for Llama-style "
-            "models only (graphs.megatron)"]
 
 
 def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global_batch: int | None = None,
@@ -387,7 +358,6 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
            alternatives_count: int, gpus: str | Cluster, input_rate: float | None) -> Plan:
     cache: dict = {}
     hf_graph = _graph_for(resolved, lora, attention, cache)(Outer())
-    assumed = [*assumed, *_megatron_note(pins, resolved)]
     inputs = _inputs(resolved, cluster, workload, pins, headroom, assumed, gpus, hf_graph)
     launchers = model_launchers(inputs, hf_graph.attention)
     if pins.launcher is not None and pins.launcher not in launchers:
@@ -395,7 +365,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
                            f"{'; '.join(model_problems(pins.launcher, inputs, hf_graph.attention))}.",
                            f"Launchers that can: {', '.join(launchers)}.")
     # The runtime is part of the lowering: price the code the allowed launchers run.
-    graph_of = _graph_for(resolved, lora, attention, cache, **_runtime_lowering(pins, launchers, resolved))
+    graph_of = _graph_for(resolved, lora, attention, cache, **_runtime_lowering(pins, launchers))
     any_graph = graph_of(Outer())
     space = outer_space(any_graph, cluster, workload, pins, launchers)
     if any_graph.runtime == "torchtitan":
@@ -453,8 +423,6 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
     runners = runnable_by(decisions, inputs)  # a plan priced on torchtitan's code runs there only (its attention)
-    if graph.runtime == "megatron":  # priced on megatron-core's own layers: only Megatron runs that code
-        runners = tuple(r for r in runners if r == "megatron")
     if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
         raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
                            "This is a fitplan bug; please report it with the command line.")
@@ -497,9 +465,6 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     op_selective = Checkpoint.OP_SELECTIVE in cfg.checkpoint or str(mode) == Checkpoint.OP_SELECTIVE.value
     if attention == TITAN_PRICED:  # a torchtitan plan's decisions: priced on torchtitan's own model code
         graph = _graph_for(resolved, lora, None, {}, runtime="torchtitan")(Outer(**{
-            name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"}))
-    elif attention == MEGATRON_PRICED:  # a Megatron plan's decisions: priced on megatron-core's local GPT layers
-        graph = _graph_for(resolved, lora, None, {}, runtime="megatron")(Outer(**{
             name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"}))
     else:
         graph = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
