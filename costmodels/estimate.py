@@ -60,8 +60,7 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
     layers = graph.decoder_layers()
     for layer, mode in zip(layers, config.layer_modes(len(layers)), strict=True):
         if mode not in layer.checkpoint_modes:
-            raise InvalidConfig(f"{layer.name} cannot use checkpoint mode {mode} ({graph.architecture} "
-                                "does not route attention through transformers' attention interface)", hint)
+            raise InvalidConfig(f"{layer.name} cannot use checkpoint mode {mode}: {_missing_mode(graph, mode)}", hint)
     dtypes = {precision.matmul_dtype_on(config.precision, cluster.gpu),
               precision.attention_dtype_on(config.precision, cluster.gpu)}
     for dtype in dtypes:
@@ -104,6 +103,17 @@ def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
     return Estimate(memory=memory, time=time, tokens_per_second=tokens,
                     mfu=model_flops(graph, workload) / time.step_time / _cluster_peak(cluster, config),
                     notes=_notes(graph, config) + _time_notes(cluster))
+
+
+def _missing_mode(graph: LayerGraph, mode: Checkpoint) -> str:
+    """Why the lowering has no costs for `mode`."""
+    if mode is Checkpoint.SELECTIVE:
+        return (f"{graph.architecture} does not route attention through transformers' attention interface, which "
+                "selective recompute wraps")
+    if mode is Checkpoint.OP_SELECTIVE:
+        return ("the graph was lowered without op-level SAC (lower(..., op_selective=True)), or torch's SAC refuses "
+                "this model")
+    return f"the {graph.runtime} lowering has no {mode} mode"
 
 
 def model_flops(graph: LayerGraph, workload: Workload) -> float:
