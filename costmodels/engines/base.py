@@ -4,7 +4,7 @@ module with the version and the source each rule was checked against."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import Engine
 
@@ -93,6 +93,8 @@ class EngineRules:
     """Stages that can keep the optimizer states (and fp32 masters) on the host."""
     param_offload_stages: tuple[int, ...]
     """Stages that can keep parameter shards on the host between uses."""
+    gradients: Callable[[int, GradientSizes], tuple[int, int]]
+    """(persistent, accumulating) gradient bytes per rank at a stage."""
     nvme_stages: tuple[int, ...] = ()
     """Stages that can offload to NVMe."""
     offload_moves_all_states: bool = False
@@ -101,8 +103,6 @@ class EngineRules:
     """Under optimizer offload the step is the engine's own CPU optimizer, whatever optimizer was asked for."""
     host_optimizer: str = ""
     """The optimizer implementation that runs a host (offloaded) step (profile rate name)."""
-    gradients: Callable[[int, GradientSizes], tuple[int, int]] = field(default=lambda stage, sizes: (0, 0))
-    """(persistent, accumulating) gradient bytes per rank at a stage."""
     buffers: Callable[[int, UnitBytes], Buffers] = _no_buffers
     """The engine's gather/reduce buffers per node at a stage."""
     runs_autocast: bool = False
