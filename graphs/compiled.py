@@ -78,7 +78,7 @@ def compile_forward(layer: torch.nn.Module) -> None:
         names, params = zip(*layer.named_parameters(), strict=True)
         leaves, spec = tree_flatten((args, kwargs))
         where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        key = _signature(leaves)
+        key = (str(spec), *_signature(leaves))  # the call's structure and its values
         tensors = [leaves[i] for i in where]
         if key not in traced:
             def call(weights: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
