@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from costmodels import Engine, Offload, Optimizer, Precision
+from costmodels.config import Loss
 from graphs import Checkpoint, FitplanError
 from solver import solve
 from solver.capability import REGISTRY, unsupported
@@ -53,7 +54,10 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
                 ("checkpoint=full", {"checkpoint": full}),
                 ("checkpoint=half-full", {"checkpoint": full[:LAYERS // 2] + none[LAYERS // 2:]}),
                 ("checkpoint=selective", {"checkpoint": (Checkpoint.SELECTIVE,) * LAYERS}),
-                ("checkpoint=op_selective", {"checkpoint": (Checkpoint.OP_SELECTIVE,) * LAYERS})]
+                ("checkpoint=op_selective", {"checkpoint": (Checkpoint.OP_SELECTIVE,) * LAYERS}),
+                ("optimizer_in_backward", {"optimizer_in_backward": True, "micro_batch": 8, "grad_accum": 1}),
+                ("activation_offload", {"activation_offload": True, "checkpoint": full})]
+    changes += [(f"loss={loss}", {"loss": loss}) for loss in Loss]
     cases = []
     for engine, zero in ENGINE_STAGES:
         base = {"engine": engine, "zero": zero, "tp": 1, "dp": WORLD, "micro_batch": 2, "grad_accum": 4,
@@ -121,7 +125,7 @@ def hf_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch) -> di
         engine = (Engine.DDP, 0)
     checkpointed = bool(args.activation_checkpointing) or bool(
         args.fsdp and args.fsdp_plugin_args.get("activation_checkpointing")) or "fitplan_checkpointing.py" in files
-    return {"engine": engine, "micro_batch": args.per_device_train_batch_size,
+    return {"engine": engine, "micro_batch": args.per_device_train_batch_size, "liger": bool(args.use_liger_kernel),
             "grad_accum": args.gradient_accumulation_steps,
             "half": "bf16" if args.bf16 else "fp16" if args.fp16 else None, "optim": str(args.optim.value),
             "compile": bool(args.torch_compile), "checkpointed": checkpointed, "tf32": args.tf32}
@@ -170,7 +174,10 @@ def torchrun_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch)
         optimizer = "AdamW8bit"  # bitsandbytes' 8-bit optimizers build only on CUDA tensors; the name is checked
         assert "bitsandbytes.optim.AdamW8bit" in script.read_text()
     else:
-        optimizer = type(namespace["optimizer_for"](model, 1e-3)).__name__
+        built = namespace["optimizer_for"](model, 1e-3)
+        # optimizer-in-backward: one optimizer per parameter, stepped by its post-accumulate-grad hook
+        inner = {type(each).__name__ for each in getattr(built, "each", {}).values()}
+        optimizer = type(built).__name__ + (f"[{inner.pop()}]" if len(inner) == 1 else "")
     scaler = namespace["loss_scaler"](torch.device("cpu"))
     return {"decisions": d, "optimizer": optimizer, "weights": namespace["model_kwargs"]()["dtype"],
             "scaler": scaler is not None, "fp8": "float8" in script.read_text() and d["precision"] == "fp8"}
@@ -199,6 +206,7 @@ def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:
         assert got["half"] == half and got["optim"] == HF_OPTIM[d.optimizer]
         assert got["compile"] == d.compile and got["checkpointed"] == checkpointed
         assert bool(got["tf32"]) == (d.precision is Precision.TF32)
+        assert got["liger"] == (d.loss is Loss.FUSED_LINEAR)
     elif launcher == "accelerate":
         assert got["engine"] == (d.engine, d.zero) and got["tp"] == d.tp and got["processes"] == WORLD
         assert got["half"] == half and got["compile"] == d.compile
@@ -211,7 +219,8 @@ def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:
         assert got["sequence_parallel"] == d.sequence_parallel
     elif launcher == "torchrun":
         assert got["decisions"] == json.loads(json.dumps(dataclasses.asdict(d), default=str))
-        assert got["optimizer"] == TORCH_OPTIMIZER[d.optimizer]
+        expected = TORCH_OPTIMIZER[d.optimizer]
+        assert got["optimizer"] == (f"InBackward[{expected}]" if d.optimizer_in_backward else expected)
         assert got["weights"] == (torch.bfloat16 if d.precision is Precision.BF16 else torch.float32)
         assert got["scaler"] == (d.precision is Precision.FP16_MIXED)
         assert got["fp8"] == (d.precision is Precision.FP8)
@@ -256,3 +265,5 @@ def test_the_walk_covers_every_value_of_every_walked_knob():
     assert {(knobs["engine"], knobs["zero"]) for _, knobs in VARIANTS} == set(ENGINE_STAGES)
     assert {m for modes in seen["checkpoint"] for m in modes} == set(Checkpoint)
     assert seen["compile"] == {False, True} and seen["sequence_parallel"] == {False, True}
+    assert seen["loss"] == set(Loss)
+    assert seen["optimizer_in_backward"] == {True} and seen["activation_offload"] == {True}  # False: the bases
