@@ -46,7 +46,7 @@ from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, ParamTensor
 from .poly import Poly
 from .probe import Recording, TraceSlot, model_wide
-from .recorder import Recorder, ScopeTracker
+from .recorder import Recorder, ScopeTracker, marking_recompute
 from .sources import ResolvedModel, resolve
 
 # The attention a megatron-lowered graph records: the local spec's unfused DotProductAttention.
@@ -300,7 +300,7 @@ def run_megatron_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int,
             boundary.append(recorder.storage_index(hidden))
 
     handle = layers[0].register_forward_pre_hook(note_boundary, with_kwargs=True)
-    with _marking_recompute(layers, recorder), cuda_rms_norm(), recorder:
+    with marking_recompute(recorder, *_recomputed(layers)), cuda_rms_norm(), recorder:
         with tracker.active():
             with recorder.saving():
                 loss = megatron_loss(model, b, s, vocab)
@@ -315,43 +315,20 @@ def run_megatron_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int,
     return Recording(b, s, recorder.ops, recorder.storages, lifetimes, names)
 
 
-@contextlib.contextmanager
-def _marking_recompute(layers: list[torch.nn.Module], recorder: Recorder) -> Iterator[None]:
-    """Mark what a checkpoint reruns in backward as recompute: the whole layer under full recompute, the
-    attention core under selective recompute."""
-    from .fake import in_backward
-
-    stack: list[contextlib.AbstractContextManager[None]] = []
-
-    def enter(module: torch.nn.Module, args: Any) -> None:
-        context = recorder.recomputing() if in_backward() else contextlib.nullcontext()
-        if in_backward() and module in owners:
-            recorder.scope = owners[module]
-        context.__enter__()
-        stack.append(context)
-
-    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack.pop().__exit__(None, None, None)
-
-    # torch 2.13's ModTracker never runs its pre-backward hook for the output of megatron's reentrant
-    # `CheckpointFunction`, so a fully recomputed layer names its own backward scope when its rerun starts (the
-    # first thing `CheckpointFunction.backward` does).
-    owners = {layer.layer: f"layers.{j}" for j, layer in enumerate(layers) if isinstance(layer, FullRecompute)}
-    handles = []
-    for layer in layers:
+def _recomputed(layers: list[torch.nn.Module]) -> tuple[list[torch.nn.Module], dict[torch.nn.Module, str]]:
+    """What a checkpoint reruns in backward: the whole layer under full recompute, the attention core under
+    selective recompute. torch 2.13's ModTracker never runs its pre-backward hook for the output of megatron's
+    reentrant `CheckpointFunction`, so a fully recomputed layer names its own backward scope when its rerun starts
+    (the first thing `CheckpointFunction.backward` does)."""
+    targets: list[torch.nn.Module] = []
+    owners: dict[torch.nn.Module, str] = {}
+    for j, layer in enumerate(layers):
         if isinstance(layer, FullRecompute):
-            targets = [layer.layer]
+            targets.append(layer.layer)
+            owners[layer.layer] = f"layers.{j}"
         elif layer.self_attention.checkpoint_core_attention:
-            targets = [layer.self_attention.core_attention]
-        else:
-            targets = []
-        for target in targets:
-            handles += [target.register_forward_pre_hook(enter), target.register_forward_hook(leave)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+            targets.append(layer.self_attention.core_attention)
+    return targets, owners
 
 
 @contextlib.contextmanager

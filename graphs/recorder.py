@@ -217,6 +217,37 @@ class Recorder(TorchDispatchMode):
             self.recompute_depth -= 1
 
 
+@contextlib.contextmanager
+def marking_recompute(recorder: Recorder, targets: list[torch.nn.Module],
+                      owners: dict[torch.nn.Module, str] | None = None) -> Iterator[None]:
+    """Mark the ops `targets` rerun in backward (a checkpoint's recompute) as recompute, through forward hooks on
+    them; a target in `owners` also sets the recorder's scope when its rerun starts (for runtimes whose
+    checkpoint output ModTracker's pre-backward hook does not see)."""
+    from .fake import in_backward
+
+    owners = owners or {}
+    stack: list[contextlib.AbstractContextManager[None]] = []
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        context = recorder.recomputing() if in_backward() else contextlib.nullcontext()
+        if in_backward() and module in owners:
+            recorder.scope = owners[module]
+        context.__enter__()
+        stack.append(context)
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for target in targets:
+        handles += [target.register_forward_pre_hook(enter), target.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 

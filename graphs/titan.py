@@ -36,7 +36,7 @@ from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, ModeCost, ParamTensor
 from .poly import Poly
 from .probe import MODEL_WIDE, Recording, TraceSlot, model_wide
-from .recorder import ScopeTracker
+from .recorder import ScopeTracker, marking_recompute
 from .sac import SacRecorder, observing
 from .sources import ResolvedModel, resolve
 from .structure import layer_signature
@@ -347,7 +347,7 @@ def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s:
             boundary.append(recorder.storage_index(args[0]))
 
     handle = layers[0].register_forward_pre_hook(note_boundary)
-    with _marking_recompute(layers, recorder), observing(recorder), cuda_rms_norm(), recorder, _quiet():
+    with marking_recompute(recorder, _recomputed(layers)), observing(recorder), cuda_rms_norm(), recorder, _quiet():
         tokens = torch.randint(0, vocab, (b, s))
         labels = torch.randint(0, vocab, (b, s))
         # torchtitan's dataloaders always emit per-document positions (torchtitan/hf_datasets/text_datasets.py).
@@ -395,31 +395,9 @@ def titan_loss(model: torch.nn.Module, out: torch.Tensor, labels: torch.Tensor, 
     return wrapper(out, labels)[0]
 
 
-@contextlib.contextmanager
-def _marking_recompute(layers: list[torch.nn.Module], recorder: SacRecorder) -> Iterator[None]:
-    """Mark the ops a checkpointed block reruns in backward as recompute (forward hooks on the wrapped block)."""
-    from .fake import in_backward
-
-    stack: list[contextlib.AbstractContextManager[None]] = []
-
-    def enter(module: torch.nn.Module, args: Any) -> None:
-        context = recorder.recomputing() if in_backward() else contextlib.nullcontext()
-        context.__enter__()
-        stack.append(context)
-
-    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack.pop().__exit__(None, None, None)
-
-    handles = []
-    for layer in layers:
-        inner = getattr(layer, "_checkpoint_wrapped_module", None)
-        if inner is not None:
-            handles += [inner.register_forward_pre_hook(enter), inner.register_forward_hook(leave)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+def _recomputed(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The blocks a checkpointed layer reruns in backward: the module its checkpoint wrapper wraps."""
+    return [inner for layer in layers if (inner := getattr(layer, "_checkpoint_wrapped_module", None)) is not None]
 
 
 @contextlib.contextmanager
