@@ -194,20 +194,17 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     resolved = resolve(model)
     cluster = cluster_from(gpus, **(cluster_options or {}))
     workload, assumed = _workload(resolved, cluster, seq_len, global_batch, tokens_per_step)
+    cap = workload.seq_len
     if dataset_lengths is not None:
-        cap, workload = workload.seq_len, _longest_batch(workload, dataset_lengths, packing)
+        workload = _longest_batch(workload, dataset_lengths, packing)
         if workload.seq_len < cap:
             assumed = [*assumed, f"sequence length {workload.seq_len:,}: the longest in the dataset lengths "
                                  f"(padding to the longest in each micro-batch; --seq-len {cap:,} caps it)"]
-        plan = _plan(resolved, cluster, workload, headroom=headroom, time_limit=time_limit, lora=lora,
-                     allow_lora=allow_lora, attention=attention, alternatives_count=alternatives_count,
-                     input_tokens_per_s=input_tokens_per_s, pins=pins, knobs=knobs, assumed=assumed,
-                     started=started, gpus=gpus)
-        return _with_batching(plan, dataset_lengths, packing, cap)
-    return _plan(resolved, cluster, workload, headroom=headroom, time_limit=time_limit, lora=lora,
+    plan = _plan(resolved, cluster, workload, headroom=headroom, time_limit=time_limit, lora=lora,
                  allow_lora=allow_lora, attention=attention, alternatives_count=alternatives_count,
                  input_tokens_per_s=input_tokens_per_s, pins=pins, knobs=knobs, assumed=assumed, started=started,
                  gpus=gpus)
+    return plan if dataset_lengths is None else _with_batching(plan, dataset_lengths, packing, cap)
 
 
 PACKINGS = ("none", "wrapped", "bfd")
