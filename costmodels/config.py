@@ -13,6 +13,7 @@ from typing import Annotated
 from graphs import Checkpoint
 
 from .knobs import Knob
+from .pipeline_schedule import Schedule, schedule_problem
 
 
 def require_positive_int(name: str, value: object) -> None:
@@ -67,6 +68,13 @@ class Engine(_Choice):
     DDP = "ddp"  # plain PyTorch (DistributedDataParallel when dp > 1); autocast for mixed precision
     DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO stages 0-3
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard; ZeRO-2/3-like via reshard_after_forward
+
+
+class ContextParallel(_Choice):
+    """How attention exchanges keys and values across the context-parallel ranks (costmodels/context_parallel.py)."""
+
+    RING = "ring"  # ring attention: each rank passes its K/V shard around the ring, overlapped with attention
+    ALL_TO_ALL = "all-to-all"  # DeepSpeed-Ulysses: all-to-all from sequence shards to head shards and back
 
 
 class Offload(_Choice):
@@ -151,10 +159,26 @@ class Config:
         "enable_activation_offloading; needs full checkpointing on every layer).",
         reads=("activation_offload", "estimate", "memory"))] = False
 
+    pp: Annotated[int, Knob("Pipeline-parallel degree: ranks the decoder layers are split across (the outermost "
+                            "dimension, so stages sit on different nodes first).", reads=(), high=1024)] = 1
+    pp_schedule: Annotated[Schedule, Knob("Pipeline schedule (torch.distributed.pipelining's names; Megatron and "
+                                          "torchtitan run the same ones).", reads=())] = Schedule.ONE_F_ONE_B
+    pp_virtual: Annotated[int, Knob("Pipeline stages (model chunks) per rank: v of interleaved schedules, 2 for zbv.",
+                                    reads=(), high=64)] = 1
+    pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (empty: the balanced "
+                                              "split the planner computes).", pin="derived", reads=())] = ()
+    cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.", reads=(),
+                            high=1024)] = 1
+    cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
+                                             "all-to-all (Ulysses; heads must divide by tp x cp).",
+                                             reads=())] = ContextParallel.RING
+    ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
+                            "from the data-parallel ranks).", reads=(), high=1024)] = 1
+
     def __post_init__(self) -> None:
         from .engines import rules_of  # the engines' rules are written in this module's enums
 
-        for name in ("tp", "dp", "micro_batch", "grad_accum"):
+        for name in ("tp", "dp", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):
             require_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
@@ -171,7 +195,31 @@ class Config:
                              f"({self.optimizer_offload}): the offloaded step is DeepSpeed's fp32 CPU Adam")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        self._check_parallelism()
         self._check_memory_savers()
+
+    def _check_parallelism(self) -> None:
+        """Pipeline, context and expert parallelism's own rules (the model's are in `estimate.check`)."""
+        if self.pp == 1 and (self.pp_virtual != 1 or self.pp_split or self.pp_schedule is not Schedule.ONE_F_ONE_B):
+            raise ValueError("pp_schedule, pp_virtual and pp_split apply only with pp > 1")
+        if self.pp > 1:
+            # the schedule's micro-batches per step are the accumulation steps of one data-parallel rank
+            if (problem := schedule_problem(self.pp_schedule, self.pp, self.grad_accum, self.pp_virtual)) is not None:
+                raise ValueError(f"pp_schedule={self.pp_schedule}: {problem} (m = grad_accum)")
+            stages = self.pp * self.pp_virtual
+            if self.pp_split and (len(self.pp_split) != stages or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.pp_split)):
+                raise ValueError(f"pp_split={self.pp_split!r} must give {stages} stages (pp x pp_virtual) at least "
+                                 "one decoder layer each")
+            if self.zero == 3 or (self.engine is Engine.DEEPSPEED and self.zero == 2):
+                # A pipeline runs each stage's micro-batches back to back: Megatron shards at most the optimizer
+                # (its distributed optimizer, ZeRO-1) and torchtitan 0.3.0 keeps FSDP2's parameters gathered from
+                # forward to backward under PP (fsdp_reshard_after_forward "default" is False with PP: zero=2).
+                raise ValueError(f"pp={self.pp} runs with parameters kept between forward and backward, not "
+                                 f"{self.engine} zero={self.zero} (Megatron: ZeRO-0/1; torchtitan: FSDP2 zero=2)")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are divided across "
+                             "the data- and context-parallel ranks)")
 
     def _check_memory_savers(self) -> None:
         """The refusals of optimizer-in-backward, the loss and activation offload that need no model."""
@@ -192,7 +240,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def layer_modes(self, layers: int) -> tuple[Checkpoint, ...]:
         """The per-layer modes, validated against the model's layer count (empty means no checkpointing)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -107,8 +108,15 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
         report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter)
         return report if headroom is None else replace(report, verdict=fits(report.estimate, cluster, headroom))
     if values.get("dp") is None:
-        tp = values.get("tp", 1)  # a wrong type is reported by the Config check below, naming the field
-        values["dp"] = cluster.world_size // tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
+        # the rest of the GPUs; a wrong type is reported by the Config check below, naming the field
+        others = [values.get(name, 1) for name in ("tp", "pp", "cp")]
+        valid = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in others)
+        values["dp"] = cluster.world_size // math.prod(others) if valid else 1
+    split = values.get("pp_split")
+    if split is None:
+        values.pop("pp_split", None)  # the balanced split
+    elif isinstance(split, str):  # --pp-split 9,10,10,3
+        values["pp_split"] = tuple(part.strip() for part in split.split(",") if part.strip())
     lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {})) if lora_rank is not None else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
     verdict = fits(result, cluster, DEFAULT_HEADROOM if headroom is None else headroom)

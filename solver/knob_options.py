@@ -101,6 +101,9 @@ def _estimate_annotation(knob: Declared) -> Any:
     kind = pinned_kind(knob)
     option = knob.option if knob.knob.pin == "value" else "--" + knob.name.replace("_", "-")
     help = knob.knob.help.split(";")[0].rstrip(".") + "." if knob.knob.pin == "set" else knob.knob.help
+    if knob.knob.pin == "derived" and knob.kind is not kind:  # a derived list, e.g. pp_split
+        return Annotated[str | None, typer.Option(option, parser=Text(400), help=f"{help} Comma-separated.",
+                                                  rich_help_panel=PANEL)]
     if knob.knob.pin == "derived":
         help += " Default: the rest of the GPUs."
     if kind is bool:

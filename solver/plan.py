@@ -13,7 +13,7 @@ from costmodels import Config, Engine, Estimate, Offload
 from costmodels.knobs import Knob, declared
 from graphs import Checkpoint, FitplanError, LoraSpec
 
-SCHEMA_VERSION = "2.0"
+SCHEMA_VERSION = "2.1"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
