@@ -65,6 +65,11 @@ def expert_dp(dp: int, ep: int) -> int:
     return max(1, dp // ep)
 
 
+def state_ranks(tensor: ParamTensor, dp: int, ep: int) -> int:
+    """Ranks `tensor`'s sharded states are split over: `dp`, or `expert_dp` for an expert stack under EP."""
+    return expert_dp(dp, ep) if ep > 1 and is_expert_stack(tensor) else dp
+
+
 def ep_group(cluster: Cluster, tp: int, ep: int) -> Group:
     """The ep ranks of one expert-parallel group: Megatron's expert rank order tp-ep-dp-pp puts them tp apart
     (expert_decoder_rank_generator, cp folded into ep x dp), so they leave the node once tp x ep exceeds it."""

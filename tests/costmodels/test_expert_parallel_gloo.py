@@ -1,0 +1,132 @@
+"""Expert-parallel dispatch and combine bytes against a real all-to-all: torch.distributed's all_to_all_single over
+gloo on CPU, moving the routed tokens of a tiny MoE layer between 4 ranks (ep=4, and ep=2 in two groups).
+
+One launch runs this file as 4 worker processes. Each routes its tokens with a top-k router to the rank holding
+each chosen expert, exchanges the split sizes, sends the permuted tokens (dispatch) and sends them back (combine),
+and writes the bytes it sent and received; the tests compare them with `expert_parallel.dispatch_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 4
+EXPERTS, TOP_K, HIDDEN = 8, 2, 32
+MICRO_BATCH, SEQ = 2, 24
+# Ample for two tiny all-to-alls on two shared cores; a hung collective fails the launch, not the suite.
+LAUNCH_TIMEOUT = 120
+
+
+def route(tokens: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """Each token's top-k experts (the MoE router: softmax over the logits, top-k)."""
+    return torch.topk(torch.softmax(tokens.float() @ router.float().T, dim=-1), TOP_K, dim=-1).indices
+
+
+def exchange(tokens: torch.Tensor, experts: torch.Tensor, ep: int, group) -> dict:
+    """Dispatch each (token, expert) pair to the rank that holds the expert and combine it back; bytes moved."""
+    owner = (experts // (EXPERTS // ep)).flatten()  # rank within the ep group; experts rank * E / ep onward
+    order = torch.argsort(owner, stable=True)
+    send = tokens.repeat_interleave(TOP_K, dim=0)[order].contiguous()  # the permuted tokens
+    splits = torch.bincount(owner, minlength=ep)
+    incoming = torch.empty_like(splits)
+    dist.all_to_all_single(incoming, splits, group=group)
+    received = send.new_empty((int(incoming.sum()), HIDDEN))
+    dist.all_to_all_single(received, send, incoming.tolist(), splits.tolist(), group=group)
+    back = send.new_empty(send.shape)
+    dist.all_to_all_single(back, received, splits.tolist(), incoming.tolist(), group=group)
+    assert torch.equal(back, send)  # combine returns every pair to its token's rank
+    size = send.element_size()
+    return {"dispatch_sent": send.numel() * size, "dispatch_received": received.numel() * size,
+            "combine_sent": received.numel() * size, "combine_received": back.numel() * size}
+
+
+def worker(store: str, rank: int) -> None:
+    """One rank: ep=4 over the world, then ep=2 in groups {0, 1} and {2, 3}; writes `rank{rank}.json`."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        router = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(0))
+        tokens = torch.randn(MICRO_BATCH * SEQ, HIDDEN, generator=torch.Generator().manual_seed(1 + rank))
+        tokens = tokens.to(torch.bfloat16)
+        experts = route(tokens, router)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        results = {"ep4": exchange(tokens, experts, 4, None), "ep2": exchange(tokens, experts, 2, pairs[rank // 2])}
+    finally:
+        dist.destroy_process_group()
+    (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("ep_gloo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.costmodels.test_expert_parallel_gloo", str(folder / "store")]
+    procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [(rank, proc.returncode, log[-2000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
+              if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"gloo workers failed: {failed}")
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def _layer_and_config(ep: int):
+    from costmodels import Config, Engine
+    from graphs import Layer, MoE, ParamTensor, Role
+
+    stack = ParamTensor(name="mlp.experts.gate_up_proj", node="layers.0", shape=(EXPERTS, 2 * 64, HIDDEN),
+                        trainable=True, itemsize=2, tp_style="packed_colwise", tp_dim=1)
+    layer = Layer(name="layers.0", role=Role.DECODER, index=0, kind=0, params=(stack,),
+                  moe=MoE(experts=EXPERTS, top_k=TOP_K, expert_params=stack.numel))
+    return layer, Config(engine=Engine.FSDP2, zero=3, dp=WORLD, ep=ep)
+
+
+@pytest.mark.parametrize("ep", [4, 2])
+def test_dispatch_and_combine_bytes_per_rank_equal_the_model(measured, ep):
+    # Exact: every rank sends each of its b x s x top_k token-expert pairs once in dispatch (the pairs for its own
+    # experts included, as all_to_all_single's send buffer holds them) and receives as many back in combine.
+    from costmodels.expert_parallel import dispatch_bytes
+
+    layer, config = _layer_and_config(ep)
+    predicted = dispatch_bytes(layer, config, b=MICRO_BATCH, s=SEQ, hidden=HIDDEN, itemsize=2)
+    for rank in measured:
+        assert rank[f"ep{ep}"]["dispatch_sent"] == predicted
+        assert rank[f"ep{ep}"]["combine_received"] == predicted
+
+
+@pytest.mark.parametrize("ep", [4, 2])
+def test_received_bytes_average_the_balanced_share(measured, ep):
+    # What the ranks receive sums to what they send: balanced routing gives each rank the b x s x top_k pairs the
+    # model prices, and the busiest rank's excess over that is what the routing-imbalance allowance covers.
+    from costmodels.expert_parallel import dispatch_bytes
+
+    layer, config = _layer_and_config(ep)
+    predicted = dispatch_bytes(layer, config, b=MICRO_BATCH, s=SEQ, hidden=HIDDEN, itemsize=2)
+    received = [rank[f"ep{ep}"]["dispatch_received"] for rank in measured]
+    assert sum(received) == WORLD * predicted
+    assert max(received) > predicted  # a random router is not balanced: the allowance is needed
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))
