@@ -40,6 +40,35 @@ def dp_group(cluster: Cluster, tp: int, dp: int) -> Group:
     return Group(dp, tp * dp > cluster.gpus_per_node, max(1, cluster.gpus_per_node // tp))
 
 
+def cp_group(cluster: Cluster, tp: int, cp: int) -> Group:
+    """Context-parallel peers of one TP rank sit next to the TP ranks (Megatron's rank order tp-cp-ep-dp-pp;
+    torchtitan's mesh puts cp inside dp likewise), so they leave the node once tp * cp exceeds it."""
+    return Group(cp, tp * cp > cluster.gpus_per_node, max(1, cluster.gpus_per_node // tp))
+
+
+def send_seconds(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """One hop of a ring of point-to-point sends: each rank sends `nbytes` to its neighbour while receiving as
+    many; where the ring leaves a node the hop rides the sender's own NIC (one per GPU, rail-optimised)."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = _link(cluster, Group(group.size, group.spans_nodes, 1), "all_gather")
+    return nbytes / bandwidth + latency
+
+
+def all_to_all_seconds(cluster: Cluster, group: Group, nbytes: float) -> float:
+    """All-to-all of a `nbytes` buffer per rank: each keeps 1/n and sends 1/n to each peer, those in its node
+    over NVLink and the others through its own NIC at once; one latency per peer (NCCL issues n-1 sends)."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    n = group.size
+    intra, latency = _link(cluster, Group(n, False), "all_gather")
+    if not group.spans_nodes:
+        return (n - 1) / n * nbytes / intra + (n - 1) * latency
+    nic, latency = _link(cluster, Group(n, True, 1), "all_gather")
+    inside = group.per_node
+    return max((inside - 1) / n * nbytes / intra, (n - inside) / n * nbytes / nic) + (n - 1) * latency
+
+
 def _link(cluster: Cluster, group: Group, op: CollectiveOp) -> tuple[float, float]:
     """(bus bytes/s per rank, latency per step) of a ring; inside a node, the profile's fit for `op` when the
     cluster has one (a profile measures one node).

@@ -13,6 +13,7 @@ from graphs import ParamTensor
 
 from .config import Config, Engine
 from .engines import DataParallelTraffic, rules_of
+from .expert_parallel import expert_local_shape, state_ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,11 +25,20 @@ class Sharding:
     optimizer: int
 
 
+def shard_ranks(config: Config) -> int:
+    """Ranks that hold the same weights and reduce their gradients: the data-parallel ranks times the
+    context-parallel ones, which see other tokens of the same sequences (torchtitan shards FSDP2 over its
+    `dp_shard_cp` mesh, Megatron's distributed optimizer and gradient all-reduce use the data-parallel group with
+    CP, DeepSpeed-Ulysses runs ZeRO over its sequence-data-parallel group)."""
+    return config.dp * config.cp
+
+
 def sharding(config: Config) -> Sharding:
     """ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also parameters (Rajbhandari et al. 2020);
-    FSDP2 `fully_shard` shards all three at both of its settings (each engine's `sharded_from`)."""
+    FSDP2 `fully_shard` shards all three at both of its settings (each engine's `sharded_from`), each over the
+    `shard_ranks`."""
     params, grads, optimizer = rules_of(config.engine).sharded(config.zero)
-    return Sharding(*(config.dp if split else 1 for split in (params, grads, optimizer)))
+    return Sharding(*(shard_ranks(config) if split else 1 for split in (params, grads, optimizer)))
 
 
 def fsdp_shard_dim(shape: tuple[int, ...] | list[int], dp: int) -> int:
@@ -41,10 +51,12 @@ def fsdp_shard_dim(shape: tuple[int, ...] | list[int], dp: int) -> int:
     return max(range(len(shape)), key=lambda d: (shape[d], -d))
 
 
-def local_shape(tensor: ParamTensor, *, tp: int, dp: int, engine: Engine) -> tuple[int, ...]:
-    """The largest rank's shard shape: TP splits its dim (DTensor `Shard`: ceil chunks), then FSDP2 splits the
-    dim `fsdp_shard_dim` picks (`fully_shard` chunks it). DeepSpeed flattens instead (see `local_elements`)."""
-    shape = list(tensor.shape)
+def local_shape(tensor: ParamTensor, *, tp: int, dp: int, engine: Engine, ep: int = 1) -> tuple[int, ...]:
+    """The largest rank's shard shape: EP keeps experts / ep of an expert stack, TP splits its dim (DTensor `Shard`:
+    ceil chunks), then FSDP2 splits the dim `fsdp_shard_dim` picks (`fully_shard` chunks it) over the data-parallel
+    ranks, an expert stack over the expert-data-parallel ones. DeepSpeed flattens instead (see `local_elements`)."""
+    shape = list(expert_local_shape(tensor.shape, ep))
+    dp = state_ranks(tensor, dp, ep)
     if tensor.tp_dim is not None and tp > 1:
         shape[tensor.tp_dim] = math.ceil(shape[tensor.tp_dim] / tp)
     if rules_of(engine).per_tensor_dim_shards and dp > 1 and shape:
@@ -54,21 +66,23 @@ def local_shape(tensor: ParamTensor, *, tp: int, dp: int, engine: Engine) -> tup
 
 
 def local_elements(tensors: Iterable[ParamTensor | tuple[ParamTensor, int]], *, tp: int, dp: int, engine: Engine,
-                   sharded: bool) -> int:
+                   sharded: bool, ep: int = 1) -> int:
     """Elements the largest rank holds of `tensors` (or (tensor, count) groups) when a state is (or is not)
-    sharded over `dp`.
+    sharded over `dp` (expert stacks under expert parallelism: their experts / ep over `expert_dp(dp, ep)`).
 
     FSDP2 shards every tensor on dim 0; DeepSpeed ZeRO partitions each tensor's flat view (stage 3) or the flat
-    concatenation (stages 1-2) evenly, so a rank holds ceil(n / dp).
+    concatenation (stages 1-2) evenly, so a rank holds ceil(n / dp); DeepSpeed-MoE and Megatron keep expert
+    parameters in their own groups, partitioned over the expert-data-parallel ranks.
     """
     total = 0
     for item in tensors:
         tensor, count = item if isinstance(item, tuple) else (item, 1)
-        if sharded and dp > 1 and rules_of(engine).per_tensor_dim_shards:
-            total += count * math.prod(local_shape(tensor, tp=tp, dp=dp, engine=engine))
+        degree = state_ranks(tensor, dp, ep)
+        if sharded and degree > 1 and rules_of(engine).per_tensor_dim_shards:
+            total += count * math.prod(local_shape(tensor, tp=tp, dp=dp, engine=engine, ep=ep))
         else:
-            n = math.prod(local_shape(tensor, tp=tp, dp=1, engine=engine))
-            total += count * (math.ceil(n / dp) if sharded and dp > 1 else n)
+            n = math.prod(local_shape(tensor, tp=tp, dp=1, engine=engine, ep=ep))
+            total += count * (math.ceil(n / degree) if sharded and degree > 1 else n)
     return total
 
 
@@ -91,6 +105,6 @@ def prefetch_bucket_elements(hidden: int) -> int:
 def dp_traffic(config: Config, *, param_bytes: int, grad_bytes: int) -> DataParallelTraffic:
     """Full-buffer sizes of each data-parallel collective (`EngineRules.traffic`); `param_bytes`/`grad_bytes` are
     the TP-local parameter and gradient sizes in the communicated dtypes."""
-    if config.dp == 1:
+    if shard_ranks(config) == 1:
         return DataParallelTraffic()
     return rules_of(config.engine).traffic(config.zero, param_bytes=param_bytes, grad_bytes=grad_bytes)
