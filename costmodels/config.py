@@ -106,11 +106,13 @@ class Config:
     """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
-                            reads=("activation_offload", "activations", "estimate", "loss", "memory",
-                                   "optimizer_in_backward", "overhead", "states", "tensor_parallel", "timing"),
+                            reads=("activation_offload", "activations", "estimate", "expert_parallel", "loss",
+                                   "memory", "optimizer_in_backward", "overhead", "states", "tensor_parallel",
+                                   "timing"),
                             high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
-                            reads=("estimate", "optimizer_in_backward", "overhead", "states", "timing", "zero"))] = 1
+                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "overhead", "states",
+                                   "timing", "zero"))] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
                                    reads=("compilation", "estimate", "loss", "memory", "offload",
                                           "optimizer_in_backward", "optimizer_launches", "states", "timing",
@@ -144,8 +146,8 @@ class Config:
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",
-                                            reads=("activation_offload", "activations", "memory", "tensor_parallel",
-                                                   "timing"))] = False
+                                            reads=("activation_offload", "activations", "expert_parallel", "memory",
+                                                   "tensor_parallel", "timing"))] = False
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
                                   reads=("compilation",))] = False
     optimizer_in_backward: Annotated[bool, Knob(
@@ -167,13 +169,14 @@ class Config:
                                     reads=(), high=64)] = 1
     pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (empty: the balanced "
                                               "split the planner computes).", pin="derived", reads=())] = ()
-    cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.", reads=(),
+    cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.", reads=("expert_parallel",),
                             high=1024)] = 1
     cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
                                              "all-to-all (Ulysses; heads must divide by tp x cp).",
                                              reads=())] = ContextParallel.RING
     ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
-                            "from the data-parallel ranks).", reads=(), high=1024)] = 1
+                            "from the data-parallel ranks).",
+                            reads=("expert_parallel", "optimizer_in_backward", "states"), high=1024)] = 1
 
     def __post_init__(self) -> None:
         from .engines import rules_of  # the engines' rules are written in this module's enums

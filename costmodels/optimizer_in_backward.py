@@ -67,7 +67,8 @@ def in_backward_states(graph: LayerGraph, config: Config, states: ModelStates) -
     extra_maps = (tensors - 1) * optimizers.fixed_state_bytes(config.optimizer) if states.optimizer else 0
     itemsize = precision.state_itemsize(config.precision)
     temp = max((optimizers.step_temp_bytes(config.optimizer, [local_shape(t, tp=config.tp, dp=config.dp,
-                                                                          engine=config.engine)], itemsize)
+                                                                          engine=config.engine, ep=config.ep)],
+                                                    itemsize)
                 for t, _ in graph.tensor_groups(trainable=True)), default=0)
     return replace(states, grads=0, accumulating_grads=0, step_temp=temp, optimizer=states.optimizer + extra_maps)
 
@@ -79,7 +80,7 @@ def node_backward_extra(graph: LayerGraph, config: Config) -> list[int]:
         return [0] * len(graph.nodes())
     reduce = 4 if precision.is_mixed(config.precision) else precision.compute_itemsize(config.precision)
     return [reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=config.dp,
-                                    engine=config.engine, sharded=True) for layer in graph.nodes()]
+                                    engine=config.engine, sharded=True, ep=config.ep) for layer in graph.nodes()]
 
 
 def in_backward_terms(graph: LayerGraph, config: Config, terms: MemoryTerms) -> MemoryTerms:

@@ -11,6 +11,7 @@ from graphs import LayerGraph, ParamTensor
 from . import optimizer_in_backward, optimizers, paging, precision
 from .config import Config, Offload, Precision
 from .engines import GradientSizes, rules_of
+from .expert_parallel import state_ranks
 from .zero import local_elements, local_shape, persistence_threshold, sharding
 
 Group = tuple[ParamTensor, int]
@@ -70,7 +71,7 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
 
     def count(ts: list[Group], sharded: bool) -> int:
-        return local_elements(ts, tp=tp, dp=dp, engine=engine, sharded=sharded)
+        return local_elements(ts, tp=tp, dp=dp, engine=engine, sharded=sharded, ep=config.ep)
 
     sharded_params, persistent_params = _param_bytes(graph, config, trainable, frozen)
     grads, accumulating = _grad_bytes(config, count(trainable, False), count(trainable, True),
@@ -115,16 +116,17 @@ def fp8_weight_cache(graph: LayerGraph, config: Config) -> int:
         return 0
     linears = [(t, n) for t, n in graph.tensor_groups() if len(t.shape) >= 2 and t.node.startswith("layers.")]
     weights = local_elements(linears, tp=config.tp, dp=config.dp, engine=config.engine,
-                             sharded=sharding(config).params > 1)
+                             sharded=sharding(config).params > 1, ep=config.ep)
     return weights + sum(n for _, n in linears) * FP8_SCALED_TENSORS_PER_LINEAR * FP8_AMAX_HISTORY * 4
 
 
 def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tuple[int, ...], int]]:
     """(shape, count) the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
-    tp, dp, engine = config.tp, config.dp, config.engine
+    tp, dp, engine, ep = config.tp, config.dp, config.engine, config.ep
     if not rules_of(engine).per_tensor_dim_shards and sharding(config).optimizer > 1:
-        return [((math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine)) / dp),), n) for t, n in trainable]
-    return [(local_shape(t, tp=tp, dp=dp, engine=engine), n) for t, n in trainable]
+        return [((math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine, ep=ep)) / state_ranks(t, dp, ep)),),
+                 n) for t, n in trainable]
+    return [(local_shape(t, tp=tp, dp=dp, engine=engine, ep=ep), n) for t, n in trainable]
 
 
 def _optimizer_bytes(config: Config, trainable: list[Group]) -> int:
@@ -148,8 +150,9 @@ def _param_bytes(graph: LayerGraph, config: Config, trainable: list[Group], froz
         itemsize = precision.weight_itemsize(prec, engine, trainable=is_trainable)
         sharded = [g for g in group if not _persistent(graph, config, g[0])]
         whole = [g for g in group if _persistent(graph, config, g[0])]
-        partitioned += itemsize * local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1)
-        persistent += itemsize * local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False)
+        partitioned += itemsize * local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1,
+                                                 ep=config.ep)
+        persistent += itemsize * local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False, ep=config.ep)
     return partitioned, persistent
 
 
