@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision
-from costmodels.config import Loss
+from costmodels.config import ContextParallel, Loss
+from costmodels.pipeline_schedule import Schedule
 from graphs import Checkpoint
 
 Rule = Callable[[str, Config, tuple[Checkpoint, ...], bool], list[str]]
@@ -51,7 +52,7 @@ def unsupported(launcher: str, d: Config, *, checkpoint: Sequence[Checkpoint] = 
     problems = [] if (d.engine, d.zero) in entry.engines else \
         [f"engine {d.engine} ZeRO-{d.zero} ({entry.runtime} runs {_engines(entry.engines)})"]
     return problems + entry.rule(launcher, d, tuple(checkpoint), lora) + _memory_savers(launcher, d) + \
-        _peft_variants(launcher, d, lora)
+        _peft_variants(launcher, d, lora) + _parallelism(launcher, d, tuple(checkpoint))
 
 
 def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: object = False,
@@ -253,6 +254,73 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
         problems.append("activation offloading (torchtune's enable_activation_offloading: no registered launcher "
                         "runs it)")
     return problems
+
+
+# Where pipeline, context and expert parallelism run as emitted (issue 13). The torchrun script, HF Trainer, accelerate
+# and DeepSpeed files fitplan emits run data and tensor parallelism only.
+_PP_RUNNERS = ("megatron", "torchtitan")
+_CP_RUNNERS = ("megatron",)
+_EP_RUNNERS = ("megatron",)
+# megatron-core 0.16.1 pipeline_parallel/schedules.py get_forward_backward_func: forward_backward_pipelining_without_
+# interleaving (1F1B) and forward_backward_pipelining_with_interleaving (v >= 2 model chunks); no GPipe or zero-bubble
+# schedule (its delay_wgrad_compute only overlaps MoE all-to-all, it does not reorder the pipeline).
+MEGATRON_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
+# Megatron-LM --cp-comm-type (arguments.py, core_v0.16.1): p2p is ring attention, a2a is DeepSpeed-Ulysses.
+MEGATRON_CP_COMM = {ContextParallel.RING: "p2p", ContextParallel.ALL_TO_ALL: "a2a"}
+
+
+def _parallelism(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...]) -> list[str]:
+    """Pipeline, context and expert parallelism where `launcher` cannot run them as decided, each naming the
+    launchers that can (the model's own limits, such as experts to divide, are the emitters' and estimate's)."""
+    problems = []
+    if d.pp > 1 and launcher not in _PP_RUNNERS:
+        problems.append(f"pipeline parallelism (pp={d.pp}; launchers that run it: {', '.join(_PP_RUNNERS)})")
+    elif d.pp > 1 and launcher == "megatron":
+        problems += _megatron_pipeline(d, checkpoint)
+    if d.cp > 1 and launcher == "torchtitan":
+        problems.append(f"context parallelism ({_TORCHTITAN} all-gathers the whole sequence's keys and values before "
+                        "FlexAttention, distributed/context_parallel/api.py: neither ring nor all-to-all attention; "
+                        f"launchers that run it: {', '.join(_CP_RUNNERS)})")
+    elif d.cp > 1 and launcher not in _CP_RUNNERS:
+        problems.append(f"context parallelism (cp={d.cp}; launchers that run it: {', '.join(_CP_RUNNERS)})")
+    if d.ep > 1 and launcher == "torchtitan":
+        problems.append(f"expert parallelism ({_TORCHTITAN} runs it in its own MoE flavours only, deepseek_v3, qwen3 "
+                        f"MoE and gpt_oss, none of which a fitplan model maps to; launchers that run it: "
+                        f"{', '.join(_EP_RUNNERS)})")
+    elif d.ep > 1 and launcher not in _EP_RUNNERS:
+        problems.append(f"expert parallelism (ep={d.ep}; launchers that run it: {', '.join(_EP_RUNNERS)})")
+    return problems
+
+
+def _megatron_pipeline(d: Config, checkpoint: tuple[Checkpoint, ...]) -> list[str]:
+    """What megatron-core 0.16.1 cannot run of a pipeline: other schedules, an interleaved order other than the one
+    priced, and full recompute that is not the first k layers of every stage."""
+    if d.pp_schedule not in MEGATRON_SCHEDULES:
+        return [f"pipeline schedule {d.pp_schedule} (megatron-core 0.16 runs 1f1b and interleaved-1f1b only: "
+                "pipeline_parallel/schedules.py; launchers that run it: torchtitan)"]
+    problems = []
+    if d.pp_schedule is Schedule.INTERLEAVED_1F1B and d.pp_virtual == 1:
+        problems.append("interleaved-1f1b with one stage per rank (Megatron interleaves v >= 2 model chunks per "
+                        "rank; with one it runs plain 1F1B)")
+    elif d.pp_schedule is Schedule.INTERLEAVED_1F1B and d.grad_accum % d.pp:
+        # Megatron runs micro-batches in groups of microbatch_group_size_per_vp_stage = pp per model chunk; torch's
+        # order, which fitplan prices, groups m // (m // pp): the two agree when pp divides m.
+        problems.append(f"interleaved-1f1b with m={d.grad_accum} micro-batches, not a multiple of pp={d.pp} "
+                        "(Megatron groups pp micro-batches per model chunk: another order than the one priced)")
+    if d.pp_split and checkpoint and block_recompute_layers(checkpoint, d.pp_split) is None:
+        problems.append("full recompute on other layers than the first k of every pipeline stage (Megatron's "
+                        "--recompute-method block recomputes the first --recompute-num-layers layers of each stage)")
+    return problems
+
+
+def block_recompute_layers(checkpoint: Sequence[Checkpoint], split: Sequence[int]) -> int | None:
+    """The k of Megatron's `--recompute-method block --recompute-num-layers k` that recomputes exactly the FULL
+    layers of `checkpoint` when each stage of `split` recomputes its first min(k, its layers); None if no k does."""
+    full = [mode is Checkpoint.FULL for mode in checkpoint]
+    starts = [sum(split[:s]) for s in range(len(split))]
+    k = max((sum(full[start:start + n]) for start, n in zip(starts, split, strict=True)), default=0)
+    expected = [i - start < k for start, n in zip(starts, split, strict=True) for i in range(start, start + n)]
+    return k if expected == full else None
 
 
 # The launchers whose files load a bitsandbytes-quantized base (quantization_config.json, transformers'

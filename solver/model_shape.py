@@ -33,5 +33,18 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
         normalization="RMSNorm" if rms else "LayerNorm", norm_epsilon=None if epsilon is None else float(epsilon),
         gated_silu=activation in ("silu", "swish"), rope=rope,
         rope_theta=None if rope_theta is None else float(rope_theta),
-        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
-        linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts)
+        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings",
+                                                                         _tied_by_default(graph.model_type)))),
+        linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts,
+        top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0)
+
+
+def _tied_by_default(model_type: str) -> bool:
+    """Whether transformers ties the model family's embeddings when config.json does not say (MixtralConfig and
+    LlamaConfig do not, GPT2Config does): the lowering builds the model from the same config class."""
+    from transformers import AutoConfig
+
+    try:
+        return bool(AutoConfig.for_model(model_type).tie_word_embeddings)
+    except ValueError:  # a model type transformers does not know: PretrainedConfig's own default
+        return True

@@ -61,6 +61,11 @@ class ModelShape:
     qkv_bias: bool = False
     """Bias on the q/k/v projections only (Qwen2)."""
     experts: int = 0
+    """Routed experts of each MoE layer (0: a dense model)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_ffn_hidden: int = 0
+    """FFN width of one expert (0: ffn_hidden, as in Mixtral)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,12 @@
-"""Megatron-LM arguments (names from NVIDIA/Megatron-LM `megatron/training/arguments.py`)."""
+"""Megatron-LM arguments (names from NVIDIA/Megatron-LM `megatron/training/arguments.py`, checked by its own
+parse_args and validate_args at tag core_v0.16.1, the megatron-core release fitplan installs)."""
 
 from __future__ import annotations
 
 from graphs import Checkpoint, FitplanError
 
-from ..plan import Plan
+from ..capability import MEGATRON_CP_COMM, block_recompute_layers
+from ..plan import Decisions, Plan
 from .common import about
 from .nodes import nodes_note, torchrun_argv
 from .shell import command_line, comment, launch_script, option
@@ -22,7 +24,15 @@ KNOWN_FLAGS = frozenset({
     "--num-query-groups", "--kv-channels", "--seq-length", "--max-position-embeddings", "--tokenizer-type",
     "--tokenizer-model", "--normalization", "--norm-epsilon", "--swiglu", "--position-embedding-type",
     "--rotary-base", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias",
+    # pipeline, context and expert parallelism (_add_distributed_args, _add_moe_args; core_v0.16.1)
+    "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--context-parallel-size",
+    "--cp-comm-type", "--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+    "--moe-token-dispatcher-type",
 })
+# validate_args (core_v0.16.1) asserts this variable is 1 under tensor or context parallelism before Blackwell, as
+# Megatron-LM's example scripts export it: one CUDA work queue keeps its communication kernels in issue order.
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS=1"
 
 
 def shape_arguments(plan: Plan) -> list[str]:
@@ -57,11 +67,71 @@ def shape_arguments(plan: Plan) -> list[str]:
     return args
 
 
+def pipeline_arguments(d: Decisions, layers: int) -> list[str]:
+    """The pipeline's degree and split: an even split needs no flag (Megatron's default), v equal stages per rank
+    take --num-layers-per-virtual-pipeline-stage, one stage per rank with equal middle stages the first/last
+    flags, and any other split the explicit layout (E embedding, t decoder layer, L loss; stage s on rank s mod pp,
+    as PipelineParallelLayerLayout orders them)."""
+    args = ["--pipeline-model-parallel-size", str(d.pp)]
+    if d.pp == 1:
+        return args
+    split = d.pp_split
+    if not split:
+        raise FitplanError("The plan records no pipeline split, which Megatron's pipeline flags need.",
+                           "Re-plan with this fitplan (its plans record the split), or pin one with --pp-split.")
+    if sum(split) != layers:
+        raise FitplanError(f"The plan's pipeline split {list(split)} covers {sum(split)} layers, not the model's "
+                           f"{layers}.", "Re-plan with this fitplan.")
+    if len(set(split)) == 1:
+        return args + (["--num-layers-per-virtual-pipeline-stage", str(split[0])] if d.pp_virtual > 1 else [])
+    if d.pp_virtual == 1 and len(set(split[1:-1])) <= 1:
+        return [*args, "--decoder-first-pipeline-num-layers", str(split[0]),
+                "--decoder-last-pipeline-num-layers", str(split[-1])]
+    return [*args, "--pipeline-model-parallel-layout", "E" + "|".join("t" * n for n in split) + "L"]
+
+
+def expert_arguments(plan: Plan) -> list[str]:
+    """A mixture-of-experts model's router and experts, and the expert-parallel degree (the all-to-all token
+    dispatcher, whose dispatch and combine fitplan prices)."""
+    d, shape = plan.decisions, plan.inputs.shape
+    experts = 0 if shape is None else shape.experts
+    if not experts:
+        if d.ep > 1:
+            raise FitplanError(f"ep={d.ep} for a model without experts.", "Re-plan with ep=1.")
+        return []
+    if experts % d.ep:
+        raise FitplanError(f"ep={d.ep} does not divide the model's {experts} experts.", "Re-plan.")
+    return ["--num-experts", str(experts), "--moe-router-topk", str(shape.top_k), "--moe-ffn-hidden-size",
+            str(shape.expert_ffn_hidden or shape.ffn_hidden), "--moe-token-dispatcher-type", "alltoall",
+            "--expert-model-parallel-size", str(d.ep)]
+
+
+def recompute_arguments(d: Decisions) -> list[str]:
+    """Full recompute of the first k layers of every pipeline stage (`--recompute-method block`), or selective
+    recompute of the attention core on every layer."""
+    full = sum(m is Checkpoint.FULL for m in d.checkpoint)
+    if full:
+        # "block" recomputes the first --recompute-num-layers layers of each stage, keeping the rest
+        k = full if d.pp == 1 else block_recompute_layers(d.checkpoint, d.pp_split)
+        if k is None:
+            raise FitplanError("Megatron recomputes the first k layers of every pipeline stage; the plan "
+                               "recomputes others.", "Re-plan with --launcher megatron.")
+        return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(k)]
+    if Checkpoint.SELECTIVE in d.checkpoint:
+        return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    return []
+
+
 def arguments(plan: Plan) -> list[str]:
     d = plan.decisions
-    args = ["--tensor-model-parallel-size", str(d.tp), "--pipeline-model-parallel-size", "1",
+    # Megatron's data-parallel size is world / (tp x pp x cp), fitplan's dp: the global batch is m micro-batches of
+    # every data-parallel rank, and each pipeline runs m = grad_accum micro-batches per step.
+    args = ["--tensor-model-parallel-size", str(d.tp), *pipeline_arguments(d, plan.inputs.num_layers),
             *shape_arguments(plan),
             "--micro-batch-size", str(d.micro_batch), "--global-batch-size", str(d.micro_batch * d.grad_accum * d.dp)]
+    if d.cp > 1:
+        args += ["--context-parallel-size", str(d.cp), "--cp-comm-type", MEGATRON_CP_COMM[d.cp_mode]]
+    args += expert_arguments(plan)
     if d.sequence_parallel:
         args.append("--sequence-parallel")
     precision = d.precision.value
@@ -71,13 +141,7 @@ def arguments(plan: Plan) -> list[str]:
         args.append("--fp16")
     elif precision == "fp8":
         args += ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
-    full = sum(m is Checkpoint.FULL for m in d.checkpoint)
-    if full:
-        # "block" recomputes the first --recompute-num-layers layers of the stage, keeping the rest: fitplan's
-        # canonical order.
-        args += ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(full)]
-    elif Checkpoint.SELECTIVE in d.checkpoint:
-        args += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    args += recompute_arguments(d)
     if d.zero == 1:
         args += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     args += ["--optimizer", "adam" if d.optimizer.value.startswith("adamw") else "sgd"]
@@ -86,7 +150,9 @@ def arguments(plan: Plan) -> list[str]:
 
 def emit(plan: Plan) -> dict[str, str]:
     flags = arguments(plan)
-    argv = [*torchrun_argv(plan), "pretrain_gpt.py", *flags]
+    d = plan.decisions
+    connections = ["env", MAX_CONNECTIONS] if d.tp > 1 or d.cp > 1 else []
+    argv = [*connections, *torchrun_argv(plan), "pretrain_gpt.py", *flags]
     return {"megatron_args.txt": command_line(flags) + "\n",
             "megatron_launch.sh": launch_script(argv, about=about(plan), forward=True, notes=nodes_note(plan)),
             "megatron_note.txt": comment(about(plan)) + "# Megatron needs its own checkpoint format of the model.\n"}

@@ -30,13 +30,31 @@ def model_launchers(inputs: Inputs, attention: str) -> tuple[str, ...]:
     return tuple(name for name in LAUNCHERS if not model_problems(name, inputs, attention))
 
 
+def parallelism_problems(launcher: str, d: Decisions, inputs: Inputs) -> list[str]:
+    """What of the decisions' expert and pipeline parallelism the model itself rules out under `launcher`."""
+    experts = inputs.shape.experts if inputs.shape is not None else 0
+    problems = []
+    if d.ep > 1 and not experts:
+        problems.append(f"expert parallelism (ep={d.ep}) for a model without experts")
+    elif d.ep > 1 and experts % d.ep:
+        problems.append(f"ep={d.ep}, which does not divide the model's {experts} experts")
+    if launcher == "torchtitan" and d.pp > 1 and inputs.shape is not None and inputs.shape.tied_embeddings:
+        problems.append("pipeline parallelism of a model with tied input and output embeddings (torchtitan 0.3.0 "
+                        "refuses it: models/common/decoder.py 'Weight tying is not supported with Pipeline "
+                        "Parallel'; launchers that run it: megatron)")
+    return problems
+
+
 def unsupported(launcher: str, d: Decisions, inputs: Inputs | None = None) -> list[str]:
     """What `launcher` cannot express of the decisions (and, given `inputs`, of the model); empty: it runs them."""
     problems = _unsupported(launcher, d, checkpoint=d.checkpoint, lora=d.lora is not None)
-    return problems + (model_problems(launcher, inputs, d.attention) if inputs is not None else [])
+    if inputs is None:
+        return problems
+    return problems + model_problems(launcher, inputs, d.attention) + parallelism_problems(launcher, d, inputs)
 
 
 def runnable_by(d: Decisions, inputs: Inputs | None = None) -> tuple[str, ...]:
     """The launchers that run the decisions (for the model of `inputs`), fewest caveats first."""
     allowed = LAUNCHERS if inputs is None else model_launchers(inputs, d.attention)
-    return _runnable_by(d, checkpoint=d.checkpoint, lora=d.lora is not None, launchers=allowed)
+    runners = _runnable_by(d, checkpoint=d.checkpoint, lora=d.lora is not None, launchers=allowed)
+    return runners if inputs is None else tuple(n for n in runners if not parallelism_problems(n, d, inputs))

@@ -18,10 +18,11 @@ from importlib import resources
 from typing import Any
 
 from costmodels import Engine, Offload, Optimizer, Precision
+from costmodels.pipeline_schedule import TORCH_CLASS
 from graphs import Checkpoint, FitplanError
 
 from ..capability import unsupported
-from ..plan import Inputs, Plan
+from ..plan import Decisions, Inputs, Plan
 from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import comment, launch_script
@@ -124,6 +125,26 @@ def _assets(inputs: Inputs) -> str:
     return f"./assets/hf/{inputs.model.rstrip('/').rsplit('/', 1)[-1]}"
 
 
+def pipeline_settings(d: Decisions) -> dict[str, Any]:
+    """[parallelism]'s pipeline fields: the schedule by torch's class name less "Schedule" (get_schedule_class),
+    micro-batches of micro_batch sequences (local_batch_size holds the m of a step), and the split as the module
+    names of each stage (module_fqns_per_model_part: stage s runs on rank s mod pp, or in a V for ZBVZeroBubble)."""
+    if d.pp == 1:
+        return {"pipeline_parallel_degree": 1}
+    if not d.pp_split:
+        raise FitplanError("The plan records no pipeline split, which torchtitan's module_fqns_per_model_part needs.",
+                           "Re-plan with this fitplan (its plans record the split), or pin one with --pp-split.")
+    stages, start = [], 0
+    for s, layers in enumerate(d.pp_split):
+        names = [f"layers.{i}" for i in range(start, start + layers)]
+        stages.append((["tok_embeddings"] if s == 0 else []) + names +
+                      (["norm", "lm_head"] if s == len(d.pp_split) - 1 else []))
+        start += layers
+    return {"pipeline_parallel_degree": d.pp,
+            "pipeline_parallel_schedule": TORCH_CLASS[d.pp_schedule].removeprefix("Schedule"),
+            "pipeline_parallel_microbatch_size": d.micro_batch, "module_fqns_per_model_part": stages}
+
+
 def job(plan: Plan) -> dict[str, Any]:
     """The plan as torchtitan settings: {section: {field: value}} in torchtitan 0.3.0's names (Trainer.Config)."""
     d, inputs = plan.decisions, plan.inputs
@@ -139,7 +160,9 @@ def job(plan: Plan) -> dict[str, Any]:
                   # the LM head stays bf16, as fitplan prices it (torchtitan's llama3_405b filters it the same way);
                   # 0.3.0's Float8LinearConverter offers the rowwise recipes only
                   **({"float8": {"recipe_name": "rowwise", "filter_fqns": ["lm_head"]}} if fp8 else {})},
-        "training": {"local_batch_size": d.micro_batch, "global_batch_size": d.micro_batch * d.grad_accum * d.dp,
+        # a pipeline runs the rank's m micro-batches in one step; otherwise torchtitan accumulates global / (local x dp)
+        "training": {"local_batch_size": d.micro_batch * (d.grad_accum if d.pp > 1 else 1),
+                     "global_batch_size": d.micro_batch * d.grad_accum * d.dp,
                      "seq_len": inputs.seq_len, "steps": STEPS, "max_norm": MAX_GRAD_NORM,
                      "enable_cpu_offload": d.param_offload is Offload.CPU, **_precision(d.precision),
                      # fitplan prices eager steps on the caching allocator; 0.3.0 captures forward+backward in a CUDA
@@ -149,7 +172,8 @@ def job(plan: Plan) -> dict[str, Any]:
                         "data_parallel_shard_degree": d.dp if fsdp else 1,
                         "fsdp_reshard_after_forward": "always" if d.zero == 3 else "never",
                         "tensor_parallel_degree": d.tp, "enable_sequence_parallel": d.sequence_parallel,
-                        "pipeline_parallel_degree": 1, "context_parallel_degree": 1},
+                        **pipeline_settings(d), "context_parallel_degree": d.cp,
+                        "expert_parallel_degree": d.ep},
         "activation_checkpoint": {"mode": _activation_checkpoint(d.checkpoint)},
         "compile": {"enable": d.compile, "components": ["model", "loss"]},
         "optimizer": {"name": "AdamW", "implementation": "fused" if d.optimizer is Optimizer.ADAMW_FUSED else "foreach",
@@ -292,8 +316,10 @@ def emit(plan: Plan) -> dict[str, str]:
     """fitplan_torchtitan.toml (the job), fitplan_torchtitan.py (the config module torchtitan loads it through),
     torchtitan_launch.sh (torchrun on each node) and, beyond one node, slurm_launch.sh."""
     d = plan.decisions
+    from .support import parallelism_problems  # it imports this module
+
     problems = unsupported("torchtitan", d, checkpoint=d.checkpoint, lora=d.lora is not None) + \
-        model_problems(plan.inputs, d.attention)
+        model_problems(plan.inputs, d.attention) + parallelism_problems("torchtitan", d, plan.inputs)
     if problems:
         raise FitplanError(f"The torchtitan launcher cannot run this plan as decided: {'; '.join(problems)}.",
                            "Re-plan with --launcher torchtitan, or choose another launcher.")
