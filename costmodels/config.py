@@ -176,7 +176,8 @@ class Config:
                                              reads=())] = ContextParallel.RING
     ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
                             "from the data-parallel ranks).",
-                            reads=("expert_parallel", "optimizer_in_backward", "states"), high=1024)] = 1
+                            reads=("expert_parallel", "memory", "optimizer_in_backward", "states", "timing"),
+                            high=1024)] = 1
 
     def __post_init__(self) -> None:
         from .engines import rules_of  # the engines' rules are written in this module's enums

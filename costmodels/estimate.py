@@ -11,6 +11,7 @@ from .cluster import Cluster
 from .compute import CAUSAL_FRACTION, KERNEL_LAUNCH_SECONDS
 from .config import Config, Loss, Optimizer, Precision, Workload
 from .engines import rules_of
+from .expert_parallel import expert_notes, expert_refusal
 from .memory import memory_breakdown
 from .timing import time_breakdown
 
@@ -70,6 +71,8 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
     reasons = model_refusals(graph, config, modes_decided=bool(config.checkpoint))  # () : the search's outer
     if reasons:
         raise InvalidConfig("; ".join(reasons), hint)
+    if (refused := expert_refusal(graph, config)) is not None:
+        raise InvalidConfig(*refused)
     per_step = config.micro_batch * config.grad_accum * config.dp
     if per_step != workload.global_batch:
         raise InvalidConfig(f"micro_batch {config.micro_batch} x grad_accum {config.grad_accum} x dp {config.dp} = "
@@ -149,7 +152,7 @@ def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
         notes.append("checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
     if any(layer.role is Role.DECODER and layer.moe for layer in graph.nodes()):
         notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)")
-    return tuple(notes) + _saver_notes(config)
+    return tuple(notes) + expert_notes(config) + _saver_notes(config)
 
 
 def _saver_notes(config: Config) -> tuple[str, ...]:

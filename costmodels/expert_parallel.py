@@ -94,6 +94,15 @@ def refusals(graph: LayerGraph, config: Config) -> list[str]:
     return []
 
 
+def expert_refusal(graph: LayerGraph, config: Config) -> tuple[str, str] | None:
+    """(why, a way out) when `config.ep` cannot run on this model, else None."""
+    problems = refusals(graph, config)
+    if not problems:
+        return None
+    degrees = valid_degrees(graph, config.dp * config.cp)
+    return problems[0], f"Choose ep from {degrees}: it must divide the experts and dp x cp."
+
+
 def valid_degrees(graph: LayerGraph, ranks: int) -> list[int]:
     """Expert-parallel degrees `graph` allows over `ranks` data- and context-parallel ranks."""
     experts = math.gcd(*[layer.moe.experts for layer in moe_layers(graph) if layer.moe]) if moe_layers(graph) else 1
@@ -177,7 +186,7 @@ def with_dispatch(node: NodeMemory, layer: Layer, mode: Checkpoint, config: Conf
                    bwd_peak=node.bwd_peak + received, bwd_peak_fresh=node.bwd_peak_fresh + received)
 
 
-def note(config: Config) -> tuple[str, ...]:
+def expert_notes(config: Config) -> tuple[str, ...]:
     """What the estimate assumes for expert parallelism, in words."""
     if config.ep == 1:
         return ()

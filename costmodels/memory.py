@@ -15,6 +15,7 @@ from .breakdown import MemoryBreakdown
 from .cluster import Cluster
 from .config import Config, Offload, Workload
 from .engines import UnitBytes, rules_of
+from .expert_parallel import with_dispatch
 from .loss import loss_terms
 from .optimizer_in_backward import in_backward_timeline
 from .overhead import reserved_bytes, runtime_overhead
@@ -64,7 +65,10 @@ def _plain_terms(graph: LayerGraph, workload: Workload, config: Config) -> Memor
             nodes.append(((Checkpoint.NONE, node_memory(layer, Checkpoint.NONE, b=b, s=s, config=config)),))
             continue
         if layer.kind not in by_kind:
-            by_kind[layer.kind] = tuple((mode, node_memory(layer, mode, b=b, s=s, config=config))
+            # expert parallelism's all-to-all buffers and routing-imbalance allowance on MoE layers
+            by_kind[layer.kind] = tuple((mode, with_dispatch(node_memory(layer, mode, b=b, s=s, config=config), layer,
+                                                             mode, config, b=b, s=s, hidden=graph.dims.hidden,
+                                                             itemsize=precision.compute_itemsize(config.precision)))
                                         for mode in layer.checkpoint_modes)
         nodes.append(by_kind[layer.kind])
     start, forward_only = model_wide_bytes(graph, config, b=b, s=s)
@@ -137,13 +141,13 @@ def _gathered(graph: LayerGraph, config: Config, layer: Layer) -> int:
                and not (config.zero in rules_of(config.engine).small_params_whole_stages
                         and t.numel <= persistence_threshold(graph.dims.hidden))]
     itemsize = precision.compute_itemsize(config.precision)
-    return itemsize * local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False)
+    return itemsize * local_elements(tensors, tp=config.tp, dp=1, engine=config.engine, sharded=False, ep=config.ep)
 
 
 def _unsharded_grads(config: Config, layer: Layer) -> int:
     """An FSDP2 unit's full gradients before reduce-scatter, plus their fp32 copy when reducing in fp32."""
     elements = local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=1, engine=config.engine,
-                              sharded=False)
+                              sharded=False, ep=config.ep)
     fp32_reduce = precision.is_mixed(config.precision) and rules_of(config.engine).reduce_fp32_when_mixed
     reduce_copy = 4 if fp32_reduce else 0
     return elements * (precision.compute_itemsize(config.precision) + reduce_copy)

@@ -16,6 +16,7 @@ from .compilation import memory_bound_speedup
 from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
 from .config import Config, Offload, Precision, Workload
 from .engines import rules_of
+from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes
 from .loss import timed_layer
 from .offload import offload_seconds
@@ -49,10 +50,12 @@ class NodeTime:
     compute: float
     recompute: float
     tp: float
+    ep: float = 0.0
+    """Expert-parallel all-to-alls of an MoE layer, not overlapped (`expert_parallel`)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp
+        return self.compute + self.recompute + self.ep + self.tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +113,13 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
     ga = config.grad_accum
     cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
     recast = cast_fwd if mode is Checkpoint.FULL else 0.0  # full recompute reruns the forward's casts
+    expert = expert_layer_time(cluster, config, layer, mode, speed, b=b, s=s, hidden=graph.dims.hidden,
+                               itemsize=precision.compute_itemsize(config.precision))
     return NodeTime(compute=ga * (work_seconds(cost.forward, speed, **kwargs)
-                                  + work_seconds(cost.backward, speed, **kwargs) + cast_fwd + cast_bwd),
-                    recompute=ga * (work_seconds(cost.recompute, speed, **kwargs) + recast),
+                                  + work_seconds(cost.backward, speed, **kwargs) + cast_fwd + cast_bwd
+                                  + expert.compute),
+                    recompute=ga * (work_seconds(cost.recompute, speed, **kwargs) + recast + expert.recompute),
+                    ep=ga * expert.all_to_all,
                     tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s))
 
 
@@ -164,9 +171,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
             fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
     dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
     partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=config.dp,
-                               engine=config.engine, sharded=sharding(config).optimizer > 1)
+                               engine=config.engine, sharded=sharding(config).optimizer > 1, ep=config.ep)
     shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=config.dp, engine=config.engine,
-                           sharded=sharding(config).params > 1)
+                           sharded=sharding(config).params > 1, ep=config.ep)
     offload = offload_seconds(cluster, config, partition=partition, params=shard,
                               grad_bytes=precision.compute_itemsize(config.precision))
     # Memory savers' host traffic: paged optimizer states in and out, offloaded activations compute cannot hide.
@@ -190,16 +197,18 @@ def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, conf
     """Seconds per optimizer step for `config` (gradient accumulation included)."""
     terms = time_terms(graph, cluster, workload, config)
     compute, recompute, tp = terms.fixed.compute, terms.fixed.recompute, 0.0
+    ep = 0.0  # expert-parallel all-to-alls
     for options, mode in zip(terms.layers, config.layer_modes(len(terms.layers)), strict=True):
         chosen = dict(options)[mode]
+        ep += chosen.ep
         compute, recompute, tp = compute + chosen.compute, recompute + chosen.recompute, tp + chosen.tp
     f = terms.fixed
-    communication = f.communication + tp
+    communication = f.communication + ep + tp
     return TimeBreakdown(compute=compute, recompute=recompute, communication=communication, offload=f.offload,
                          optimizer=f.optimizer, step_time=compute + recompute + communication + f.offload + f.optimizer,
-                         communication_total=f.communication_total + tp,
+                         communication_total=f.communication_total + ep + tp,
                          details=(("tp_collectives_decoder_layers", tp), *f.details,
-                                  *launch_details(graph, cluster, workload, config)))
+                                  ("ep_all_to_all_exposed", ep), *launch_details(graph, cluster, workload, config)))
 
 
 def launch_details(graph: LayerGraph, cluster: Cluster, workload: Workload,
@@ -233,9 +242,10 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     bucket is exposed. ZeRO-2 reduce-scatters its buckets during every backward, the last one exposed; ZeRO-1/2's
     all-gather of the updated parameters after the step is exposed whole.
     """
-    elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False)
+    elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False,
+                              ep=config.ep)
     trainable = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=1, engine=config.engine,
-                               sharded=False)
+                               sharded=False, ep=config.ep)
     param_itemsize, grad_itemsize = precision.compute_itemsize(config.precision), _reduce_itemsize(config)
     traffic = dp_traffic(config, param_bytes=elements * param_itemsize, grad_bytes=trainable * grad_itemsize)
     group = dp_group(cluster, config.tp, config.dp)
@@ -268,9 +278,9 @@ def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
     layers = graph.decoder_layers()
     edge = [p for layer in graph.nodes() if layer.role is not Role.DECODER for p in layer.params]
     edge += list(layers[0].params) if layers else []
-    count = local_elements(edge, tp=config.tp, dp=1, engine=config.engine, sharded=False)
+    count = local_elements(edge, tp=config.tp, dp=1, engine=config.engine, sharded=False, ep=config.ep)
     trainable = local_elements([p for p in edge if p.trainable], tp=config.tp, dp=1, engine=config.engine,
-                               sharded=False)
+                               sharded=False, ep=config.ep)
     return count, trainable
 
 
