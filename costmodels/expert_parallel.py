@@ -12,7 +12,7 @@ from graphs import Checkpoint, Layer, LayerGraph, ParamTensor
 from . import collectives
 from .activations import NodeMemory
 from .cluster import Cluster
-from .collectives import Group
+from .collectives import Group, all_gather_seconds, reduce_scatter_seconds, tp_group
 from .compute import KernelSpeed
 from .config import Config
 
@@ -41,8 +41,8 @@ class ExpertTime:
     recompute: float
     """The allowance on the recomputed expert GEMMs (full checkpointing)."""
     all_to_all: float
-    """Dispatch and combine all-to-alls, not overlapped (Megatron overlaps them only with
-    --overlap-moe-expert-parallel-comm)."""
+    """Dispatch and combine all-to-alls, and with tp > 1 the expert-TP all-gather and reduce-scatter of the
+    received tokens, not overlapped (Megatron overlaps them only with --overlap-moe-expert-parallel-comm)."""
 
 
 def is_expert_stack(tensor: ParamTensor) -> bool:
@@ -91,6 +91,10 @@ def refusals(graph: LayerGraph, config: Config) -> list[str]:
     if bad:
         return [f"ep={config.ep} must divide the {bad[0]} experts of {graph.model}'s MoE layers (each rank holds "
                 "experts / ep of them)"]
+    if config.tp > 1 and not config.sequence_parallel:
+        # megatron-core TransformerConfig.__post_init__: "When using expert parallelism and tensor parallelism,
+        # sequence parallelism must be used".
+        return [f"ep={config.ep} with tp={config.tp} needs sequence_parallel (Megatron refuses it otherwise)"]
     return []
 
 
@@ -158,9 +162,14 @@ def layer_time(cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
     if config.ep == 1 or layer.moe is None:
         return ExpertTime(0.0, 0.0, 0.0)
     extra = (ROUTING_IMBALANCE - 1) * expert_flops(layer, config.tp, b=b, s=s) / speed.matmul_flops
-    one = collectives.all_to_all_seconds(cluster, ep_group(cluster, config.tp, config.ep),
-                             ROUTING_IMBALANCE * dispatch_bytes(layer, config, b=b, s=s, hidden=hidden,
-                                                                itemsize=itemsize))
+    sent = ROUTING_IMBALANCE * dispatch_bytes(layer, config, b=b, s=s, hidden=hidden, itemsize=itemsize)
+    one = collectives.all_to_all_seconds(cluster, ep_group(cluster, config.tp, config.ep), sent)
+    # Expert TP (= tp, sequence parallel): the dispatcher all-gathers the received tokens over the TP ranks
+    # before the experts and reduce-scatters their output after (megatron-core MoEAlltoAllTokenDispatcher), and
+    # the reverse in backward: one all-gather and one reduce-scatter of tp x `sent` bytes per all-to-all pair.
+    group = tp_group(cluster, config.tp)
+    one += (all_gather_seconds(cluster, group, config.tp * sent)
+            + reduce_scatter_seconds(cluster, group, config.tp * sent)) / 2
     rerun = mode is Checkpoint.FULL
     count = ALL_TO_ALLS_FORWARD * (2 if rerun else 1) + ALL_TO_ALLS_BACKWARD
     return ExpertTime(compute=3 * extra, recompute=extra if rerun else 0.0, all_to_all=count * one)
@@ -178,6 +187,11 @@ def with_dispatch(node: NodeMemory, layer: Layer, mode: Checkpoint, config: Conf
                                                             itemsize=itemsize))
     extra = math.ceil((ROUTING_IMBALANCE - 1) * expert_saved_bytes(layer, config, b=b, s=s, hidden=hidden,
                                                                    itemsize=itemsize))
+    # The lowering traced every expert's gradient; a rank produces only its local experts'.
+    foreign = sum(t.local_numel(config.tp) * t.itemsize for t in layer.params if is_expert_stack(t) and t.trainable)
+    foreign -= foreign // config.ep
+    node = replace(node, grads=node.grads - foreign,
+                   bwd_peak_fresh=max(node.bwd_peak, node.bwd_peak_fresh - foreign))
     if mode is Checkpoint.FULL:
         return replace(node, fwd_peak=node.fwd_peak + received, bwd_peak=node.bwd_peak + received + extra,
                        bwd_peak_fresh=node.bwd_peak_fresh + received + extra)

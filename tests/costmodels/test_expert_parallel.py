@@ -156,6 +156,9 @@ def test_refusals_name_the_experts_and_dense_models(tiny):
     assert ep_model.refusals(tiny, _config(1)) == []
     assert ep_model.refusals(tiny, _config(4)) == []
     assert "divide the 4 experts" in ep_model.refusals(tiny, _config(8))[0]
+    # megatron-core's TransformerConfig refuses expert parallelism with tensor parallelism but no sequence parallel
+    assert "sequence_parallel" in ep_model.refusals(tiny, _config(2, tp=2))[0]
+    assert ep_model.refusals(tiny, _config(2, tp=2, sequence_parallel=True)) == []
     assert ep_model.valid_degrees(tiny, 8) == [1, 2, 4]
 
 
@@ -202,4 +205,9 @@ def test_mixtral_8x22b_estimate_with_ep_adds_exposed_all_to_all():
     assert dict(results[1].time.details).get("ep_all_to_all_exposed", 0.0) == 0.0
     assert details["ep_all_to_all_exposed"] > 0
     assert results[8].memory.parameters < results[1].memory.parameters / 6
+    # ZeRO-1 keeps full 16-bit gradients: the local experts' only under EP (the lowering traced all experts').
+    fields = graph.dims
+    expert_bytes = fields.layers * fields.experts * 3 * fields.hidden * fields.intermediate // 2 * 2
+    fall = results[1].memory.gradients - results[8].memory.gradients
+    assert fall == pytest.approx(expert_bytes * 7 / 8, rel=0.01)  # 1%: the fp32 partition is the same either way
     assert any(f"x{ep_model.ROUTING_IMBALANCE:g}" in note for note in results[8].notes)
