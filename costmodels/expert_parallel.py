@@ -76,6 +76,14 @@ def ep_group(cluster: Cluster, tp: int, ep: int) -> Group:
     return Group(ep, tp * ep > cluster.gpus_per_node, max(1, cluster.gpus_per_node // tp))
 
 
+def expert_dp_group(cluster: Cluster, config: Config) -> Group:
+    """The ranks that reduce one expert's gradients: the expert-data-parallel group, tp x ep apart in Megatron's
+    expert rank order (tp-ep-dp-pp), so a node holds gpus_per_node / (tp x ep) of them (at least one)."""
+    ranks = expert_dp(config.dp * config.cp, config.ep)
+    stride = config.tp * config.ep
+    return Group(ranks, stride * ranks > cluster.gpus_per_node, max(1, cluster.gpus_per_node // stride))
+
+
 def moe_layers(graph: LayerGraph) -> list[Layer]:
     return [layer for layer in graph.decoder_layers() if layer.moe]
 

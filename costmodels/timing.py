@@ -16,6 +16,7 @@ from .compilation import memory_bound_speedup
 from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
 from .config import Config, Offload, Precision, Workload
 from .engines import rules_of
+from .expert_parallel import expert_dp_group, is_expert_stack
 from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes
 from .loss import timed_layer
@@ -247,13 +248,23 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     trainable = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=1, engine=config.engine,
                                sharded=False, ep=config.ep)
     param_itemsize, grad_itemsize = precision.compute_itemsize(config.precision), _reduce_itemsize(config)
-    traffic = dp_traffic(config, param_bytes=elements * param_itemsize, grad_bytes=trainable * grad_itemsize)
+    expert_params, expert_grads = _expert_elements(graph, config)
+    traffic = dp_traffic(config, param_bytes=(elements - expert_params) * param_itemsize,
+                         grad_bytes=(trainable - expert_grads) * grad_itemsize)
+    # Expert stacks under EP gather and reduce over their own expert-data-parallel group.
+    experts = dp_traffic(config, param_bytes=expert_params * param_itemsize, grad_bytes=expert_grads * grad_itemsize)
     group = dp_group(cluster, config.tp, config.dp)
-    gather_f = all_gather_seconds(cluster, group, traffic.forward_gather)
-    gather_b = all_gather_seconds(cluster, group, traffic.backward_gather)
-    reduce_b = reduce_scatter_seconds(cluster, group, traffic.backward_reduce)
-    allreduce = all_reduce_seconds(cluster, group, traffic.step_allreduce)
-    gather_step = all_gather_seconds(cluster, group, traffic.step_gather)
+    egroup = expert_dp_group(cluster, config)
+    gather_f = (all_gather_seconds(cluster, group, traffic.forward_gather)
+                + all_gather_seconds(cluster, egroup, experts.forward_gather))
+    gather_b = (all_gather_seconds(cluster, group, traffic.backward_gather)
+                + all_gather_seconds(cluster, egroup, experts.backward_gather))
+    reduce_b = (reduce_scatter_seconds(cluster, group, traffic.backward_reduce)
+                + reduce_scatter_seconds(cluster, egroup, experts.backward_reduce))
+    allreduce = (all_reduce_seconds(cluster, group, traffic.step_allreduce)
+                 + all_reduce_seconds(cluster, egroup, experts.step_allreduce))
+    gather_step = (all_gather_seconds(cluster, group, traffic.step_gather)
+                   + all_gather_seconds(cluster, egroup, experts.step_gather))
     edge_params, edge_grads = _edge_elements(graph, config)
     first_gather = all_gather_seconds(cluster, group, edge_params * param_itemsize) if gather_f else 0.0
     last_reduce = 0.0
@@ -281,6 +292,18 @@ def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
     count = local_elements(edge, tp=config.tp, dp=1, engine=config.engine, sharded=False, ep=config.ep)
     trainable = local_elements([p for p in edge if p.trainable], tp=config.tp, dp=1, engine=config.engine,
                                sharded=False, ep=config.ep)
+    return count, trainable
+
+
+def _expert_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
+    """(parameter, trainable) elements of the expert stacks one rank holds under EP, unsharded within its TP
+    shard; (0, 0) without EP."""
+    if config.ep == 1:
+        return 0, 0
+    stacks = [(t, n) for t, n in graph.tensor_groups() if is_expert_stack(t)]
+    count = local_elements(stacks, tp=config.tp, dp=1, engine=config.engine, sharded=False, ep=config.ep)
+    trainable = local_elements([(t, n) for t, n in stacks if t.trainable], tp=config.tp, dp=1,
+                               engine=config.engine, sharded=False, ep=config.ep)
     return count, trainable
 
 

@@ -152,6 +152,16 @@ def test_ep_group_leaves_the_node_once_tp_times_ep_exceeds_it():
     assert ep_model.ep_group(cluster, 2, 8).per_node == 4
 
 
+def test_expert_dp_group_is_tp_times_ep_apart():
+    # Megatron's expert rank order tp-ep-dp-pp: with tp=2, ep=8 the 4 expert-data-parallel peers of a rank are 16
+    # ranks apart, one per node; with tp=1, ep=2 and 16 ranks, 4 of the 8 peers share a node.
+    cluster = parse_cluster("8x8xH100")
+    group = ep_model.expert_dp_group(cluster, Config(engine=Engine.DEEPSPEED, zero=1, tp=2, dp=32, ep=8))
+    assert (group.size, group.spans_nodes, group.per_node) == (4, True, 1)
+    group = ep_model.expert_dp_group(parse_cluster("2x8xH100"), Config(engine=Engine.DEEPSPEED, zero=1, dp=16, ep=2))
+    assert (group.size, group.spans_nodes, group.per_node) == (8, True, 4)
+
+
 def test_refusals_name_the_experts_and_dense_models(tiny):
     assert ep_model.refusals(tiny, _config(1)) == []
     assert ep_model.refusals(tiny, _config(4)) == []
@@ -211,3 +221,17 @@ def test_mixtral_8x22b_estimate_with_ep_adds_exposed_all_to_all():
     fall = results[1].memory.gradients - results[8].memory.gradients
     assert fall == pytest.approx(expert_bytes * 7 / 8, rel=0.01)  # 1%: the fp32 partition is the same either way
     assert any(f"x{ep_model.ROUTING_IMBALANCE:g}" in note for note in results[8].notes)
+
+
+def test_mixtral_8x22b_expert_gradients_are_not_reduced_when_ep_takes_every_data_parallel_rank():
+    # tp=8, dp=8, ep=8: each rank holds one expert whole and no other rank holds it, so only the dense weights
+    # (attention, embeddings, routers: under 5% of Mixtral-8x22B) are reduced across data-parallel ranks.
+    graph = _mixtral()
+    cluster = parse_cluster("8x8xH100")
+    totals = {}
+    for ep in (1, 8):
+        config = Config(engine=Engine.DEEPSPEED, zero=1, tp=8, dp=8, ep=ep, micro_batch=1, grad_accum=1,
+                        checkpoint=(Checkpoint.FULL,) * graph.dims.layers, sequence_parallel=True)
+        result = estimate(graph, cluster, Workload(seq_len=4096, global_batch=8), config)
+        totals[ep] = dict(result.time.details)["dp_collectives_total"]
+    assert 0 < totals[8] < 0.05 * totals[1]
