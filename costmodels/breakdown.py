@@ -59,11 +59,55 @@ class TimeBreakdown:
     """All collective time, hidden or not."""
     details: tuple[tuple[str, float], ...] = ()
     """Finer items (seconds), e.g. ("tp_allreduce", ...), for explanation only."""
+    bubble: float = 0.0
+    """Pipeline parallelism: seconds the busiest rank waits for its neighbours (the schedule's fill and drain
+    with uneven stages, and the point-to-point sends on its critical path)."""
 
     def __post_init__(self) -> None:
-        parts = self.compute + self.recompute + self.communication + self.offload + self.optimizer
+        parts = self.compute + self.recompute + self.communication + self.offload + self.optimizer + self.bubble
         if abs(parts - self.step_time) > 1e-9 * max(1.0, self.step_time):
             raise ValueError(f"time categories sum to {parts}, not step_time={self.step_time}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineRank:
+    """One pipeline rank's share of the step."""
+
+    rank: int
+    stages: tuple[int, ...]
+    """Global stage ids it runs."""
+    layers: int
+    """Decoder layers it holds."""
+    in_flight: int
+    """Micro-batches (passes through its stages) alive at its peak."""
+    memory: MemoryBreakdown
+    busy: float
+    """Seconds of compute per step: its stages' forward and backward for every micro-batch."""
+    outside: float
+    """Seconds per step outside the schedule: data-parallel synchronisation, offload and the optimizer step."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineReport:
+    """How a pipeline-parallel configuration splits and schedules the model, and what each rank holds."""
+
+    schedule: str
+    pp: int
+    virtual: int
+    micro_batches: int
+    stage_layers: tuple[int, ...]
+    """Decoder layers of each global stage."""
+    stage_forward: tuple[float, ...]
+    """Seconds of one micro-batch's forward in each stage."""
+    stage_backward: tuple[float, ...]
+    """Seconds of one micro-batch's backward in each stage (recompute included)."""
+    p2p: tuple[float, ...]
+    """Seconds of one activation send across each stage boundary."""
+    schedule_seconds: float
+    """The simulated schedule, first forward to last backward."""
+    bubble_fraction: float
+    """Idle share of all ranks' time over the schedule."""
+    ranks: tuple[PipelineRank, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,3 +122,6 @@ class Estimate:
     """Model FLOPs utilisation: 6 * N * tokens (+ attention) over the cluster's dense peak, per second."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Assumptions and caveats behind the numbers."""
+    pipeline: PipelineReport | None = None
+    """Per-stage memory and times, and the bubble, of a pipeline-parallel configuration (`memory` is then the
+    rank with the largest device peak)."""

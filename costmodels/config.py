@@ -107,12 +107,12 @@ class Config:
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
                             reads=("activation_offload", "activations", "estimate", "expert_parallel", "loss",
-                                   "memory", "optimizer_in_backward", "overhead", "states", "tensor_parallel",
-                                   "timing"),
+                                   "memory", "optimizer_in_backward", "overhead", "pipeline_stages", "states",
+                                   "tensor_parallel", "timing"),
                             high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
-                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "overhead", "states",
-                                   "timing", "zero"))] = 1
+                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "overhead",
+                                   "pipeline_stages", "states", "zero"))] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
                                    reads=("compilation", "estimate", "loss", "memory", "offload",
                                           "optimizer_in_backward", "optimizer_launches", "states", "timing",
@@ -127,17 +127,18 @@ class Config:
                                            flag="offload-params", reads=("offload", "states"))] = Offload.NONE
     micro_batch: Annotated[int, Knob("Sequences per rank per forward pass (must divide the batch per "
                                      "data-parallel rank).", high=2**20,
-                                     reads=("activation_offload", "estimate", "loss", "memory", "timing"))] = 1
+                                     reads=("activation_offload", "estimate", "loss", "memory", "pipeline_stages",
+                                            "timing"))] = 1
     grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20,
                                     reads=("activation_offload", "estimate", "memory", "offload",
-                                           "optimizer_in_backward", "states", "timing"))] = 1
+                                           "optimizer_in_backward", "pipeline_stages", "states", "timing"))] = 1
     checkpoint: Annotated[tuple[Checkpoint, ...], Knob(
         "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).",
-        reads=("activation_offload", "estimate", "memory", "timing"))] = ()
+        reads=("activation_offload", "estimate", "memory", "pipeline_stages", "timing"))] = ()
     precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
                                          "allowed ones.", pin="set",
-                                         reads=("estimate", "loss", "memory", "optimizer_in_backward", "states",
-                                                "tensor_parallel", "timing"))
+                                         reads=("estimate", "loss", "memory", "optimizer_in_backward",
+                                                "pipeline_stages", "states", "tensor_parallel", "timing"))
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
                                          pin="set", flag="optimizers",
@@ -147,7 +148,7 @@ class Config:
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",
                                             reads=("activation_offload", "activations", "expert_parallel", "memory",
-                                                   "tensor_parallel", "timing"))] = False
+                                                   "pipeline_stages", "tensor_parallel", "timing"))] = False
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
                                   reads=("compilation",))] = False
     optimizer_in_backward: Annotated[bool, Knob(
@@ -162,18 +163,23 @@ class Config:
         reads=("activation_offload", "estimate", "memory"))] = False
 
     pp: Annotated[int, Knob("Pipeline-parallel degree: ranks the decoder layers are split across (the outermost "
-                            "dimension, so stages sit on different nodes first).", reads=(), high=1024)] = 1
+                            "dimension, so stages sit on different nodes first).",
+                            reads=("estimate", "pipeline_stages"), high=1024)] = 1
     pp_schedule: Annotated[Schedule, Knob("Pipeline schedule (torch.distributed.pipelining's names; Megatron and "
-                                          "torchtitan run the same ones).", reads=())] = Schedule.ONE_F_ONE_B
+                                          "torchtitan run the same ones).",
+                                          reads=("pipeline_stages",))] = Schedule.ONE_F_ONE_B
     pp_virtual: Annotated[int, Knob("Pipeline stages (model chunks) per rank: v of interleaved schedules, 2 for zbv.",
-                                    reads=(), high=64)] = 1
+                                    reads=("estimate", "pipeline_stages"), high=64)] = 1
     pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (empty: the balanced "
-                                              "split the planner computes).", pin="derived", reads=())] = ()
-    cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.", reads=("expert_parallel",),
+                                              "split the planner computes).", pin="derived",
+                                              reads=("estimate", "pipeline_stages"))] = ()
+    cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.",
+                            reads=("context_parallel", "estimate", "expert_parallel", "pipeline_stages", "timing",
+                                   "zero"),
                             high=1024)] = 1
     cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
                                              "all-to-all (Ulysses; heads must divide by tp x cp).",
-                                             reads=())] = ContextParallel.RING
+                                             reads=("context_parallel",))] = ContextParallel.RING
     ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
                             "from the data-parallel ranks).",
                             reads=("expert_parallel", "memory", "optimizer_in_backward", "states", "timing"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from graphs import Checkpoint, FitplanError, LayerGraph, Role
 
-from . import activation_offload, loss, precision
+from . import activation_offload, context_parallel, loss, precision
 from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
@@ -13,6 +13,7 @@ from .config import Config, Loss, Optimizer, Precision, Workload
 from .engines import rules_of
 from .expert_parallel import expert_notes, expert_refusal
 from .memory import memory_breakdown
+from .pipeline_stages import pipeline_estimate
 from .timing import time_breakdown
 
 
@@ -51,8 +52,10 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
                          f"{config.precision} needs {wanted[0]}/autocast={wanted[1]}")
     hint = "Choose a configuration the hardware and model allow (see `fitplan explain`)."
     if config.world_size != cluster.world_size:
-        raise InvalidConfig(f"tp={config.tp} x dp={config.dp} = {config.world_size} ranks, but the cluster has "
+        raise InvalidConfig(f"{_degrees(config)} = {config.world_size} ranks, but the cluster has "
                             f"{cluster.world_size} GPUs", hint)
+    if (problem := context_parallel.sequence_problem(workload.seq_len, config.cp)) is not None:
+        raise InvalidConfig(problem, "Pick a cp that divides the sequence length into 2 x cp chunks.")
     if config.tp not in graph.tp_degrees or config.tp > cluster.gpus_per_node:
         why = "" if graph.tp_splits_activations else (" (its tensor-parallel split cannot be measured: the model "
                                                        "has no plain colwise/rowwise TP plan to probe)")
@@ -71,6 +74,8 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
     reasons = model_refusals(graph, config, modes_decided=bool(config.checkpoint))  # () : the search's outer
     if reasons:
         raise InvalidConfig("; ".join(reasons), hint)
+    if config.pp > 1:
+        _check_pipeline(graph, config, hint)
     if (refused := expert_refusal(graph, config)) is not None:
         raise InvalidConfig(*refused)
     per_step = config.micro_batch * config.grad_accum * config.dp
@@ -79,10 +84,27 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
                             f"{per_step}, not the global batch {workload.global_batch}", hint)
 
 
+def _check_pipeline(graph: LayerGraph, config: Config, hint: str) -> None:
+    """A pipeline needs a decoder layer per stage, and a given split must cover the model's layers."""
+    layers, stages = graph.dims.layers, config.pp * config.pp_virtual  # a pipeline rank's slice: the model's
+    if stages > layers:
+        raise InvalidConfig(f"pp={config.pp} x pp_virtual={config.pp_virtual} = {stages} pipeline stages, but "
+                            f"{graph.model} has {layers} decoder layers", hint)
+    if config.pp_split and sum(config.pp_split) != layers:
+        raise InvalidConfig(f"pp_split {list(config.pp_split)} covers {sum(config.pp_split)} decoder layers, not "
+                            f"the model's {layers}", "Give every layer to one stage, or leave the split to fitplan.")
+
+
+def _degrees(config: Config) -> str:
+    """The parallel degrees whose product is the world size, those above 1 besides tp and dp."""
+    degrees = [("tp", config.tp), ("cp", config.cp), ("pp", config.pp), ("dp", config.dp)]
+    return " x ".join(f"{name}={n}" for name, n in degrees if n > 1 or name in ("tp", "dp"))
+
+
 def model_refusals(graph: LayerGraph, config: Config, *, modes_decided: bool = True) -> list[str]:
     """Why `config` cannot run on this model: the loss, activation offload (once the checkpoint modes are
     decided) and a bitsandbytes-quantized base (the knob-only refusals are `Config`'s own)."""
-    reasons = loss.refusals(config.loss, graph, config)
+    reasons = loss.refusals(config.loss, graph, config) + context_parallel.refusals(graph, config)
     if config.activation_offload and modes_decided:
         reasons += activation_offload.refusals(graph, config)
     quantization = graph.lora.quantization if graph.lora is not None else None
@@ -100,12 +122,16 @@ def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
     reasons = [] if config.checkpoint else model_refusals(graph, config)  # no modes given: none checkpointed
     if reasons:
         raise InvalidConfig("; ".join(reasons), "Choose a configuration the model allows.")
-    memory = memory_breakdown(graph, cluster, workload, config)
-    time = time_breakdown(graph, cluster, workload, config)
+    pipeline = None
+    if config.pp > 1:
+        memory, time, pipeline = pipeline_estimate(graph, cluster, workload, config)
+    else:
+        memory = memory_breakdown(graph, cluster, workload, config)
+        time = time_breakdown(graph, cluster, workload, config)
     tokens = workload.tokens_per_step / time.step_time
     return Estimate(memory=memory, time=time, tokens_per_second=tokens,
                     mfu=model_flops(graph, workload) / time.step_time / _cluster_peak(cluster, config),
-                    notes=_notes(graph, config) + _time_notes(cluster))
+                    notes=_notes(graph, config) + _time_notes(cluster), pipeline=pipeline)
 
 
 def _missing_mode(graph: LayerGraph, mode: Checkpoint) -> str:

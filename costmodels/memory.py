@@ -4,11 +4,11 @@ runtime overhead outside PyTorch's allocator."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
 
-from . import precision
+from . import context_parallel, precision
 from .activation_offload import host_bytes, moved_bytes, offload_terms
 from .activations import NodeMemory, Peak, evaluate, node_memory, walk
 from .breakdown import MemoryBreakdown
@@ -40,16 +40,23 @@ class MemoryTerms:
     """Per node, the engine's (forward transient, kept to backward, backward transient) bytes."""
     walks: tuple[tuple[bool, int], ...]
     """Micro-batch timelines to check: (gradients produced stay allocated, gradient bytes already there)."""
+    in_flight: int = 1
+    """Micro-batches alive at once (a pipeline rank's in-flight passes, `pipeline_stages`): the walking one, and
+    `in_flight - 1` others holding what they kept after their forward."""
+    buffers: int = 0
+    """Bytes allocated for the whole step outside the timeline (a pipeline rank's receive buffers)."""
 
 
 def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> MemoryTerms:
     """The memory terms of `config`; the memory-saving knobs apply in this order, each to the terms before it:
     the optimizer's states (paged, in backward: `model_states`), the in-backward timeline, the loss's head and
     loss nodes, then activation offload (which moves what the earlier steps left saved)."""
+    workload = context_parallel.rank_workload(workload, config)  # one rank's s / cp tokens from here on
     terms = _plain_terms(graph, workload, config)
     if config.optimizer_in_backward:
         terms = in_backward_timeline(graph, config, terms)
     terms = loss_terms(graph, config, terms, config.loss, seq_len=workload.seq_len)
+    terms = context_parallel.cp_terms(graph, config, terms, b=config.micro_batch, s_local=workload.seq_len)
     if config.activation_offload:
         terms = offload_terms(terms)
     return terms
@@ -85,17 +92,37 @@ def allocated_peak(terms: MemoryTerms, modes: tuple[Checkpoint, ...]) -> tuple[i
     """(allocated peak bytes, the micro-batch peak it comes from, gradient bytes allocated before it)."""
     choice = iter(modes)
     nodes = [dict(options)[next(choice)] if options[0][1].decoder else options[0][1] for options in terms.nodes]
-    candidates = [(walk(nodes, start=terms.start, forward_only=terms.forward_only, fresh_grads=fresh,
-                        extra=terms.extra, names=terms.names), before) for fresh, before in terms.walks]
-    step = Peak(bytes=terms.states.step_temp, at="optimizer step", activations=0, grads=0)
+    others = (terms.in_flight - 1) * held_after_forward(terms, nodes)
+    candidates = [(_with_others(walk(nodes, start=terms.start, forward_only=terms.forward_only, fresh_grads=fresh,
+                                     extra=terms.extra, names=terms.names), others, terms.buffers), before)
+                  for fresh, before in terms.walks]
+    step = Peak(bytes=terms.states.step_temp + terms.buffers, at="optimizer step", activations=0, grads=0)
     candidates.append((step, terms.states.accumulating_grads))
     peak, before = max(candidates, key=lambda item: item[0].bytes + item[1])
     return terms.states.gpu_total + before + peak.bytes, peak, before
 
 
-def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> MemoryBreakdown:
-    """The allocated and device peaks of one rank and their breakdown at the allocated peak."""
-    terms = memory_terms(graph, workload, config)
+def held_after_forward(terms: MemoryTerms, nodes: list[NodeMemory]) -> int:
+    """Bytes one micro-batch keeps from the end of its forward until its backward (`activations.walk`'s live set
+    then): what each other in-flight micro-batch of a pipeline rank holds."""
+    decoders = any(node.decoder for node in nodes)
+    return (terms.start - (terms.forward_only if decoders else 0) + sum(node.fwd_net for node in nodes)
+            - sum(node.released_after_forward for node in nodes))
+
+
+def _with_others(peak: Peak, others: int, buffers: int) -> Peak:
+    """A micro-batch's peak with the other in-flight micro-batches' kept activations and the step's buffers."""
+    if not others and not buffers:
+        return peak
+    return Peak(bytes=peak.bytes + others + buffers, at=peak.at, activations=peak.activations + others,
+                grads=peak.grads)
+
+
+def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *, in_flight: int = 1,
+                     buffers: int = 0) -> MemoryBreakdown:
+    """The allocated and device peaks of one rank and their breakdown at the allocated peak (`in_flight` and
+    `buffers`: a pipeline rank's, `MemoryTerms`)."""
+    terms = replace(memory_terms(graph, workload, config), in_flight=in_flight, buffers=buffers)
     states = terms.states
     allocated, peak, grads_before = allocated_peak(terms, config.layer_modes(len(graph.decoder_layers())))
     grads = states.grads + grads_before + peak.grads
@@ -114,7 +141,7 @@ def activation_host_bytes(graph: LayerGraph, cluster: Cluster, workload: Workloa
     """Pinned host RAM per node that offloaded activations take (0 without activation offload)."""
     if not config.activation_offload:
         return 0
-    moved = moved_bytes(graph, config, b=config.micro_batch, s=workload.seq_len)
+    moved = moved_bytes(graph, config, b=config.micro_batch, s=context_parallel.rank_workload(workload, config).seq_len)
     return host_bytes(moved, min(cluster.gpus_per_node, config.world_size))
 
 

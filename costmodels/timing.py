@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
-from . import activation_offload, precision
+from . import activation_offload, context_parallel, precision
 from .alignment import alignment_factor
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
@@ -25,7 +25,7 @@ from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
 from .states import paged_split
 from .tensor_parallel import tp_node_seconds
-from .zero import dp_traffic, local_elements, reduce_bucket_elements, sharding
+from .zero import dp_traffic, local_elements, reduce_bucket_elements, shard_ranks, sharding
 
 # The optimizer step streams each local parameter's states: fp32 param, grad, 2 moments read and param and
 # moments written (28 bytes), plus the 16-bit copy and master weights under mixed precision (an upper bound;
@@ -53,10 +53,12 @@ class NodeTime:
     tp: float
     ep: float = 0.0
     """Expert-parallel all-to-alls of an MoE layer, not overlapped (`expert_parallel`)."""
+    cp: float = 0.0
+    """Context-parallel attention exchange not hidden behind attention (`context_parallel`)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.ep + self.tp
+        return self.compute + self.recompute + self.ep + self.tp + self.cp
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,11 @@ class TimeTerms:
     excluded): non-decoder nodes, data-parallel collectives, offload, the optimizer step."""
     layers: tuple[tuple[tuple[Checkpoint, NodeTime], ...], ...]
     """For each decoder layer, its time in every mode it supports."""
+    forward: float = 0.0
+    """Seconds of one micro-batch's forward over every node (no recompute): a pipeline stage's F."""
+    outside: float = 0.0
+    """Part of `fixed` outside the micro-batches' compute: data-parallel collectives, offload, the optimizer step
+    (what a pipeline rank spends after its schedule)."""
 
 
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
@@ -121,7 +128,9 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
                                   + expert.compute),
                     recompute=ga * (work_seconds(cost.recompute, speed, **kwargs) + recast + expert.recompute),
                     ep=ga * expert.all_to_all,
-                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s))
+                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s),
+                    cp=ga * context_parallel.node_seconds(graph, cluster, config, layer, mode, speed, b=b,
+                                                          s_local=s)[0])
 
 
 def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,
@@ -141,6 +150,8 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     Data-parallel collectives overlap the forward and backward compute of the layers without counting
     recompute, so that the step time is a sum over layers (what makes the solver's model linear).
     """
+    # One context-parallel rank: s / cp tokens, attention FLOPs its load-balanced share (`context_parallel`).
+    graph, workload = context_parallel.rank_graph(graph, config.cp), context_parallel.rank_workload(workload, config)
     b, s, ga = config.micro_batch, workload.seq_len, config.grad_accum
     speed = speed_for(graph, cluster, config, b=b, s=s)
     head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
@@ -171,9 +182,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                           memory_speedup=memory_speedup)
             fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
     dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
-    partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=config.dp,
+    partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=shard_ranks(config),
                                engine=config.engine, sharded=sharding(config).optimizer > 1, ep=config.ep)
-    shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=config.dp, engine=config.engine,
+    shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=shard_ranks(config), engine=config.engine,
                            sharded=sharding(config).params > 1, ep=config.ep)
     offload = offload_seconds(cluster, config, partition=partition, params=shard,
                               grad_bytes=precision.compute_itemsize(config.precision))
@@ -191,24 +202,25 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                             offload=offload, optimizer=optimizer, step_time=total,
                             communication_total=fixed.tp + dp_total,
                             details=(("dp_collectives_total", dp_total),)),
-        layers=tuple(layers))
+        layers=tuple(layers), forward=fwd, outside=ga * dp_mb + dp_step + offload + optimizer)
 
 
 def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeBreakdown:
     """Seconds per optimizer step for `config` (gradient accumulation included)."""
     terms = time_terms(graph, cluster, workload, config)
-    compute, recompute, tp = terms.fixed.compute, terms.fixed.recompute, 0.0
+    compute, recompute, tp, cp = terms.fixed.compute, terms.fixed.recompute, 0.0, 0.0
     ep = 0.0  # expert-parallel all-to-alls
     for options, mode in zip(terms.layers, config.layer_modes(len(terms.layers)), strict=True):
         chosen = dict(options)[mode]
         ep += chosen.ep
         compute, recompute, tp = compute + chosen.compute, recompute + chosen.recompute, tp + chosen.tp
+        cp += chosen.cp
     f = terms.fixed
-    communication = f.communication + ep + tp
+    communication = f.communication + ep + tp + cp
     return TimeBreakdown(compute=compute, recompute=recompute, communication=communication, offload=f.offload,
                          optimizer=f.optimizer, step_time=compute + recompute + communication + f.offload + f.optimizer,
-                         communication_total=f.communication_total + ep + tp,
-                         details=(("tp_collectives_decoder_layers", tp), *f.details,
+                         communication_total=f.communication_total + ep + tp + cp,
+                         details=(("tp_collectives_decoder_layers", tp), ("cp_exposed", cp), *f.details,
                                   ("ep_all_to_all_exposed", ep), *launch_details(graph, cluster, workload, config)))
 
 
@@ -216,6 +228,7 @@ def launch_details(graph: LayerGraph, cluster: Cluster, workload: Workload,
                    config: Config) -> tuple[tuple[str, float], ...]:
     """Per step: host seconds to launch every kernel of forward, backward and recompute, and the part of it the
     device waits for (phases whose kernels finish faster than the host issues them), both already in compute."""
+    graph, workload = context_parallel.rank_graph(graph, config.cp), context_parallel.rank_workload(workload, config)
     b, s = config.micro_batch, workload.seq_len
     speeds = {head: speed_for(graph, cluster, config, b=b, s=s, head=head) for head in (False, True)}
     modes = iter(config.layer_modes(len(graph.decoder_layers())))
@@ -253,7 +266,7 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
                          grad_bytes=(trainable - expert_grads) * grad_itemsize)
     # Expert stacks under EP gather and reduce over their own expert-data-parallel group.
     experts = dp_traffic(config, param_bytes=expert_params * param_itemsize, grad_bytes=expert_grads * grad_itemsize)
-    group = dp_group(cluster, config.tp, config.dp)
+    group = dp_group(cluster, config.tp, shard_ranks(config))
     egroup = expert_dp_group(cluster, config)
     gather_f = (all_gather_seconds(cluster, group, traffic.forward_gather)
                 + all_gather_seconds(cluster, egroup, experts.forward_gather))

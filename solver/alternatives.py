@@ -18,16 +18,23 @@ GIB = 2**30
 
 
 def alternatives(found: SearchResult, kinds: list[int], modes: tuple[Checkpoint, ...],
-                 graph_of: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload, *, chosen: int,
-                 count: int, deadline: float | None = None) -> tuple[Alternative, ...]:
+                 graph_of: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload, *,
+                 chosen: int | None, count: int, deadline: float | None = None,
+                 pipeline: tuple[Outer, float] | None = None) -> tuple[Alternative, ...]:
     """The best plan of each other configuration family (parallelism, engine, offload), ranked by step time;
     families that cannot fit come last. Past `deadline` (perf_counter seconds) no more are computed: the time
-    limit covers the report too."""
+    limit covers the report too. `pipeline` is the winner and its step seconds when a pipeline configuration
+    won (`chosen` is then None)."""
     if count <= 0:
         return ()
-    winner = found.tables[chosen]
-    winner_time = winner.time_of(_modes_of(found, chosen, kinds)) * TICK_SECONDS
-    best = _fitting_per_family(found, kinds, modes, winner.outer.family, deadline)
+    if chosen is None:
+        if pipeline is None:
+            raise ValueError("alternatives need the chosen table or the winning pipeline configuration")
+        winner_outer, winner_time = pipeline
+    else:
+        winner_outer = found.tables[chosen].outer
+        winner_time = found.tables[chosen].time_of(_modes_of(found, chosen, kinds)) * TICK_SECONDS
+    best = _fitting_per_family(found, kinds, modes, winner_outer.family, deadline)
     result = []
     for _, k, plan in sorted(best.values())[:count]:
         if _past(deadline):
@@ -39,7 +46,7 @@ def alternatives(found: SearchResult, kinds: list[int], modes: tuple[Checkpoint,
                                   device_peak=est.memory.device_peak, fits=True,
                                   why=f"{slower:+.1%} step time ({est.time.step_time:.3g} s vs {winner_time:.3g} s)"))
     if len(result) < count and not _past(deadline):
-        result.extend(_misfits(found, kinds, modes, {*best, winner.outer.family}, count - len(result), graph_of,
+        result.extend(_misfits(found, kinds, modes, {*best, winner_outer.family}, count - len(result), graph_of,
                                cluster, workload, deadline))
     return tuple(result)
 

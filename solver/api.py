@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
 from costmodels.estimate import model_refusals
 from costmodels.packing import Lengths, packed, padded
+from costmodels.pipeline_stages import stage_layers
 from costmodels.profile import load_profile
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
 from graphs.lower import lower_resolved
@@ -35,10 +37,12 @@ from .bounds import check_workload
 from .capability import op_selective_runners
 from .diagnose import Infeasible, NoPlanInTime, diagnose
 from .launchers.support import TITAN_PRICED, model_launchers, model_problems, runnable_by
+from .model import SolveResult
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
+from .pipeline_search import PipelineResult, pipeline_search
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
-from .search import build_tables, search
+from .search import SearchResult, build_tables, search
 from .space import Outer, Space, outer_space
 from .tables import TICK_SECONDS
 
@@ -373,7 +377,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
             any_graph, cluster, workload, relaxed, launchers)))
     # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,
     # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
-    for outer in space.outers:  # lower every needed variant first: lowering is outside the time limit
+    for outer in (*space.outers, *space.pipelines):  # lower every needed variant first: outside the time limit
         graph_of(outer)
         if space.compile_auto and outer.compile:  # the table may keep it eager (`tables.build_table`)
             graph_of(replace(outer, compile=False))
@@ -384,16 +388,28 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     search_limit = max(0.01, begin + 0.85 * time_limit - time.perf_counter())
     found = search(tables, kinds, space.modes, time_limit=search_limit, configurations=len(space.outers))
     result = found.result
-    if result.table is None and result.status == "INFEASIBLE":  # proven over the whole space
+    piped, pipeline_status = _pipeline(space, graph_of, cluster, workload, found, headroom=headroom,
+                                       deadline=begin + 0.85 * time_limit)
+    configurations = len(space.outers) + len(space.pipelines)
+    if (piped is None or piped.outer is None) and result.table is None and result.status == "INFEASIBLE" \
+            and pipeline_status in ("INFEASIBLE", None):  # proven over the whole space
         message, hint, diagnosis = diagnose(found, inputs, pins, space, lora=lora is not None,
                                             tp_degrees=any_graph.tp_degrees)
-        raise Infeasible(message, hint, {**diagnosis, "explored": len(tables), "configurations": len(space.outers)})
-    if result.table is None:
-        raise NoPlanInTime(time_limit, len(tables), len(space.outers))
-    table = tables[result.table]
-    outer = table.outer
+        raise Infeasible(message, hint, {**diagnosis, "explored": len(tables), "configurations": configurations})
+    if (piped is None or piped.outer is None) and result.table is None:
+        raise NoPlanInTime(time_limit, len(tables), configurations)
+    if piped is not None and piped.outer is not None:  # a pipeline configuration beats every whole-model one
+        status = "OPTIMAL" if result.status in ("OPTIMAL", "INFEASIBLE") and piped.status == "OPTIMAL" else "FEASIBLE"
+        outer, modes = piped.outer, piped.modes
+        result = SolveResult(status, piped.step_ticks * found.weight, None, result.wall_seconds, None, modes)
+    else:
+        outer, modes = tables[result.table].outer, result.modes
+        if pipeline_status not in ("OPTIMAL", "INFEASIBLE") and result.status == "OPTIMAL":
+            result = replace(result, status="FEASIBLE")  # a pipeline configuration left unsearched might be faster
     graph = graph_of(outer)
-    config = outer.config(result.modes)
+    if outer.pp > 1:  # the plan records the split it was priced with
+        outer = replace(outer, pp_split=stage_layers(graph, workload, outer.config()))
+    config = outer.config(modes)
     estimate = estimate_config(graph, cluster, workload, config)
     guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.value("compile"),
                    input_tokens_per_s=input_rate, allowed_optimizers=pins.allowed("optimizer") or
@@ -403,19 +419,20 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)
     adapters = None if lora is None else LoraDecision.of(lora)
-    decisions = replace(decisions_of(outer, result.modes, lora=adapters, attention=graph.attention),
+    decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),
                         compile=guide.compile, dataloader_num_workers=guide.workers)
     objective = result.objective // found.weight * TICK_SECONDS if result.objective is not None else \
         estimate.time.step_time
     bound = result.bound // found.weight * TICK_SECONDS if result.bound is not None else None
     stats = SolverStats(status=result.status, objective_seconds=objective, bound_seconds=bound,
                         gap=None if bound is None or objective == 0 else max(0.0, (objective - bound) / objective),
-                        wall_seconds=0.0, configurations=found.configurations,
+                        wall_seconds=0.0, configurations=configurations,
                         considered=len(found.candidates), time_limit_seconds=time_limit, explored=len(tables))
     alts = alternatives(found, kinds, space.modes, graph_of, cluster, workload, chosen=result.table,
+                        pipeline=(outer, estimate.time.step_time) if piped is not None else None,
                         count=alternatives_count, deadline=deadline)
     stats = replace(stats, wall_seconds=time.perf_counter() - started)
-    fastest_fits = all(m is Checkpoint.NONE for m in result.modes) and outer.optimizer_offload is Offload.NONE \
+    fastest_fits = all(m is Checkpoint.NONE for m in modes) and outer.optimizer_offload is Offload.NONE \
         and outer.param_offload is Offload.NONE
     binding = "none: the fastest settings already fit" if fastest_fits else \
         "device memory: faster settings (less recompute, less sharding or offload) do not fit"
@@ -425,6 +442,19 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
                            "This is a fitplan bug; please report it with the command line.")
     return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
                 launchers=runners, binding=binding, advice=guide.lines)
+
+
+def _pipeline(space: Space, graph_of: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload,
+              found: SearchResult, *, headroom: float, deadline: float) -> tuple[PipelineResult | None, str | None]:
+    """The pipeline search over the space's pipeline configurations, against the whole-model search's plan
+    (`pipeline_search`), and its status (None without pipeline configurations)."""
+    if not space.pipelines:
+        return None, None
+    result = found.result
+    incumbent = result.objective // found.weight if result.objective is not None else None
+    piped = pipeline_search(space.pipelines, graph_of, cluster, workload, headroom=headroom, modes=space.modes,
+                            incumbent=incumbent, deadline=deadline)
+    return piped, piped.status
 
 
 def _inputs(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: Pins, headroom: float,

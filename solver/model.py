@@ -213,16 +213,19 @@ def _events(pm: PlanModel, terms: MemoryTerms, fresh: bool) -> list[cp_model.Lin
     kept = [0]
     for extra in terms.extra:
         kept.append(kept[-1] + extra[1])
+    live_end = (terms.start - (terms.forward_only if last_decoder >= 0 else 0) + sums["fwd_net"].over(0, n)
+                - sums["released_after_forward"].over(0, n))
+    # A pipeline rank's other in-flight micro-batches each hold what one keeps after its forward
+    # (`memory.held_after_forward`), and its receive buffers live through the step.
+    others = (terms.in_flight - 1) * live_end + terms.buffers
     events = []
     for i in range(n):
         drop = terms.forward_only if i > last_decoder >= 0 else 0
         events.append(terms.start - drop + sums["fwd_net"].over(0, i) + sums["fwd_peak"].at(i)
-                      + terms.extra[i][0] + kept[i])
-    live_end = (terms.start - (terms.forward_only if last_decoder >= 0 else 0) + sums["fwd_net"].over(0, n)
-                - sums["released_after_forward"].over(0, n))
+                      + terms.extra[i][0] + kept[i] + others)
     for i in reversed(range(n)):
         later = sums["bwd_net"].over(i + 1, n) + (sums["grads"].over(i + 1, n) if fresh else 0)
-        events.append(live_end + later + sums[_PEAK[fresh]].at(i) + terms.extra[i][2] + kept[i + 1])
+        events.append(live_end + later + sums[_PEAK[fresh]].at(i) + terms.extra[i][2] + kept[i + 1] + others)
     return events
 
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
+from costmodels.config import ContextParallel
 from costmodels.engines import RULES
 from costmodels.estimate import model_refusals
+from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 
 from .capability import LAUNCHERS, REGISTRY, engines_of, op_selective_runners, runnable_by, selective_runners
@@ -44,7 +46,8 @@ class Outer(Config):
     def family(self) -> tuple[object, ...]:
         """What makes two configurations distinct alternatives: the parallel, sharding and offload strategy
         (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
-        return (self.tp, self.engine, self.zero, self.optimizer_offload, self.param_offload)
+        return (self.tp, self.cp, self.pp, self.ep, self.engine, self.zero, self.optimizer_offload,
+                self.param_offload)
 
 
 DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32, Precision.FP32)
@@ -76,6 +79,8 @@ class Space:
     notes: tuple[str, ...] = field(default_factory=tuple)
     compile_auto: bool = False
     """torch.compile is "auto": each table keeps it only where it saves enough (`tables.build_table`)."""
+    pipelines: tuple[Outer, ...] = ()
+    """Pipeline-parallel configurations (pp > 1), searched rank by rank (`pipeline_search`)."""
 
 
 # Tie-break order of (engine, ZeRO stage): the simplest runtime first (the engines' order in RULES).
@@ -131,6 +136,82 @@ def tp_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, engine: Engine) 
     return pins.keep("tp", degrees)
 
 
+def parallel_layouts(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
+                     engine: Engine) -> list[dict[str, object]]:
+    """Every way to divide the GPUs: tp x cp x pp x dp = the world size, the global batch divided by dp, with
+    cp's mode and ep (taken from dp x cp) where they apply."""
+    layouts: list[dict[str, object]] = []
+    for tp in tp_degrees(graph, cluster, pins, engine):
+        for cp, cp_mode in context_parallel(graph, cluster, workload, pins, tp):
+            for pp in pipeline_degrees(graph, cluster, pins, tp * cp):
+                dp = cluster.world_size // (tp * cp * pp)
+                if workload.global_batch % dp == 0:
+                    layouts += [dict(tp=tp, cp=cp, cp_mode=cp_mode, pp=pp, dp=dp, ep=ep)
+                                for ep in expert_degrees(graph, pins, dp * cp)]
+    return layouts
+
+
+def context_parallel(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
+                     tp: int) -> list[tuple[int, ContextParallel]]:
+    """(cp, mode) pairs: degrees that split the sequence into 2 cp load-balanced chunks and divide the GPUs left
+    by TP; all-to-all (Ulysses) only where tp x cp divides the query and key/value heads."""
+    if graph.attention == "eager":
+        return [(1, ContextParallel.RING)] if pins.allows("cp", 1) else []
+    pairs = []
+    for cp in pins.keep("cp", divisors(cluster.world_size // tp)):
+        if cp > 1 and workload.seq_len % (2 * cp):
+            continue
+        for mode in pins.keep("cp_mode", list(ContextParallel)):
+            heads_split = graph.dims.heads % (tp * cp) == 0 and graph.dims.kv_heads % (tp * cp) == 0
+            if cp == 1 and mode is not ContextParallel.RING:
+                continue  # the mode means nothing without CP
+            if mode is ContextParallel.ALL_TO_ALL and not heads_split:
+                continue
+            pairs.append((cp, mode))
+    return pairs
+
+
+def pipeline_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, per_stage: int) -> list[int]:
+    """Pipeline degrees that divide the GPUs left by TP and CP and leave a decoder layer per stage."""
+    layers = len(graph.decoder_layers())
+    return [pp for pp in pins.keep("pp", divisors(cluster.world_size // per_stage)) if pp <= layers]
+
+
+def expert_degrees(graph: LayerGraph, pins: Pins, ranks: int) -> list[int]:
+    """Expert-parallel degrees: divisors of the experts that divide the data- and context-parallel ranks (1 for
+    dense models)."""
+    experts = graph.dims.experts
+    if not experts:
+        return [1] if pins.allows("ep", 1) else []
+    return [ep for ep in pins.keep("ep", divisors(ranks)) if experts % ep == 0]
+
+
+# Stages per rank tried for the interleaved schedules when not pinned (Megatron's and torchtitan's examples use
+# 2 to 4 virtual stages; more multiplies the point-to-point sends).
+VIRTUAL_STAGES = (2, 4)
+
+
+def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int) -> list[tuple[Schedule, int]]:
+    """(schedule, stages per rank) pairs torch runs with `pp` ranks and `m` micro-batches; (1f1b, 1) stands for
+    no pipeline when pp is 1."""
+    if pp == 1:
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    layers = len(graph.decoder_layers())
+    pinned_v = pins.value("pp_virtual")
+    pairs = []
+    for schedule in pins.keep("pp_schedule", list(Schedule)):
+        if schedule in SINGLE_STAGE:
+            options: tuple[int, ...] = (1,)
+        elif schedule is Schedule.ZBV:
+            options = (2,)
+        else:
+            options = (pinned_v,) if pinned_v is not None else VIRTUAL_STAGES
+        for v in options:
+            if pins.allows("pp_virtual", v) and pp * v <= layers and schedule_problem(schedule, pp, m, v) is None:
+                pairs.append((schedule, v))
+    return pairs
+
+
 def micro_batches(per_rank: int, pins: Pins) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) pairs whose product is the sequences each data-parallel rank processes."""
     pairs = [(mb, per_rank // mb) for mb in divisors(per_rank)]
@@ -158,20 +239,18 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
     outers = []
     for engine, zero in engine_stages(pins, launchers):
-        for tp in tp_degrees(graph, cluster, pins, engine):
-            dp = cluster.world_size // tp
-            if workload.global_batch % dp:
-                continue
+        for layout in parallel_layouts(graph, cluster, workload, pins, engine):
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
-                for mb, ga in micro_batches(workload.global_batch // dp, pins):
+                for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
                     for prec in precisions:
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
-                            for sp in _sequence_parallel(tp, pins):
-                                outers += _valid(graph, {**pinned, **dict(
-                                    tp=tp, dp=dp, engine=engine, zero=zero, optimizer_offload=opt_off,
-                                    param_offload=param_off, micro_batch=mb, grad_accum=ga, precision=prec,
-                                    optimizer=optimizer, sequence_parallel=sp,
-                                    compile=compiled and _compiles(engine, zero, pins))})
+                            for sp in _sequence_parallel(layout["tp"], pins):
+                                for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
+                                    outers += _valid(graph, {**pinned, **layout, **dict(
+                                        engine=engine, zero=zero, optimizer_offload=opt_off, param_offload=param_off,
+                                        micro_batch=mb, grad_accum=ga, precision=prec, optimizer=optimizer,
+                                        sequence_parallel=sp, compile=compiled and _compiles(engine, zero, pins),
+                                        pp_schedule=schedule, pp_virtual=v)})
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     if pinned_mode is not None:
@@ -193,7 +272,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
         if entry.op_selective != "per-layer" and pinned_mode is None:
             modes = tuple(m for m in modes if m is not Checkpoint.OP_SELECTIVE)
-    return Space(tuple(outers), modes, compile_auto=compile_pin is None)
+    return Space(tuple(o for o in outers if o.pp == 1), modes, compile_auto=compile_pin is None,
+                 pipelines=tuple(o for o in outers if o.pp > 1))
 
 
 def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launchers: tuple[str, ...]) -> None:
@@ -219,7 +299,8 @@ def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *,
     memo: dict[Outer, tuple[str, ...]] = {}
     kept = []
     for outer in outers:
-        key = replace(outer, micro_batch=1, grad_accum=1)
+        key = (replace(outer, micro_batch=1, grad_accum=1) if outer.pp == 1 else  # pipelines: m is checked
+               replace(outer, micro_batch=1))
         if key not in memo:
             memo[key] = runnable_by(outer, lora=lora, launchers=allowed)
         runners = memo[key]

@@ -49,6 +49,8 @@ class Table:
     """Host RAM per node the offloaded states need."""
     build_memory: Callable[[], MemoryTerms]
     _memory: MemoryTerms | None = None
+    buffers: int = 0
+    """Bytes allocated through the whole step outside the timeline (a pipeline rank's receive buffers)."""
 
     @property
     def memory(self) -> MemoryTerms:
@@ -59,7 +61,7 @@ class Table:
     @property
     def states_fit(self) -> bool:
         """The persistent states and the optimizer step fit, whatever the activations."""
-        return self.host_ok and self.states.gpu_total + self.states.step_temp <= self.budget
+        return self.host_ok and self.states.gpu_total + self.states.step_temp + self.buffers <= self.budget
 
     def time_of(self, modes: tuple[Checkpoint, ...]) -> int:
         return self.fixed_ticks + sum(dict(options)[m] for options, m in zip(self.layer_ticks, modes, strict=True))
@@ -69,10 +71,12 @@ class Table:
 
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
-                headroom: float, compile_auto: bool = False, eager_graph: LayerGraph | None = None) -> Table:
+                headroom: float, compile_auto: bool = False, eager_graph: LayerGraph | None = None,
+                in_flight: int = 1, buffers: int = 0) -> Table:
     """One configuration's table. With `compile_auto` a compiled configuration keeps torch.compile only where
     it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs;
-    `eager_graph` is its lowering without compile (what it then saves)."""
+    `eager_graph` is its lowering without compile (what it then saves). `in_flight` and `buffers` make it a
+    pipeline rank's table (`graph` its slice: `costmodels.pipeline_stages`)."""
     config = outer.config()
     check(graph, cluster, workload, config)
     terms = time_terms(graph, cluster, workload, config)
@@ -89,7 +93,9 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     cpu, nvme = offload_bytes(cluster, config, states)
     host_ok = host_fits(cpu, nvme, cluster)
     return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
-                 host_ok=host_ok, host_bytes=cpu, build_memory=lambda: memory_terms(graph, workload, config))
+                 host_ok=host_ok, host_bytes=cpu, buffers=buffers,
+                 build_memory=lambda: replace(memory_terms(graph, workload, config), in_flight=in_flight,
+                                              buffers=buffers))
 
 
 def fastest_step(terms: TimeTerms) -> float:

@@ -1,0 +1,240 @@
+"""What each pipeline rank holds and runs: its stages' slices of the layer graph, the schedule's in-flight
+micro-batches and receive buffers on top of one micro-batch's timeline, and the per-micro-batch stage times that
+`pipeline.pipeline_time` simulates into a step with its bubble.
+
+A rank's slice is priced by the same memory and time models as a whole model (its nodes are the model's nodes),
+so nothing is re-estimated by formula where the lowering has the number. With one stage per rank the in-flight
+composition is exact: the peak of a micro-batch's forward or backward happens while the other in-flight
+micro-batches hold what they kept after their forward. With several stages per rank (interleaved, ZB-V) the
+rank's stages are priced as one pass through all of them and the in-flight stage sets are rounded up to whole
+passes (`in_flight_passes`): never below what the schedule holds, at most v - 1 stage sets above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from graphs import Checkpoint, LayerGraph, Role
+from graphs.graph import chain_graph
+from graphs.poly import ZERO
+
+from . import precision
+from .activations import evaluate
+from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
+from .cluster import Cluster
+from .config import Config, Workload
+from .memory import memory_breakdown
+from .pipeline import (
+    PipelineTime,
+    StageActivations,
+    StageTimes,
+    boundaries_crossing_nodes,
+    boundary_p2p_seconds,
+    in_flight_micro_batches,
+    p2p_activation_bytes,
+    pipeline_time,
+    receive_buffer_bytes,
+)
+from .pipeline_schedule import Schedule, local_stages, stage_ranks
+from .stage_split import megatron_split
+from .timing import TimeTerms, time_breakdown, time_terms
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlice:
+    """One pipeline rank's part of the model."""
+
+    rank: int
+    stages: tuple[int, ...]
+    """Global stage ids on this rank, ascending."""
+    layers: tuple[int, ...]
+    """Global decoder-layer indices the rank runs, ascending (its stages' layers)."""
+    graph: LayerGraph
+    """The rank's nodes in model order: its decoder layers, with the embedding where stage 0 is and the final
+    norm, head and loss where the last stage is."""
+    stage_graphs: tuple[LayerGraph, ...]
+    """Per local stage, its own nodes (the same nodes as `graph`, split by stage)."""
+    in_flight: int
+    """Passes through the rank's stages held at its peak, the one running included (`in_flight_passes`)."""
+    buffers: int
+    """Receive buffers the runtime allocates for the step: stage inputs and output gradients."""
+
+
+def stage_layers(graph: LayerGraph, workload: Workload, config: Config) -> tuple[int, ...]:
+    """Decoder layers of each global stage: the configured split, else the split Megatron's arguments can express
+    (ends free, middle stages equal) that balances forward and backward FLOPs, the embedding riding with the
+    first stage and the norm, head and loss with the last (`stage_split.megatron_split`)."""
+    if config.pp_split:
+        return config.pp_split
+    stages = config.pp * config.pp_virtual
+    if stages == 1:
+        return (len(graph.decoder_layers()),)
+    return _balanced(graph, workload.seq_len, config.micro_batch, config.tp, stages)
+
+
+@lru_cache(maxsize=1024)
+def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages: int) -> tuple[int, ...]:
+    def flops(layer: object) -> float:
+        cost = layer.cost()  # type: ignore[attr-defined]
+        return float(evaluate(cost.forward.flops + cost.backward.flops, b=micro_batch, s=seq_len, tp=tp,
+                              sequence_parallel=False))
+
+    nodes = graph.nodes()
+    decoders = [i for i, layer in enumerate(nodes) if layer.role is Role.DECODER]
+    first = sum(flops(layer) for layer in nodes[:decoders[0]])
+    last = sum(flops(layer) for layer in nodes[decoders[-1] + 1:])
+    return megatron_split([flops(nodes[i]) for i in decoders], stages, first_extra=first, last_extra=last)
+
+
+def in_flight_passes(schedule: Schedule, pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Per rank, passes through all its stages that cover the stage sets the schedule holds at its peak
+    (`pipeline.in_flight_micro_batches`, in stage sets): exact with one stage per rank."""
+    sets = in_flight_micro_batches(schedule, pp, m, v=v)
+    stages = local_stages(schedule, v) if schedule is not Schedule.ZBV else 2
+    return tuple(math.ceil(k / stages) for k in sets)
+
+
+def boundary_bytes(graph: LayerGraph, workload: Workload, config: Config) -> int:
+    """Bytes of the hidden states one GPU sends across a stage boundary per micro-batch (and gets back as their
+    gradient): the compute dtype's [micro_batch, seq / cp (/ tp with sequence parallelism), hidden]."""
+    return p2p_activation_bytes(micro_batch=config.micro_batch, seq_len=workload.seq_len, hidden=graph.dims.hidden,
+                                dtype_bytes=precision.compute_itemsize(config.precision), tp=config.tp, cp=config.cp,
+                                sequence_parallel=config.sequence_parallel)
+
+
+def rank_slices(graph: LayerGraph, workload: Workload, config: Config) -> tuple[RankSlice, ...]:
+    """Every pipeline rank's slice (one slice, the whole model, without pipeline parallelism)."""
+    return _slices(graph, workload.seq_len, workload.global_batch, _key(config))
+
+
+def _key(config: Config) -> tuple[object, ...]:
+    return (config.pp, config.pp_schedule, config.pp_virtual, config.pp_split, config.grad_accum,
+            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision)
+
+
+@lru_cache(maxsize=256)
+def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[object, ...]) -> tuple[RankSlice, ...]:
+    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec = key
+    config = Config(pp=pp, pp_schedule=schedule, pp_virtual=v, pp_split=split, grad_accum=m,  # type: ignore[arg-type]
+                    micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sp, precision=prec)
+    workload = Workload(seq_len=seq_len, global_batch=global_batch)
+    sizes = stage_layers(graph, workload, config)
+    if pp == 1:
+        return (RankSlice(rank=0, stages=(0,), layers=tuple(range(sum(sizes))), graph=graph, stage_graphs=(graph,),
+                          in_flight=1, buffers=0),)
+    ranks = stage_ranks(schedule, pp, v)  # type: ignore[arg-type]
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    hidden = boundary_bytes(graph, workload, config)
+    stage_bytes = [StageActivations(saved=0, output=hidden if s < len(sizes) - 1 else 0) for s in range(len(sizes))]
+    buffers = receive_buffer_bytes(schedule, pp, m, v=v, stages=stage_bytes)  # type: ignore[arg-type]
+    passes = in_flight_passes(schedule, pp, m, v)  # type: ignore[arg-type]
+    slices = []
+    for rank in range(pp):
+        stages = tuple(s for s, r in enumerate(ranks) if r == rank)
+        stage_graphs = tuple(_sub_graph(graph, tuple(range(bounds[s], bounds[s + 1])), first=s == 0,
+                                        last=s == len(sizes) - 1) for s in stages)
+        layers = tuple(i for s in stages for i in range(bounds[s], bounds[s + 1]))
+        whole = _sub_graph(graph, layers, first=0 in stages, last=len(sizes) - 1 in stages)
+        slices.append(RankSlice(rank=rank, stages=stages, layers=layers, graph=whole, stage_graphs=stage_graphs,
+                                in_flight=passes[rank], buffers=buffers[rank]))
+    return tuple(slices)
+
+
+@lru_cache(maxsize=4096)
+def _sub_graph(graph: LayerGraph, layers: tuple[int, ...], *, first: bool, last: bool) -> LayerGraph:
+    """The nodes of decoder `layers` (with the pre-decoder nodes when `first`, the post-decoder ones when `last`)
+    as a graph of their own: its token ids and labels only where the embedding or the loss is. Its `dims` stay
+    the model's (the architecture), so a slice is checked against the whole model's layers."""
+    nodes = graph.nodes()
+    decoders = [i for i, layer in enumerate(nodes) if layer.role is Role.DECODER]
+    keep = [nodes[decoders[i]] for i in sorted(layers)]
+    if first:
+        keep = nodes[:decoders[0]] + keep
+    if last:
+        keep = keep + nodes[decoders[-1] + 1:]
+    inputs = graph.inputs if (first or last) else ZERO
+    return replace(graph, graph=chain_graph(keep), inputs=inputs, _memo={})  # dims stay the whole model's
+
+
+def rank_config(config: Config, slice_: RankSlice, *, stage: int | None = None) -> Config:
+    """`config` for pricing one rank's slice (or one of its stages) as a model of its own: the checkpoint modes
+    of its layers."""
+    modes = config.checkpoint
+    if not modes:
+        return config
+    if stage is None:
+        return replace(config, checkpoint=tuple(modes[i] for i in slice_.layers))
+    sizes = [len(g.decoder_layers()) for g in slice_.stage_graphs]
+    start = sum(sizes[:stage])
+    return replace(config, checkpoint=tuple(modes[i] for i in slice_.layers[start:start + sizes[stage]]))
+
+
+def stage_p2p_seconds(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> tuple[float, ...]:
+    """Seconds of each stage boundary's activation send per micro-batch: NVLink inside a node, the GPU's NIC across
+    nodes (the pipeline is the outermost rank dimension: tp x cp x dp GPUs per pipeline rank)."""
+    crossing = boundaries_crossing_nodes(config.pp_schedule, config.pp, v=config.pp_virtual,
+                                         gpus_per_rank=config.tp * config.cp * config.dp,
+                                         gpus_per_node=cluster.gpus_per_node)
+    nbytes = boundary_bytes(graph, workload, config)
+    return tuple(boundary_p2p_seconds(cluster, nbytes, crosses_nodes=c) for c in crossing)
+
+
+
+def stage_seconds(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch through one stage's nodes in their modes."""
+    terms = time_terms(graph, cluster, workload, config)
+    return stage_split_seconds(terms, config.layer_modes(len(terms.layers)), config.grad_accum)
+
+
+def stage_split_seconds(terms: TimeTerms, modes: tuple[Checkpoint, ...], micro_batches: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch from a stage's time terms: its compute over the step, less
+    the work outside the schedule, per micro-batch; the backward carries the recompute and the tensor-parallel
+    collectives."""
+    in_schedule = terms.fixed.step_time - terms.outside + sum(
+        dict(options)[mode].total for options, mode in zip(terms.layers, modes, strict=True))
+    return terms.forward, max(0.0, in_schedule / micro_batches - terms.forward)
+
+
+def pipeline_step(schedule: Schedule, pp: int, m: int, v: int, stages: list[tuple[float, float]],
+                  p2p: tuple[float, ...], outside: list[float]) -> tuple[PipelineTime, float]:
+    """The simulated schedule and the step: the schedule, then the slowest rank's work outside it."""
+    times = StageTimes(forward=tuple(f for f, _ in stages), backward=tuple(b for _, b in stages), p2p=p2p)
+    simulated = pipeline_time(schedule, pp, m, v=v, times=times)
+    return simulated, simulated.step + max(outside)
+
+
+def pipeline_estimate(graph: LayerGraph, cluster: Cluster, workload: Workload,
+                      config: Config) -> tuple[MemoryBreakdown, TimeBreakdown, PipelineReport]:
+    """Memory of the rank with the largest device peak, the step time (the simulated schedule, then the slowest
+    rank's work outside it) with the busiest rank's breakdown and the bubble, and every rank's share."""
+    slices = rank_slices(graph, workload, config)
+    sizes = stage_layers(graph, workload, config)
+    stages = [(0.0, 0.0)] * len(sizes)
+    memories, outside = [], []
+    for slice_ in slices:
+        for local, stage in enumerate(slice_.stages):
+            stages[stage] = stage_seconds(slice_.stage_graphs[local], cluster, workload,
+                                          rank_config(config, slice_, stage=local))
+        own = rank_config(config, slice_)
+        memories.append(memory_breakdown(slice_.graph, cluster, workload, own, in_flight=slice_.in_flight,
+                                         buffers=slice_.buffers))
+        outside.append(time_terms(slice_.graph, cluster, workload, own).outside)
+    p2p = stage_p2p_seconds(graph, cluster, workload, config)
+    m, v = config.grad_accum, config.pp_virtual
+    simulated, step = pipeline_step(config.pp_schedule, config.pp, m, v, stages, p2p, outside)
+    critical = max(range(config.pp), key=lambda r: (simulated.busy[r] + outside[r], -r))
+    own = time_breakdown(slices[critical].graph, cluster, workload, rank_config(config, slices[critical]))
+    bubble = max(0.0, step - own.step_time)
+    time = replace(own, bubble=bubble, step_time=own.step_time + bubble,
+                   details=(*own.details, ("pipeline_schedule", simulated.step), ("pipeline_rank", critical)))
+    ranks = tuple(PipelineRank(rank=s.rank, stages=s.stages, layers=len(s.layers), in_flight=s.in_flight,
+                               memory=memories[s.rank], busy=simulated.busy[s.rank], outside=outside[s.rank])
+                  for s in slices)
+    report = PipelineReport(schedule=str(config.pp_schedule), pp=config.pp, virtual=v, micro_batches=m,
+                            stage_layers=sizes, stage_forward=tuple(f for f, _ in stages),
+                            stage_backward=tuple(b for _, b in stages), p2p=p2p,
+                            schedule_seconds=simulated.step, bubble_fraction=simulated.bubble_fraction, ranks=ranks)
+    worst = max(memories, key=lambda b: (b.device_peak, b.allocated_peak))
+    return worst, time, report

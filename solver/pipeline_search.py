@@ -1,0 +1,167 @@
+"""Pipeline-parallel configurations, searched by an exact decomposition.
+
+A pipeline rank's memory depends only on the checkpoint modes of its own layers, and the simulated step
+(`costmodels.pipeline.pipeline_time`) never decreases when a stage gets slower: it is a longest path through the
+schedule's dependencies. So with one stage per rank, the fastest modes that fit each rank give the fastest step
+of the configuration; each rank's are found by CP-SAT on the rank's own table (the whole-model search's model,
+with the rank's in-flight micro-batches and receive buffers). With several stages per rank the rank's modes
+minimise its total time (the recompute of all its stages). `reference.py` enumerates every combination of the
+ranks' modes through the simulation on small instances, and the tests check the two agree.
+
+Configurations are visited in the order of a lower bound (every rank in its fastest modes, simulated) and the
+visit stops once the bound reaches the best step found, whole-model configurations included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from costmodels import Cluster, Workload
+from costmodels.pipeline_stages import (
+    RankSlice,
+    pipeline_step,
+    rank_slices,
+    stage_p2p_seconds,
+    stage_split_seconds,
+)
+from costmodels.timing import TimeTerms, time_terms
+from graphs import Checkpoint, LayerGraph
+
+from .search import fastest_modes, search
+from .space import Outer
+from .tables import Table, build_table, table_modes, ticks
+
+
+@dataclass(frozen=True, slots=True)
+class RankTable:
+    """One pipeline rank's search table and its stages' time terms."""
+
+    slice: RankSlice
+    table: Table
+    kinds: list[int]
+    stage_terms: tuple[TimeTerms, ...]
+    outside: float
+    """Seconds per step outside the schedule (data-parallel synchronisation, offload, optimizer step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCandidate:
+    """A pipeline configuration ready to search: its ranks' tables and its step's lower bound."""
+
+    outer: Outer
+    ranks: tuple[RankTable, ...]
+    p2p: tuple[float, ...]
+    lower: int
+    """Step ticks with every rank in its fastest modes: no assignment is faster."""
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    """The best pipeline configuration found (or why none)."""
+
+    status: str
+    """OPTIMAL (every configuration that could beat `incumbent` searched), FEASIBLE (cut short by the time
+    limit), INFEASIBLE (no pipeline configuration fits) or UNKNOWN."""
+    outer: Outer | None
+    modes: tuple[Checkpoint, ...]
+    step_ticks: int | None
+    explored: int
+    """Configurations whose tables were built."""
+    searched: int
+    """Configurations whose ranks were solved."""
+
+
+def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload, *, headroom: float,
+              modes: tuple[Checkpoint, ...]) -> PipelineCandidate | None:
+    """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit."""
+    config = outer.config()
+    ranks = []
+    for slice_ in rank_slices(graph, workload, config):
+        table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
+                            in_flight=slice_.in_flight, buffers=slice_.buffers)
+        if not table.states_fit:
+            return None
+        terms = tuple(time_terms(g, cluster, workload, config) for g in slice_.stage_graphs)
+        outside = terms[0].outside if len(terms) == 1 else time_terms(slice_.graph, cluster, workload, config).outside
+        ranks.append(RankTable(slice_, table, [layer.kind for layer in slice_.graph.decoder_layers()], terms,
+                               outside))
+    found = PipelineCandidate(outer, tuple(ranks), stage_p2p_seconds(graph, cluster, workload, config), 0)
+    fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in ranks]
+    return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest))
+
+
+def step_ticks(found: PipelineCandidate, rank_modes: list[tuple[Checkpoint, ...]]) -> int:
+    """Step ticks of the configuration with each rank's layers in `rank_modes` (what `estimate` prices)."""
+    outer = found.outer
+    stages: dict[int, tuple[float, float]] = {}
+    for rank, modes in zip(found.ranks, rank_modes, strict=True):
+        start = 0
+        for stage, terms in zip(rank.slice.stages, rank.stage_terms, strict=True):
+            own = modes[start:start + len(terms.layers)]
+            start += len(terms.layers)
+            stages[stage] = stage_split_seconds(terms, own, outer.grad_accum)
+    _, step = pipeline_step(outer.pp_schedule, outer.pp, outer.grad_accum, outer.pp_virtual,
+                            [stages[s] for s in range(len(stages))], found.p2p, [r.outside for r in found.ranks])
+    return ticks(step)
+
+
+def whole_model_modes(found: PipelineCandidate, rank_modes: list[tuple[Checkpoint, ...]]) -> tuple[Checkpoint, ...]:
+    """The per-layer modes of the model from each rank's."""
+    modes: dict[int, Checkpoint] = {}
+    for rank, own in zip(found.ranks, rank_modes, strict=True):
+        modes.update(zip(rank.slice.layers, own, strict=True))
+    return tuple(modes[i] for i in range(len(modes)))
+
+
+def solve_ranks(found: PipelineCandidate, modes: tuple[Checkpoint, ...], *,
+                deadline: float) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
+    """Each rank's fastest modes that fit (CP-SAT on its table), or None when some rank has none; and whether
+    every rank's search finished (proved its optimum or its infeasibility)."""
+    chosen, proved = [], True
+    for rank in found.ranks:
+        limit = max(0.01, deadline - time.perf_counter())
+        result = search([rank.table], rank.kinds, modes, time_limit=limit, configurations=1).result
+        if result.table is None:
+            return None, result.status == "INFEASIBLE"
+        chosen.append(result.modes)
+        proved = proved and result.status == "OPTIMAL"
+    return chosen, proved
+
+
+def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
+                    workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...], incumbent: int | None,
+                    deadline: float) -> PipelineResult:
+    """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any)."""
+    candidates = []
+    complete = True
+    for outer in outers:
+        if candidates and time.perf_counter() > deadline:
+            complete = False
+            break
+        found = candidate(outer, graph_of(outer), cluster, workload, headroom=headroom, modes=modes)
+        if found is not None:
+            candidates.append(found)
+    explored = len(candidates)
+    best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
+    searched = 0
+    for found in sorted(candidates, key=lambda c: c.lower):
+        bound = best[0] if best is not None else incumbent
+        if bound is not None and found.lower >= bound:
+            break
+        if time.perf_counter() > deadline:
+            complete = False
+            break
+        rank_modes, proved = solve_ranks(found, modes, deadline=deadline)
+        searched += 1
+        complete = complete and proved
+        if rank_modes is None:
+            continue
+        step = step_ticks(found, rank_modes)
+        if bound is None or step < bound:
+            best = (step, found.outer, whole_model_modes(found, rank_modes))
+    if best is None:
+        status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if complete else "UNKNOWN"
+        return PipelineResult(status, None, (), None, explored, searched)
+    return PipelineResult("OPTIMAL" if complete else "FEASIBLE", best[1], best[2], best[0], explored, searched)
