@@ -1,9 +1,10 @@
-"""Expert-parallel dispatch and combine bytes against a real all-to-all: torch.distributed's all_to_all_single over
-gloo on CPU, moving the routed tokens of a tiny MoE layer between 4 ranks (ep=4, and ep=2 in two groups).
+"""Expert parallelism against real torch.distributed runs over gloo on CPU, 4 ranks: dispatch and combine bytes of
+all_to_all_single moving the routed tokens of a tiny MoE layer (ep=4, and ep=2 in two groups), and the per-rank
+states of a tiny Mixtral whose experts are split over ep=2 ranks and sharded by FSDP2 over the expert-data-parallel
+ranks as torchtitan shards them (experts on the dp_shard_mod_ep mesh, the rest on all ranks).
 
-One launch runs this file as 4 worker processes. Each routes its tokens with a top-k router to the rank holding
-each chosen expert, exchanges the split sizes, sends the permuted tokens (dispatch) and sends them back (combine),
-and writes the bytes it sent and received; the tests compare them with `expert_parallel.dispatch_bytes`.
+One launch runs this file as 4 worker processes; each writes what it moved and holds, and the tests compare it with
+`expert_parallel.dispatch_bytes` and `states.model_states`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,50 @@ def exchange(tokens: torch.Tensor, experts: torch.Tensor, ep: int, group) -> dic
             "combine_sent": received.numel() * size, "combine_received": back.numel() * size}
 
 
+def fsdp2_expert_states(rank: int, *, ep: int) -> dict:
+    """Rank `rank`'s parameter and AdamW bytes of the tiny Mixtral with its experts split over `ep` ranks (adjacent,
+    as Megatron's tp-ep-dp order places them at tp=1) and FSDP2-sharded over the expert-data-parallel ranks, every
+    other tensor over all ranks; placements by fitplan's `fsdp_shard_dim`, as the emitted script passes it."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from costmodels.zero import fsdp_shard_dim
+    from tests.graphs.tiny_configs import tiny_values
+
+    fields = dict(tiny_values("mixtral"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields),
+                                             dtype=torch.float32)
+    world = init_device_mesh("cpu", (WORLD,))
+    experts_mesh = DeviceMesh("cpu", torch.arange(WORLD).reshape(WORLD // ep, ep), mesh_dim_names=("edp", "ep"))
+    edp = experts_mesh["edp"]
+    for layer in model.model.layers:
+        stack = layer.mlp.experts
+        for name, param in list(stack.named_parameters(recurse=False)):
+            local = param.shape[0] // ep
+            part = param.detach()[rank % ep * local:(rank % ep + 1) * local].clone()
+            setattr(stack, name, torch.nn.Parameter(part))
+        fully_shard(stack, mesh=edp, shard_placement_fn=lambda p: Shard(fsdp_shard_dim(tuple(p.shape), edp.size())))
+        fully_shard(layer, mesh=world, shard_placement_fn=lambda p: Shard(fsdp_shard_dim(tuple(p.shape), WORLD)))
+    fully_shard(model, mesh=world, shard_placement_fn=lambda p: Shard(fsdp_shard_dim(tuple(p.shape), WORLD)))
+    params = list(model.parameters())
+    by_mesh: dict[object, list] = {}
+    for p in params:
+        p.grad = torch.zeros_like(p)
+        by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    opt = torch.optim.AdamW([{"params": group} for group in by_mesh.values()], lr=1e-3, foreach=True)
+    opt.step()
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    return {"params": sum(nbytes(p) for p in params),
+            "optimizer": sum(nbytes(opt.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq"))}
+
+
 def worker(store: str, rank: int) -> None:
     """One rank: ep=4 over the world, then ep=2 in groups {0, 1} and {2, 3}; writes `rank{rank}.json`."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -62,7 +107,8 @@ def worker(store: str, rank: int) -> None:
         tokens = tokens.to(torch.bfloat16)
         experts = route(tokens, router)
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        results = {"ep4": exchange(tokens, experts, 4, None), "ep2": exchange(tokens, experts, 2, pairs[rank // 2])}
+        results = {"ep4": exchange(tokens, experts, 4, None), "ep2": exchange(tokens, experts, 2, pairs[rank // 2]),
+                   "fsdp2": fsdp2_expert_states(rank, ep=2)}
     finally:
         dist.destroy_process_group()
     (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(results))
@@ -126,6 +172,26 @@ def test_received_bytes_average_the_balanced_share(measured, ep):
     received = [rank[f"ep{ep}"]["dispatch_received"] for rank in measured]
     assert sum(received) == WORLD * predicted
     assert max(received) > predicted  # a random router is not balanced: the allowance is needed
+
+
+def test_fsdp2_expert_parallel_state_bytes_equal_every_gloo_rank(measured, tmp_path):
+    # Exact: both sides count whole elements of the same shards (the tiny Mixtral's chunks are even here). With every
+    # state sharded, EP changes which experts a rank holds more than how many bytes: this checks the layout the
+    # runtime builds; the replicated states, where EP divides the bytes, are test_expert_parallel.py's.
+    from costmodels import Config, Engine, Optimizer, Precision, lowering_for
+    from costmodels.states import model_states
+    from graphs import lower
+    from tests.graphs.reference import write_config
+    from tests.graphs.tiny_configs import tiny_values
+
+    config = Config(engine=Engine.FSDP2, zero=3, dp=WORLD, ep=2, precision=Precision.BF16_MIXED,
+                    optimizer=Optimizer.ADAMW)
+    dtype, autocast = lowering_for(config)
+    graph = lower(str(write_config(tmp_path / "mixtral", tiny_values("mixtral"))), dtype=dtype, autocast=autocast,
+                  attention="sdpa", use_cache=False)
+    states = model_states(graph, config)
+    for rank in measured:
+        assert (rank["fsdp2"]["params"], rank["fsdp2"]["optimizer"]) == (states.params, states.optimizer)
 
 
 if __name__ == "__main__":
