@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 SOURCE = "MEGATRON_LM_SOURCE"
+H100 = (9, 0)  # compute capability of the plans' GPU
 PACKAGES = ("megatron/training", "megatron/legacy")
 
 
@@ -56,6 +57,11 @@ def _source_root(scratch: str) -> Path | None:
     with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
         tar.extractall(root, filter="data")
     return root
+
+
+def available() -> bool:
+    """Whether Megatron-LM's source is given ($MEGATRON_LM_SOURCE)."""
+    return bool(os.environ.get(SOURCE))
 
 
 def load(scratch: Path) -> types.ModuleType:
@@ -103,3 +109,15 @@ def validate(scratch: Path, arguments: list[str], *, world: int, capability: tup
     args = module.parse_args()
     module.validate_args(args, {})
     return args, module.core_transformer_config_from_args(args)
+
+
+def megatron_stage_layers(config: Any, pp: int, v: int) -> tuple[int, ...]:
+    """Decoder layers megatron-core builds for each global stage (stage s = chunk s // pp of rank s mod pp)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:
+        return tuple(layout.layout[s % pp][s // pp].count(LayerType.decoder) for s in range(pp * v))
+    return tuple(get_num_layers_to_build(config, vp_stage=s // pp if v > 1 else None, pp_rank=s % pp)
+                 for s in range(pp * v))

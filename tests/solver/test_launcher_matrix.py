@@ -1,8 +1,9 @@
-"""Every launcher x every knob value the registry says it runs (issue 12): the emitted files, read back by the real
-parsers (DeepSpeed's DeepSpeedConfig, transformers' TrainingArguments, accelerate's config loader, Megatron's flag
-list, the torchrun script's own functions), express each decided value; every combination the registry refuses is
-refused by the emitter with the registry's reason. torchtitan has the same walk in test_torchtitan_launcher.py
-(parsed by torchtitan's ConfigManager).
+"""Every launcher x every knob value the registry says it runs (issues 12, 13): the emitted files, read back by the
+real parsers (DeepSpeed's DeepSpeedConfig, transformers' TrainingArguments, accelerate's config loader, Megatron's
+flag list and, given Megatron-LM's source, its own parse_args/validate_args (tests/solver/megatron_args.py), the
+torchrun script's own functions), express each decided value; every combination the registry (or, for the model,
+`support.unsupported`) refuses is refused by the emitter with that reason. torchtitan has the same walk in
+test_torchtitan_launcher.py (parsed by torchtitan's ConfigManager).
 
 One plan is solved (Llama-3.2-1B on 8xH100); the emitters read only the plan's inputs and decisions, so each case
 replaces decisions on it, one knob at a time from a base per (engine, ZeRO stage). Expected values are written out
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import runpy
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,16 @@ import pytest
 import torch
 
 from costmodels import Engine, Offload, Optimizer, Precision
-from costmodels.config import Loss
+from costmodels.config import ContextParallel, Loss
+from costmodels.pipeline_schedule import Schedule
 from graphs import Checkpoint, FitplanError
 from solver import solve
-from solver.capability import REGISTRY, unsupported
+from solver.capability import MEGATRON_CP_COMM, REGISTRY
 from solver.launchers import emit
+from solver.launchers.support import unsupported
 from solver.plan import Plan
 from solver.space import ENGINE_STAGES
+from tests.solver import megatron_args
 from tests.solver.test_launchers import flag_values, parse_deepspeed, unknown_flags, write
 
 LAYERS = 16  # Llama-3.2-1B
@@ -58,6 +63,22 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
                 ("optimizer_in_backward", {"optimizer_in_backward": True, "micro_batch": 8, "grad_accum": 1}),
                 ("activation_offload", {"activation_offload": True, "checkpoint": full})]
     changes += [(f"loss={loss}", {"loss": loss}) for loss in Loss]
+    # pipeline (issue 13): each schedule, an uneven split, a split into equal virtual chunks, a split needing
+    # Megatron's layout, and per-stage recompute; context parallelism in each mode; experts on a dense model
+    pipe = {"pp": 2, "dp": 4, "grad_accum": 8, "pp_schedule": Schedule.ONE_F_ONE_B}
+    halves = (Checkpoint.FULL,) * 3 + (Checkpoint.NONE,) * 4 + (Checkpoint.FULL,) * 3 + (Checkpoint.NONE,) * 6
+    changes += [("pp=2", {**pipe, "pp_split": (8, 8)}), ("pp=2-uneven", {**pipe, "pp_split": (7, 9)}),
+                ("pp=2-block-recompute", {**pipe, "pp_split": (7, 9), "checkpoint": halves}),
+                ("pp=4-interleaved", {"pp": 4, "dp": 2, "grad_accum": 8, "pp_schedule": Schedule.INTERLEAVED_1F1B,
+                                      "pp_virtual": 2, "pp_split": (2,) * 8}),
+                ("pp=4-interleaved-layout", {"pp": 4, "dp": 2, "grad_accum": 8, "pp_virtual": 2,
+                                             "pp_schedule": Schedule.INTERLEAVED_1F1B,
+                                             "pp_split": (1, 2, 2, 2, 2, 2, 2, 3)}),
+                ("pp=2-gpipe", {**pipe, "pp_schedule": Schedule.GPIPE, "pp_split": (8, 8)})]
+    changes += [(f"pp=2-{schedule}", {**pipe, "pp_schedule": schedule, "pp_virtual": 2, "pp_split": (4,) * 4})
+                for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV)]
+    changes += [(f"cp=2-{mode}", {"cp": 2, "dp": 4, "grad_accum": 8, "cp_mode": mode}) for mode in ContextParallel]
+    changes += [("ep=2", {"ep": 2})]
     cases = []
     for engine, zero in ENGINE_STAGES:
         base = {"engine": engine, "zero": zero, "tp": 1, "dp": WORLD, "micro_batch": 2, "grad_accum": 4,
@@ -152,16 +173,29 @@ def accelerate_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatc
 
 
 def megatron_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch) -> dict[str, Any]:
-    arguments = files["megatron_args.txt"].split()
+    arguments = shlex.split(files["megatron_args.txt"])  # as the shell passes them (the layout has quoted |)
     assert unknown_flags(arguments) == []
     values = flag_values(arguments)
-    full = int(values["--recompute-num-layers"]) if values.get("--recompute-granularity") == "full" else 0
-    return {"engine": (Engine.DEEPSPEED, 1 if "--use-distributed-optimizer" in values else 0),
-            "tp": int(values["--tensor-model-parallel-size"]), "micro_batch": int(values["--micro-batch-size"]),
-            "half": "bf16" if "--bf16" in values else "fp16" if "--fp16" in values else None,
-            "fp8": "--fp8-format" in values, "full_layers": full,
-            "selective": values.get("--recompute-granularity") == "selective",
-            "sequence_parallel": "--sequence-parallel" in values}
+    blocks = int(values["--recompute-num-layers"]) if values.get("--recompute-granularity") == "full" else 0
+    got = {"engine": (Engine.DEEPSPEED, 1 if "--use-distributed-optimizer" in values else 0),
+           "tp": int(values["--tensor-model-parallel-size"]), "micro_batch": int(values["--micro-batch-size"]),
+           "half": "bf16" if "--bf16" in values else "fp16" if "--fp16" in values else None,
+           "fp8": "--fp8-format" in values, "blocks": blocks,
+           "selective": values.get("--recompute-granularity") == "selective",
+           "sequence_parallel": "--sequence-parallel" in values,
+           "pp": int(values["--pipeline-model-parallel-size"]), "cp": int(values.get("--context-parallel-size", 1)),
+           "cp_comm": values.get("--cp-comm-type"), "ep": int(values.get("--expert-model-parallel-size", 1))}
+    if megatron_args.available():  # Megatron-LM's own reading: validated, and the layers each stage builds
+        launch = shlex.split(files["megatron_launch.sh"].splitlines()[-1])
+        env = dict(w.split("=", 1) for w in launch[1:launch.index("torchrun")]) if launch[0] == "env" else {}
+        args, config = megatron_args.validate(folder, arguments, world=WORLD, capability=megatron_args.H100,
+                                              env=env, monkeypatch=monkeypatch)
+        v = args.virtual_pipeline_model_parallel_size or 1
+        got.update(pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size, v=v,
+                   ep=args.expert_model_parallel_size,
+                   split=megatron_args.megatron_stage_layers(config, args.pipeline_model_parallel_size, v),
+                   micro_batches=args.global_batch_size // (args.micro_batch_size * args.data_parallel_size))
+    return got
 
 
 def torchrun_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch) -> dict[str, Any]:
@@ -214,9 +248,17 @@ def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:
     elif launcher == "megatron":
         assert got["engine"] == (d.engine, d.zero) and got["tp"] == d.tp and got["micro_batch"] == d.micro_batch
         assert got["half"] == half and got["fp8"] == (d.precision is Precision.FP8)
-        assert got["full_layers"] == sum(m is Checkpoint.FULL for m in d.checkpoint)
+        split = d.pp_split or (LAYERS,)
+        full = [m is Checkpoint.FULL for m in d.checkpoint]
+        starts = [sum(split[:k]) for k in range(len(split))]  # block recompute: the first k layers of each stage
+        assert full == [i - start < got["blocks"] for start, n in zip(starts, split, strict=True)
+                        for i in range(start, start + n)]
         assert got["selective"] == (Checkpoint.SELECTIVE in d.checkpoint)
         assert got["sequence_parallel"] == d.sequence_parallel
+        assert (got["pp"], got["cp"], got["ep"]) == (d.pp, d.cp, d.ep)
+        assert got["cp_comm"] == (MEGATRON_CP_COMM[d.cp_mode] if d.cp > 1 else None)
+        if "split" in got:
+            assert (got["v"], got["split"], got["micro_batches"]) == (d.pp_virtual, split, d.grad_accum)
     elif launcher == "torchrun":
         assert got["decisions"] == json.loads(json.dumps(dataclasses.asdict(d), default=str))
         expected = TORCH_OPTIMIZER[d.optimizer]
@@ -238,7 +280,7 @@ def test_every_registered_knob_value_is_expressed_or_refused_with_its_reason(lau
         if plan is None:
             continue
         d = plan.decisions
-        problems = unsupported(launcher, d, checkpoint=d.checkpoint, lora=d.lora is not None)
+        problems = unsupported(launcher, d, plan.inputs)
         if (d.engine, d.zero) not in REGISTRY[launcher].engines:
             assert any(f"engine {d.engine}" in p for p in problems), (name, problems)
         if problems:
@@ -267,3 +309,5 @@ def test_the_walk_covers_every_value_of_every_walked_knob():
     assert seen["compile"] == {False, True} and seen["sequence_parallel"] == {False, True}
     assert seen["loss"] == set(Loss)
     assert seen["optimizer_in_backward"] == {True} and seen["activation_offload"] == {True}  # False: the bases
+    assert seen["pp_schedule"] == set(Schedule) and seen["cp_mode"] == set(ContextParallel)
+    assert seen["pp"] == {2, 4} and seen["cp"] == {2} and seen["ep"] == {2}

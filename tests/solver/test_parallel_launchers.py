@@ -20,17 +20,15 @@ import pytest
 
 from costmodels import Engine, Optimizer, Precision
 from costmodels.config import ContextParallel
-from costmodels.pipeline_schedule import Schedule, stage_ranks
+from costmodels.pipeline_schedule import SINGLE_STAGE, TORCH_CLASS, Schedule, stage_ranks
 from graphs import Checkpoint, FitplanError, lower, resolve
 from solver import solve
 from solver.launchers import emit, megatron, torchtitan
 from solver.launchers.support import unsupported
 from solver.model_shape import model_shape
 from solver.plan import Plan
-from tests.solver.megatron_args import validate
+from tests.solver.megatron_args import H100, megatron_stage_layers, validate
 from tests.solver.test_launchers import flag_values, unknown_flags
-
-H100 = (9, 0)  # compute capability of the plans' GPU
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +67,6 @@ def megatron_checked(plan: Plan, tmp_path: Path, monkeypatch) -> tuple[Any, Any]
     env = dict(word.split("=", 1) for word in launch[1:launch.index("torchrun")]) if launch[0] == "env" else {}
     world = plan.inputs.cluster.nodes * plan.inputs.cluster.gpus_per_node
     return validate(tmp_path, arguments, world=world, capability=H100, env=env, monkeypatch=monkeypatch)
-
-
-def megatron_stage_layers(config: Any, pp: int, v: int) -> tuple[int, ...]:
-    """Decoder layers megatron-core builds for each global stage (stage s = chunk s // pp of rank s mod pp)."""
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-    layout = config.pipeline_model_parallel_layout
-    if layout is not None:
-        return tuple(layout.layout[s % pp][s // pp].count(LayerType.decoder) for s in range(pp * v))
-    return tuple(get_num_layers_to_build(config, vp_stage=s // pp if v > 1 else None, pp_rank=s % pp)
-                 for s in range(pp * v))
 
 
 def check_megatron_reads(plan: Plan, args: Any, config: Any) -> None:
@@ -134,14 +120,12 @@ def test_llama_405b_recompute_blocks_are_read_back_per_stage(small, tmp_path, mo
         emit(bad, "megatron")
 
 
-def test_llama_405b_pipeline_plan_passes_torchtitan_config_parser(small, tmp_path, monkeypatch):
-    pytest.importorskip("torchtitan")
+def torchtitan_checked(plan: Plan, folder: Path, monkeypatch) -> Any:
+    """torchtitan's parsed Trainer.Config of the emitted job, checked against the plan's pipeline decisions and by
+    the model's own update_from_config (weight tying under PP, TP heads, RoPE length)."""
     from torchtitan.config import ConfigManager
+    from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping
 
-    plan = plan_for(small, "meta-llama/Llama-3.1-405B", 128, seq_len=8192,
-                    **{**LLAMA_405B, "engine": Engine.FSDP2, "zero": 2, "pp_schedule": Schedule.INTERLEAVED_ZB,
-                       "pp_virtual": 2, "pp_split": (3, *[4] * 30, 3)})
-    folder = tmp_path / "titan"
     folder.mkdir()
     for name, text in emit(plan, "torchtitan").items():
         (folder / name).write_text(text)
@@ -152,21 +136,54 @@ def test_llama_405b_pipeline_plan_passes_torchtitan_config_parser(small, tmp_pat
     d, par = plan.decisions, config.parallelism
     assert (par.pipeline_parallel_degree, par.tensor_parallel_degree, par.data_parallel_shard_degree) == \
         (d.pp, d.tp, d.dp)
-    assert par.pipeline_parallel_schedule == "InterleavedZeroBubble"
+    assert "Schedule" + par.pipeline_parallel_schedule == TORCH_CLASS[d.pp_schedule]
     # torchtitan's micro-batches per step: local_batch_size / pipeline_parallel_microbatch_size = m
     assert config.training.local_batch_size // par.pipeline_parallel_microbatch_size == d.grad_accum
+    assert par.pipeline_parallel_microbatch_size == d.micro_batch
     parts = par.module_fqns_per_model_part
     assert tuple(sum(name.startswith("layers.") for name in part) for part in parts) == d.pp_split
     assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
-    assert [f"layers.{i}" for i in range(126)] == [n for part in parts for n in part if n.startswith("layers.")]
-    # torchtitan places the stages as torch does, and as fitplan priced them
-    from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping
-
+    layers = [n for part in parts for n in part if n.startswith("layers.")]
+    assert layers == [f"layers.{i}" for i in range(plan.inputs.num_layers)]
+    # torchtitan places the stages on ranks as fitplan priced them (looped, or a V for ZBVZeroBubble)
     placed = {s: r for r in range(d.pp) for s in _get_pp_rank_to_stage_indices_mapping(
         r, d.pp, par.pipeline_parallel_schedule, len(parts))}
     assert tuple(placed[s] for s in range(len(parts))) == stage_ranks(d.pp_schedule, d.pp, d.pp_virtual)
-    # the model's own check of the parsed job (weight tying, TP heads, RoPE length)
     config.model_spec.model.update_from_config(config=config)
+    return config
+
+
+def test_llama_405b_pipeline_plan_passes_torchtitan_config_parser(small, tmp_path, monkeypatch):
+    pytest.importorskip("torchtitan")
+    plan = plan_for(small, "meta-llama/Llama-3.1-405B", 128, seq_len=8192,
+                    **{**LLAMA_405B, "engine": Engine.FSDP2, "zero": 2, "pp_schedule": Schedule.INTERLEAVED_ZB,
+                       "pp_virtual": 2, "pp_split": (3, *[4] * 30, 3)})
+    config = torchtitan_checked(plan, tmp_path / "titan", monkeypatch)
+    assert config.model_spec.flavor == "405B"
+
+
+# Llama-3.1-8B (32 layers, untied) on pp=4 ranks: one uneven split per stage count.
+SPLITS = {1: (7, 9, 9, 7), 2: (3, 4, 4, 4, 4, 4, 4, 5)}
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_torchtitan_parses_every_pipeline_schedule_with_its_split(small, tmp_path, monkeypatch, schedule):
+    pytest.importorskip("torchtitan")
+    v = 1 if schedule in SINGLE_STAGE else 2
+    plan = plan_for(small, "meta-llama/Llama-3.1-8B", 2, seq_len=4096, engine=Engine.FSDP2, zero=2, tp=1, pp=4, dp=4,
+                    micro_batch=1, grad_accum=8, pp_schedule=schedule, pp_virtual=v, pp_split=SPLITS[v])
+    assert unsupported("torchtitan", plan.decisions, plan.inputs) == []
+    torchtitan_checked(plan, tmp_path / "titan", monkeypatch)
+
+
+def test_torchtitan_refuses_a_pipeline_over_tied_embeddings(small):
+    plan = dataclasses.replace(small, decisions=dataclasses.replace(
+        small.decisions, engine=Engine.FSDP2, zero=2, pp=2, dp=4, grad_accum=8, pp_split=(8, 8)))
+    assert small.inputs.shape.tied_embeddings
+    (problem,) = unsupported("torchtitan", plan.decisions, plan.inputs)
+    assert "Weight tying" in problem
+    with pytest.raises(FitplanError, match="Weight tying"):
+        emit(plan, "torchtitan")
 
 
 def test_mixtral_expert_and_pipeline_plan_passes_megatron_validation(small, tmp_path, monkeypatch):
