@@ -106,9 +106,9 @@ class Config:
     """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
-                            reads=("activation_offload", "activations", "estimate", "expert_parallel", "loss",
-                                   "memory", "optimizer_in_backward", "overhead", "pipeline_stages", "states",
-                                   "tensor_parallel", "timing"),
+                            reads=("activation_offload", "activations", "context_parallel", "estimate",
+                                   "expert_parallel", "loss", "memory", "optimizer_in_backward", "overhead",
+                                   "pipeline_stages", "states", "tensor_parallel", "timing"),
                             high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
                             reads=("estimate", "expert_parallel", "optimizer_in_backward", "overhead",
@@ -137,8 +137,9 @@ class Config:
         reads=("activation_offload", "estimate", "memory", "pipeline_stages", "timing"))] = ()
     precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
                                          "allowed ones.", pin="set",
-                                         reads=("estimate", "loss", "memory", "optimizer_in_backward",
-                                                "pipeline_stages", "states", "tensor_parallel", "timing"))
+                                         reads=("context_parallel", "estimate", "loss", "memory",
+                                                "optimizer_in_backward", "pipeline_stages", "states", "tensor_parallel",
+                                                "timing"))
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
                                          pin="set", flag="optimizers",

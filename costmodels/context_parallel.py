@@ -180,8 +180,10 @@ def buffer_bytes(shapes: AttentionShapes, config: Config) -> tuple[int, int]:
     Ring, as torch 2.13 `_templated_ring_attention` runs it: the K, V shard concatenated to send and the one
     received (double buffering); `_SDPAMerger` keeps the merged output in fp32 and, per step, the block's fp32
     copy, the correction product and the new output (four fp32 outputs), with the fp32 log-sum-exp. Backward: K, V
-    sent and received, the fp32 dQ accumulator, and four fp32 dK, dV shards (the one received, its updated copy,
-    the one concatenated to send and the one arriving). Ulysses: each all-to-all's output beside its input.
+    received, concatenated to send and arriving (the rotater keeps the last one until the next exchange), the fp32
+    dQ accumulator and its partially updated copy, four fp32 dK, dV shards (the one received, its updated copy,
+    the one concatenated to send and the one arriving) and the last step's kernel gradients beside the returned
+    ones. Ulysses: each all-to-all's output beside its input.
     """
     if config.cp == 1:
         return 0, 0
@@ -189,7 +191,7 @@ def buffer_bytes(shapes: AttentionShapes, config: Config) -> tuple[int, int]:
         return 2 * shapes.q + shapes.kv, 2 * shapes.q + shapes.kv
     widen = ACCUMULATE_ITEMSIZE // shapes.itemsize
     fp32_q, fp32_kv = shapes.q * widen, shapes.kv * widen
-    return 2 * shapes.kv + 4 * fp32_q + shapes.lse, 2 * shapes.kv + fp32_q + 4 * fp32_kv
+    return 2 * shapes.kv + 4 * fp32_q + shapes.lse, 3 * shapes.kv + 2 * fp32_q + 4 * fp32_kv + shapes.q + shapes.kv
 
 
 def cp_terms(graph: LayerGraph, config: Config, terms: MemoryTerms, *, b: int, s_local: int) -> MemoryTerms:

@@ -1,0 +1,149 @@
+"""torch's own ring attention on gloo ranks: the reference of tests/costmodels/test_context_parallel.py.
+
+Each of cp worker processes holds its load-balanced shard (chunks r and 2 cp - 1 - r) of a tiny Llama's attention
+inputs and runs torch 2.13's `_templated_ring_attention` forward and backward (the code torch's context_parallel
+dispatches SDPA to) with the CPU flash kernels and the p2p rotation. It records the bytes its all-to-all permutes
+send, the attention FLOPs of every kernel call (torch's `sdpa_flop_count` formulas, a causal call at half, as the
+kernels skip the masked half), and the peak of the bytes allocated during each pass. Only torch is imported here,
+so the workers start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import weakref
+from datetime import timedelta
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[2]
+# The tiny Llama's attention (tests/graphs/tiny_configs.py): 4 query and 2 key/value heads of 32.
+B, S, HEADS, KV_HEADS, HEAD_DIM = 2, 64, 4, 2, 32
+LAUNCH_TIMEOUT = 120
+# A causal kernel computes half of the scores torch's formulas count (costmodels.compute.CAUSAL_FRACTION).
+CAUSAL = Fraction(1, 2)
+aten = torch.ops.aten
+
+
+# --- the reference: real processes --------------------------------------------------------------------------
+
+
+class Recorder(TorchDispatchMode):
+    """Bytes sent by all-to-all permutes, and the peak of the bytes allocated while it is active."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank, self.sent, self.live, self.peak, self.refs = rank, 0, 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            tensor, splits = args[0], args[2]  # (input, output_split_sizes, input_split_sizes, group)
+            rows = sum(n for dst, n in enumerate(splits) if dst != self.rank)
+            self.sent += rows * tensor[0:1].numel() * tensor.element_size()
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(tensor, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= nbytes
+
+
+def run_rank(rank: int, cp: int) -> dict[str, object]:
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    ring._cp_options.rotate_method = ring._RotateMethod.ALL_TO_ALL  # p2p hops (Megatron/TE's ring)
+    torch.manual_seed(0)
+    full = [torch.randn(B, h, S, HEAD_DIM, dtype=torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS)]
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        chunks = x.chunk(2 * cp, dim=2)
+        return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=2).contiguous()
+
+    q, k, v = (shard(x) for x in full)
+    flops = {"forward": Fraction(0), "backward": Fraction(0)}
+
+    def forward_op(q_, k_, v_, is_causal=False, **kwargs):
+        flops["forward"] += flop_counter.sdpa_flop_count(q_.shape, k_.shape, v_.shape) * (
+            CAUSAL if is_causal else 1)
+        return aten._scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, is_causal=is_causal, **kwargs)
+
+    def backward_op(*, query, key, value, out, logsumexp, is_causal, grad_out, **kwargs):
+        flops["backward"] += flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape,
+                                                                   value.shape) * (CAUSAL if is_causal else 1)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp,
+                                                                         0.0, is_causal)
+
+    group = dist.group.WORLD
+    with Recorder(rank) as fwd:
+        out, lse = ring._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    with Recorder(rank) as bwd:
+        ring._templated_ring_attention_backward(group, 2, backward_op, grad, "grad_out", q, k, v, out, lse, True)
+    with Recorder(rank) as local_fwd:  # local attention on the same shard: what the lowering already counts
+        local_out, local_lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
+    with Recorder(rank) as local_bwd:
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, local_out, local_lse, 0.0, True)
+    return {"sent": [fwd.sent, bwd.sent], "flops": [str(flops["forward"]), str(flops["backward"])],
+            "extra": [fwd.peak - local_fwd.peak, bwd.peak - local_bwd.peak]}
+
+
+def worker(spec_path: str, rank: int) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=spec["cp"],
+                            timeout=timedelta(seconds=60))
+    try:
+        result = run_rank(rank, spec["cp"])
+    finally:
+        dist.destroy_process_group()
+    (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def launch(folder: Path, cp: int) -> list[dict]:
+    """Run the ring on `cp` gloo ranks (this file as a script) and return each rank's record."""
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"store": str(folder / "store"), "cp": cp}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.costmodels.cp_ring_reference", str(spec)]
+    procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(cp)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [(rank, proc.returncode, log[-3000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
+              if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"gloo workers failed: {failed}")
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(cp)]
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,146 @@
+"""Context parallelism (costmodels/context_parallel.py) against torch's own ring attention on gloo ranks
+(tests/costmodels/cp_ring_reference.py), and `estimate` with cp > 1: the rank's share, the exchange, refusals."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from costmodels import Config, Engine, Workload, estimate, parse_cluster
+from costmodels.compute import CAUSAL_FRACTION
+from costmodels.config import ContextParallel, Precision
+from costmodels.context_parallel import (
+    attention_shapes,
+    buffer_bytes,
+    rank_graph,
+    rank_workload,
+    ring_traffic,
+    ulysses_traffic,
+)
+from costmodels.estimate import InvalidConfig
+from graphs import Checkpoint, Role, lower
+from tests.costmodels.cp_ring_reference import HEAD_DIM, HEADS, KV_HEADS, B, S, launch
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
+
+DEGREES = (2, 4)
+
+# --- the tests ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[int, list[dict]]:
+    return {cp: launch(tmp_path_factory.mktemp(f"cp{cp}"), cp) for cp in DEGREES}
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return lower(str(write_config(folder, tiny_values("llama"))), dtype="bfloat16", attention="sdpa")
+
+
+def _config(cp: int, **knobs) -> Config:
+    return Config(cp=cp, engine=Engine.FSDP2, zero=3, precision=Precision.BF16_MIXED, **knobs)
+
+
+def _shapes(graph, cp: int):
+    return attention_shapes(graph, _config(cp), b=B, s_local=S // cp)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", DEGREES)
+def test_ring_traffic_equals_what_torch_ring_attention_sends_on_gloo(cp, measured, graph):
+    """Exact bytes: both sides count the same bf16 K, V shards and fp32 dK, dV shards."""
+    traffic = ring_traffic(_shapes(graph, cp), cp)
+    assert [rank["sent"] for rank in measured[cp]] == [[traffic.forward, traffic.backward]] * cp
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", DEGREES)
+def test_rank_attention_flops_equal_torch_ring_attention_work_on_gloo(cp, measured, graph):
+    """The lowering's attention FLOPs, rescaled by `rank_graph` and taken at s / cp, at the causal fraction the
+    kernels run: every rank's work in torch's load-balanced ring, exactly (and so the same on every rank)."""
+    layer = next(n for n in rank_graph(graph, cp).nodes() if n.role is Role.DECODER)
+    cost = layer.cost()
+    expected = [str(Fraction(w.attention_flops(B, S // cp)) * Fraction(CAUSAL_FRACTION))
+                for w in (cost.forward, cost.backward)]
+    assert [rank["flops"] for rank in measured[cp]] == [expected] * cp
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", DEGREES)
+def test_ring_buffers_bound_torch_ring_attention_extra_bytes_on_gloo(cp, measured, graph):
+    """`buffer_bytes` follows torch's ring step by step, but which step peaks differs by rank (a rank's partial
+    steps copy the merged output once more): the forward within 25%, the backward within 10% of the largest
+    rank's extra bytes over local attention on the same shard."""
+    forward, backward = buffer_bytes(_shapes(graph, cp), _config(cp))
+    extra_forward = max(rank["extra"][0] for rank in measured[cp])
+    extra_backward = max(rank["extra"][1] for rank in measured[cp])
+    assert forward == pytest.approx(extra_forward, rel=0.25)
+    assert backward == pytest.approx(extra_backward, rel=0.10)
+
+
+def test_rank_graph_leaves_linear_work_per_token_and_scales_attention_by_cp(graph):
+    """At s / cp every non-attention FLOP is the token share (1/cp of the whole), attention 1/cp of the whole."""
+    cp = 4
+    for whole, part in zip(graph.nodes(), rank_graph(graph, cp).nodes(), strict=True):
+        for mode in whole.checkpoint_modes:
+            for w, p in ((whole.cost(mode).forward, part.cost(mode).forward),
+                         (whole.cost(mode).backward, part.cost(mode).backward)):
+                assert Fraction(p.attention_flops(B, S // cp)) * cp == w.attention_flops(B, S)
+                linear = w.flops - w.attention_flops
+                assert (p.flops - p.attention_flops).exact(B, S // cp) * cp == linear.exact(B, S)
+
+
+def test_ulysses_traffic_sends_all_but_the_kept_share_of_q_k_v_and_output(graph):
+    cp = 4
+    shapes = _shapes(graph, cp)
+    assert shapes.q == B * (S // cp) * HEADS * HEAD_DIM * 2 and shapes.kv == 2 * B * (S // cp) * KV_HEADS * HEAD_DIM * 2
+    traffic = ulysses_traffic(shapes, cp)
+    assert traffic.forward == traffic.backward == (2 * shapes.q + shapes.kv) * 3 // 4
+
+
+# --- estimate: wiring and refusals ----------------------------------------------------------------------------
+
+
+def _estimate(graph, cp: int, *, seq_len: int = 256, mode: ContextParallel = ContextParallel.RING, gpus: int = 0):
+    config = _config(cp, cp_mode=mode, checkpoint=(Checkpoint.FULL,) * 3)
+    return estimate(graph, parse_cluster(f"{gpus or cp}xH100"), Workload(seq_len=seq_len, global_batch=1), config)
+
+
+def test_estimate_with_cp_prices_the_rank_share_and_reports_the_exchange(graph):
+    """cp=2 against cp=1: half the saved activations per rank, and the ring's exposed time a detail of its own."""
+    one, two = _estimate(graph, 1), _estimate(graph, 2)
+    assert dict(one.time.details)["cp_exposed"] == 0.0
+    assert dict(two.time.details)["cp_exposed"] > 0.0
+    assert two.memory.activations * 2 == one.memory.activations  # full checkpointing: per-token layer inputs
+
+
+def test_estimate_refuses_a_sequence_that_does_not_split_into_2_cp_chunks(graph):
+    with pytest.raises(InvalidConfig):
+        _estimate(graph, 4, seq_len=4 * 2 * 8 + 4)
+
+
+def test_estimate_refuses_all_to_all_when_heads_do_not_divide_by_tp_cp(graph):
+    """The tiny Llama has 2 key/value heads: Ulysses over 4 ranks cannot give each whole heads."""
+    with pytest.raises(InvalidConfig):
+        _estimate(graph, 4, mode=ContextParallel.ALL_TO_ALL)
+    assert _estimate(graph, 2, mode=ContextParallel.ALL_TO_ALL).time.step_time > 0
+
+
+def test_estimate_refuses_cp_over_eager_attention(tmp_path):
+    eager = lower(str(write_config(tmp_path, tiny_values("llama"))), dtype="bfloat16", attention="eager")
+    with pytest.raises(InvalidConfig):
+        _estimate(eager, 2)
+
+
+def test_rank_workload_and_graph_are_unchanged_at_cp_1(graph):
+    workload = Workload(seq_len=256, global_batch=1)
+    assert rank_graph(graph, 1) is graph
+    assert rank_workload(workload, _config(1)) is workload
+
+
