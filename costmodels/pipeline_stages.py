@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from graphs import Checkpoint, LayerGraph, Role
+from graphs import Checkpoint, Layer, LayerGraph, Role
 from graphs.graph import chain_graph
 from graphs.poly import ZERO
 
@@ -153,9 +153,22 @@ def _sub_graph(graph: LayerGraph, layers: tuple[int, ...], *, first: bool, last:
     if first:
         keep = nodes[:decoders[0]] + keep
     if last:
-        keep = keep + nodes[decoders[-1] + 1:]
+        keep = keep + [_with_tied_head(nodes) if not first and layer.role is Role.HEAD else layer
+                       for layer in nodes[decoders[-1] + 1:]]
     inputs = graph.inputs if (first or last) else ZERO
     return replace(graph, graph=chain_graph(keep), inputs=inputs, _memo={})  # dims stay the whole model's
+
+
+def _with_tied_head(nodes: list[Layer]) -> Layer:
+    """The LM head of a last stage away from the embedding: a model that ties them keeps its own copy of the
+    embedding weight there (Megatron's output-layer copy on the last stage, its gradients all-reduced with the
+    first stage's), which the whole-model graph counts once, on the embedding."""
+    head = next(layer for layer in nodes if layer.role is Role.HEAD)
+    if head.params:
+        return head
+    embedding = next(layer for layer in nodes if layer.role is Role.EMBEDDING)
+    widest = max(embedding.params, key=lambda p: p.shape, default=None)
+    return head if widest is None else replace(head, params=(replace(widest, node=head.name),))
 
 
 def rank_config(config: Config, slice_: RankSlice, *, stage: int | None = None) -> Config:

@@ -1,12 +1,15 @@
 """The reference: enumerate every outer configuration and every canonical per-layer assignment, evaluating each
-with the same tables as the CP-SAT model. Exponential; for tests and small instances."""
+with the same tables as the CP-SAT model (pipeline configurations: every combination of their ranks' assignments
+through the schedule simulation). Exponential; for tests and small instances."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from graphs import Checkpoint
 
+from .pipeline_search import PipelineCandidate, step_ticks
 from .space import all_counts, canonical_modes
 from .tables import Table, objective, tie_weight
 
@@ -38,3 +41,32 @@ def enumerate_best(tables: list[Table], kinds: list[int], modes: tuple[Checkpoin
             if best is None or value < best.objective:
                 best = Best(value, k, assignment, 0)
     return None if best is None else Best(best.objective, best.table, best.modes, evaluated)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineBest:
+    step_ticks: int
+    candidate: int
+    modes: tuple[tuple[Checkpoint, ...], ...]
+    """Each rank's modes."""
+    evaluated: int
+
+
+def enumerate_pipelines(candidates: list[PipelineCandidate], modes: tuple[Checkpoint, ...]) -> PipelineBest | None:
+    """The fastest pipeline configuration by brute force: every combination of the ranks' canonical assignments
+    that each fits its rank, through the schedule simulation (no decomposition assumed). None when nothing fits."""
+    best: PipelineBest | None = None
+    evaluated = 0
+    for index, found in enumerate(candidates):
+        per_rank = []
+        for rank in found.ranks:
+            table = rank.table
+            options = [canonical_modes(rank.kinds, counts) for counts in all_counts(rank.kinds, modes)]
+            per_rank.append([a for a in options if all(table.outer.runs(m) for m in set(a))
+                             and table.peak_of(a) <= table.budget])
+        for combination in itertools.product(*per_rank):
+            evaluated += 1
+            step = step_ticks(found, list(combination))
+            if best is None or step < best.step_ticks:
+                best = PipelineBest(step, index, combination, 0)
+    return None if best is None else PipelineBest(best.step_ticks, best.candidate, best.modes, evaluated)

@@ -1,0 +1,198 @@
+"""The pipeline search (a per-rank CP-SAT decomposition) against brute force over every combination of the ranks'
+checkpoint assignments through the schedule simulation, on random instances small enough to enumerate; and the
+plan it returns priced by `estimate` as the search priced it."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from costmodels import Engine, Precision, Workload, estimate, parse_cluster
+from costmodels.pipeline_schedule import Schedule
+from costmodels.verdict import memory_budget
+from graphs import Checkpoint, resolve
+from solver.api import _graph_for
+from solver.pins import Pins
+from solver.pipeline_search import candidate, pipeline_search, step_ticks
+from solver.reference import enumerate_pipelines
+from solver.space import Outer, outer_space
+from solver.tables import TICK_SECONDS
+
+# Small models whose ranks hold a few layers each, so every combination of the ranks' assignments enumerates.
+MODELS = ["gpt2", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"]
+CLUSTERS = ["2xL4", "4xL4", "4xA100-40GB", "8xA100-40GB", "2x4xA10G"]
+
+
+def instance(seed: int) -> dict:
+    """A random pipeline instance that some launcher runs (redrawn until its space has pipeline configurations)."""
+    rng = random.Random(seed)
+    while True:
+        case = _draw(rng)
+        if space_of(case)[1].pipelines:
+            return case
+
+
+def _draw(rng: random.Random) -> dict:
+    cluster = parse_cluster(rng.choice(CLUSTERS))
+    pp = rng.choice([p for p in (2, 4) if cluster.world_size % p == 0])
+    precision = Precision.BF16_MIXED if cluster.gpu.peak_flops("bf16") else Precision.FP16_MIXED
+    engine = rng.choice([Engine.DDP, Engine.DEEPSPEED])  # torchtitan runs every schedule, Megatron two
+    schedule = rng.choice([None, *(Schedule if engine is Engine.DDP else (Schedule.ONE_F_ONE_B,
+                                                                         Schedule.INTERLEAVED_1F1B))])
+    return {
+        "model": rng.choice(MODELS), "cluster": cluster,
+        "workload": Workload(seq_len=rng.choice([512, 1024, 2048]),
+                             global_batch=cluster.world_size // pp * rng.choice([4, 8])),
+        # A few configurations per instance: one engine, precision and micro-batch size; modes none and full,
+        # with op-level SAC in some (every rank's assignments then multiply).
+        "pins": Pins.of(pp=pp, tp=1, cp=1, engine=engine, zero=0,
+                        precision=(precision,), micro_batch=rng.choice([1, 2]), pp_schedule=schedule,
+                        optimizers=("adamw",), offload="none"),
+        "modes": rng.choice([(Checkpoint.NONE, Checkpoint.FULL), (Checkpoint.NONE, Checkpoint.FULL),
+                             (Checkpoint.NONE, Checkpoint.OP_SELECTIVE, Checkpoint.FULL)]),
+        "headroom": round(rng.uniform(0.3, 0.97), 2),  # from loose to nothing fits
+    }
+
+
+def tight(case: dict, graph_of, space, modes: tuple[Checkpoint, ...], fraction: float) -> float:
+    """A headroom whose budget sits `fraction` of the way from the first configuration's leanest peak to its
+    fastest one (on its most loaded rank), so that ranks must mix recompute with none."""
+    outer = space.pipelines[0]
+    found = candidate(outer, graph_of(outer), case["cluster"], case["workload"], headroom=0.0, modes=modes)
+    if found is None:
+        return 0.0
+    lean = max(r.table.peak_of(tuple(modes[-1] for _ in r.kinds)) for r in found.ranks)
+    fast = max(r.table.peak_of(tuple(modes[0] for _ in r.kinds)) for r in found.ranks)
+    target = lean + fraction * (fast - lean)
+    low, high = 0.0, 0.99
+    for _ in range(30):  # the budget falls as the headroom grows
+        middle = (low + high) / 2
+        if memory_budget(case["cluster"], outer.config(), middle) > target:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def space_of(case: dict):
+    resolved = resolve(case["model"])
+    graph_of = _graph_for(resolved, None, None, {}, op_selective=True)
+    space = outer_space(graph_of(Outer()), case["cluster"], case["workload"], case["pins"])
+    return graph_of, space
+
+
+def solved(seed: int) -> tuple[dict, object, object]:
+    """A seed's instance (two in three with a budget between its leanest and fastest peak, the rest from loose
+    to nothing fits), its brute-force best and the search's result."""
+    case = instance(seed)
+    graph_of, space = space_of(case)
+    modes = tuple(m for m in case["modes"] if m in space.modes)
+    if seed % 3:
+        case["headroom"] = tight(case, graph_of, space, modes, random.Random(seed).uniform(0.1, 0.9))
+    found = [c for o in space.pipelines if (c := candidate(o, graph_of(o), case["cluster"], case["workload"],
+                                                          headroom=case["headroom"], modes=modes)) is not None]
+    best = enumerate_pipelines(found, modes)
+    result = pipeline_search(space.pipelines, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
+                             modes=modes, incumbent=None, deadline=time.perf_counter() + 120)
+    return case, best, result
+
+
+SEEDS = range(30)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pipeline_search_equals_brute_force_over_every_rank_assignment(seed):
+    _, best, result = solved(seed)
+    if best is None:
+        assert result.outer is None and result.status == "INFEASIBLE"
+        return
+    assert result.status == "OPTIMAL"
+    assert result.step_ticks == best.step_ticks
+
+
+def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute():
+    cases = [solved(seed) for seed in SEEDS]
+    schedules = {case_["pins"].value("pp_schedule") or r.outer.pp_schedule for case_, _, r in cases if r.outer}
+    assert schedules == set(Schedule)
+    mixed = [b for _, b, _ in cases if b is not None and len({m for rank in b.modes for m in rank}) > 1]
+    infeasible = [b for _, b, _ in cases if b is None]
+    assert len(mixed) >= 10 and infeasible
+
+
+def test_the_plan_is_priced_by_estimate_as_the_search_priced_it():
+    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
+            "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.65,
+            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.DEEPSPEED, zero=0, precision=(Precision.BF16_MIXED,),
+                            micro_batch=1, optimizers=("adamw",), offload="none")}
+    graph_of, space = space_of(case)
+    modes = (Checkpoint.NONE, Checkpoint.FULL)
+    result = pipeline_search(space.pipelines, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
+                             modes=modes, incumbent=None, deadline=time.perf_counter() + 60)
+    assert result.outer is not None
+    assert Checkpoint.FULL in result.modes and Checkpoint.NONE in result.modes  # tight: some layers recompute
+    found = candidate(result.outer, graph_of(result.outer), case["cluster"], case["workload"],
+                      headroom=case["headroom"], modes=modes)
+    config = result.outer.config(result.modes)
+    priced = estimate(graph_of(result.outer), case["cluster"], case["workload"], config)
+    assert abs(priced.time.step_time - result.step_ticks * TICK_SECONDS) <= 2 * TICK_SECONDS
+    assert priced.pipeline is not None and len(priced.pipeline.ranks) == 4
+    for rank, table in zip(priced.pipeline.ranks, found.ranks, strict=True):
+        own = tuple(result.modes[i] for i in table.slice.layers)
+        assert rank.memory.allocated_peak == table.table.peak_of(own) <= table.table.budget
+    # each rank's modes are its fastest that fit: one more layer without recompute no longer fits
+    assert step_ticks(found, [tuple(result.modes[i] for i in r.slice.layers) for r in found.ranks]) == \
+        result.step_ticks
+
+
+# Context and expert parallelism without a pipeline are whole-model configurations: the CP-SAT model over their
+# tables against enumerate_best, with budgets between each instance's leanest and fastest peak.
+def _tiny_moe(folder) -> str:
+    from tests.graphs.reference import write_config
+    from tests.graphs.tiny_configs import tiny_values
+
+    values = {**tiny_values("mixtral"), "num_hidden_layers": 6, "hidden_size": 512, "intermediate_size": 1024}
+    return str(write_config(folder / "mixtral", values))
+
+
+def whole_model_case(seed: int, moe_path: str) -> dict:
+    rng = random.Random(seed)
+    cluster = parse_cluster(rng.choice(["4xA100-40GB", "8xA100-40GB", "2x4xA100"]))
+    precision = Precision.BF16_MIXED if cluster.gpu.peak_flops("bf16") else Precision.FP16_MIXED
+    moe = seed % 2 == 0
+    # Megatron runs CP and EP (priced as DeepSpeed ZeRO-0/1, its distributed optimizer).
+    pins = dict(tp=1, pp=1, engine=Engine.DEEPSPEED, zero=rng.choice([0, 1]), precision=(precision,),
+                micro_batch=1, optimizers=("adamw",), offload="none")
+    pins.update(ep=rng.choice([2, 4]), cp=1) if moe else pins.update(cp=2, cp_mode=rng.choice(["ring", "all-to-all"]))
+    return {"model": moe_path if moe else rng.choice(["meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"]),
+            "cluster": cluster, "pins": Pins.of(**pins), "fraction": rng.uniform(0.1, 0.9),
+            "workload": Workload(seq_len=rng.choice([2048, 4096]), global_batch=cluster.world_size * 2)}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cpsat_equals_enumeration_with_context_or_expert_parallelism(seed, tmp_path_factory):
+    from solver.reference import enumerate_best
+    from solver.search import build_tables, search
+
+    case = whole_model_case(seed, _tiny_moe(tmp_path_factory.mktemp("moe")))
+    graph_of, space = space_of(case)
+    layout = "ep" if seed % 2 == 0 else "cp"
+    assert space.outers and all(getattr(o, layout) > 1 for o in space.outers)
+    modes = tuple(m for m in (Checkpoint.NONE, Checkpoint.FULL) if m in space.modes)
+    kinds = [layer.kind for layer in graph_of(Outer()).decoder_layers()]
+    loose = build_tables(space, graph_of, case["cluster"], case["workload"], headroom=0.0)
+    leanest = min(loose, key=lambda t: t.peak_of(tuple(Checkpoint.FULL for _ in kinds)))
+    lean = leanest.peak_of(tuple(Checkpoint.FULL for _ in kinds))
+    fast = leanest.peak_of(tuple(Checkpoint.NONE for _ in kinds))
+    target, low, high = lean + case["fraction"] * (fast - lean), 0.0, 0.99
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if memory_budget(case["cluster"], leanest.outer.config(), middle) > target \
+            else (low, middle)
+    tables = build_tables(space, graph_of, case["cluster"], case["workload"], headroom=low)
+    best = enumerate_best(tables, kinds, modes)
+    found = search(tables, kinds, modes, time_limit=60.0, configurations=len(tables))
+    assert best is not None and found.result.status == "OPTIMAL"
+    assert found.result.objective == best.objective
+    assert (found.result.table, found.result.modes) == (best.table, best.modes)
