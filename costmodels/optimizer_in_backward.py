@@ -19,7 +19,7 @@ from graphs import LayerGraph
 from . import optimizers, precision
 from .config import Config, Offload, Precision
 from .engines import rules_of
-from .zero import local_elements, local_shape
+from .zero import local_elements, local_shape, shard_ranks
 
 if TYPE_CHECKING:  # memory.py, states.py and config.py call this module: no import cycle at run time
     from .memory import MemoryTerms
@@ -41,10 +41,11 @@ def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
     if rules_of(config.engine).own_fused_optimizer:
         reasons.append("DeepSpeed steps its own (partitioned) optimizer after backward; it has no per-parameter "
                        "hook path")
-    elif not rules_of(config.engine).reduces_before_grad_hooks and config.dp > 1:
+    elif not rules_of(config.engine).reduces_before_grad_hooks and shard_ranks(config) > 1:
         # torch DistributedDataParallel all-reduces buckets from its own autograd hooks; a post-accumulate-grad
         # hook would step on the unreduced local gradient (DDP uses these hooks only for compiled autograd).
-        reasons.append(f"DDP with dp={config.dp} reduces gradients after the hooks would have stepped them; "
+        reasons.append(f"DDP over dp x cp = {shard_ranks(config)} ranks reduces gradients after the hooks would "
+                       "have stepped them; "
                        "use FSDP2 (which runs the hooks after its reduce-scatter)")
     if config.optimizer_offload is not Offload.NONE:
         reasons.append("offloaded optimizer steps are priced as one host step per optimizer step, not per "
@@ -66,7 +67,7 @@ def in_backward_states(graph: LayerGraph, config: Config, states: ModelStates) -
     tensors = sum(n for _, n in graph.tensor_groups(trainable=True))
     extra_maps = (tensors - 1) * optimizers.fixed_state_bytes(config.optimizer) if states.optimizer else 0
     itemsize = precision.state_itemsize(config.precision)
-    temp = max((optimizers.step_temp_bytes(config.optimizer, [local_shape(t, tp=config.tp, dp=config.dp,
+    temp = max((optimizers.step_temp_bytes(config.optimizer, [local_shape(t, tp=config.tp, dp=shard_ranks(config),
                                                                           engine=config.engine, ep=config.ep)],
                                                     itemsize)
                 for t, _ in graph.tensor_groups(trainable=True)), default=0)
@@ -79,7 +80,7 @@ def node_backward_extra(graph: LayerGraph, config: Config) -> list[int]:
     if not rules_of(config.engine).reduces_before_grad_hooks:
         return [0] * len(graph.nodes())
     reduce = 4 if precision.is_mixed(config.precision) else precision.compute_itemsize(config.precision)
-    return [reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=config.dp,
+    return [reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=shard_ranks(config),
                                     engine=config.engine, sharded=True, ep=config.ep) for layer in graph.nodes()]
 
 
