@@ -165,6 +165,9 @@ def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
 
 def _megatron(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = _op_selective(checkpoint)
+    if d.optimizer in (Optimizer.ADAFACTOR, Optimizer.ADAMW_8BIT):  # the paged ones: _memory_savers
+        # Megatron-LM arguments.py (core_v0.16.1): --optimizer adam (decoupled weight decay), sgd, muon, dist_muon
+        problems.append(f"optimizer {d.optimizer} (Megatron-LM's --optimizer builds adam, sgd and muon only)")
     if d.optimizer_offload is not Offload.NONE or d.param_offload is not Offload.NONE:
         problems.append("offload")
     if lora:
