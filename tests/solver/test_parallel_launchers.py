@@ -150,6 +150,12 @@ def torchtitan_checked(plan: Plan, folder: Path, monkeypatch) -> Any:
         r, d.pp, par.pipeline_parallel_schedule, len(parts))}
     assert tuple(placed[s] for s in range(len(parts))) == stage_ranks(d.pp_schedule, d.pp, d.pp_virtual)
     config.model_spec.model.update_from_config(config=config)
+    # the device mesh torchtitan's trainer builds: its degrees must multiply to the world size
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    world = plan.inputs.cluster.nodes * plan.inputs.cluster.gpus_per_node
+    dims = ParallelDims.from_config(par, world)
+    assert (dims.pp, dims.tp, dims.dp_shard * dims.dp_replicate) == (d.pp, d.tp, d.dp)
     return config
 
 
