@@ -192,11 +192,16 @@ def test_torchtitan_refuses_a_pipeline_over_tied_embeddings(small):
         emit(plan, "torchtitan")
 
 
-def test_mixtral_expert_and_pipeline_plan_passes_megatron_validation(small, tmp_path, monkeypatch):
-    plan = plan_for(small, "mistralai/Mixtral-8x22B-v0.1", 8, seq_len=4096, **MIXTRAL)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mixtral_expert_and_pipeline_plan_passes_megatron_validation(small, tmp_path, monkeypatch, tp):
+    """With TP the experts are TP-sharded too (Megatron's expert_tensor_parallel_size defaults to tp, as fitplan
+    shards the expert stacks) and EP takes ep of the dp x cp ranks."""
+    plan = plan_for(small, "mistralai/Mixtral-8x22B-v0.1", 8, seq_len=4096,
+                    **{**MIXTRAL, "tp": tp, "dp": 16 // tp, "sequence_parallel": tp > 1})
     assert unsupported("megatron", plan.decisions, plan.inputs) == []
     args, config = megatron_checked(plan, tmp_path, monkeypatch)
     check_megatron_reads(plan, args, config)
+    assert (args.expert_tensor_parallel_size, args.sequence_parallel) == (tp, tp > 1)
 
 
 def test_mixtral_plan_is_refused_by_torchtitan_with_reasons(small):
