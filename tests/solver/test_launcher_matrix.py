@@ -69,6 +69,7 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
     halves = (Checkpoint.FULL,) * 3 + (Checkpoint.NONE,) * 4 + (Checkpoint.FULL,) * 3 + (Checkpoint.NONE,) * 6
     changes += [("pp=2", {**pipe, "pp_split": (8, 8)}), ("pp=2-uneven", {**pipe, "pp_split": (7, 9)}),
                 ("pp=2-block-recompute", {**pipe, "pp_split": (7, 9), "checkpoint": halves}),
+                ("pp=2-full-recompute", {**pipe, "pp_split": (7, 9), "checkpoint": full}),
                 ("pp=4-interleaved", {"pp": 4, "dp": 2, "grad_accum": 8, "pp_schedule": Schedule.INTERLEAVED_1F1B,
                                       "pp_virtual": 2, "pp_split": (2,) * 8}),
                 ("pp=4-interleaved-layout", {"pp": 4, "dp": 2, "grad_accum": 8, "pp_virtual": 2,
