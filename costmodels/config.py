@@ -111,7 +111,8 @@ class Config:
                                    "pipeline_stages", "states", "tensor_parallel", "timing"),
                             high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
-                            reads=("estimate", "expert_parallel", "pipeline_stages", "states", "zero"))] = 1
+                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "pipeline_stages", "states",
+                                   "zero"))] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
                                    reads=("compilation", "estimate", "loss", "memory", "offload",
                                           "optimizer_in_backward", "optimizer_launches", "states", "timing",
@@ -174,8 +175,8 @@ class Config:
                                               "split the planner computes).", pin="derived",
                                               reads=("estimate", "pipeline_stages"))] = ()
     cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.",
-                            reads=("context_parallel", "estimate", "expert_parallel", "overhead", "pipeline_stages",
-                                   "timing", "zero"),
+                            reads=("context_parallel", "estimate", "expert_parallel", "optimizer_in_backward",
+                                   "overhead", "pipeline_stages", "timing", "zero"),
                             high=1024)] = 1
     cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
                                              "all-to-all (Ulysses; heads must divide by tp x cp).",

@@ -19,6 +19,7 @@ from .compute import KernelSpeed
 from .config import Config, ContextParallel, Workload
 
 if TYPE_CHECKING:
+    from .activations import NodeMemory
     from .memory import MemoryTerms
 
 # Load-balanced causal sharding cuts each sequence into 2 x cp chunks and gives rank r chunks r and 2 cp - 1 - r
@@ -196,13 +197,38 @@ def buffer_bytes(shapes: AttentionShapes, config: Config) -> tuple[int, int]:
 
 def cp_terms(graph: LayerGraph, config: Config, terms: MemoryTerms, *, b: int, s_local: int) -> MemoryTerms:
     """`terms` (already at one rank's s / cp tokens) with each decoder layer's CP buffers added to its engine
-    transients: an upper bound, as they exist only while attention runs and are added to the layer's peak."""
-    forward, backward = buffer_bytes(attention_shapes(graph, config, b=b, s_local=s_local), config)
+    transients (an upper bound, as they exist only while attention runs and are added to the layer's peak), and
+    the ring's copy of the attention output (`output_copy_bytes`) where the layer keeps that output."""
+    shapes = attention_shapes(graph, config, b=b, s_local=s_local)
+    forward, backward = buffer_bytes(shapes, config)
     if not forward and not backward:
         return terms
+    copy = output_copy_bytes(shapes, config)
+    nodes = tuple(tuple((mode, _with_output_copy(node, mode, copy)) for mode, node in options)
+                  if layer.role is Role.DECODER else options for layer, options in zip(graph.nodes(), terms.nodes,
+                                                                                       strict=True))
     extra = tuple((f + forward, keep, bw + backward) if layer.role is Role.DECODER else (f, keep, bw)
                   for layer, (f, keep, bw) in zip(graph.nodes(), terms.extra, strict=True))
-    return replace(terms, extra=extra)
+    return replace(terms, nodes=nodes, extra=extra)
+
+
+def output_copy_bytes(shapes: AttentionShapes, config: Config) -> int:
+    """Bytes of the attention-output copy the ring adds on every rank but the last. SDPA's kernels return the
+    output laid out as (b, s, heads, d), so the o_proj input (b, s, heads x d) is a view of the saved output; torch
+    2.13's ring merges a rank's partial steps with `torch.cat` (`_partial_update`), which returns the (b, heads, s,
+    d) layout, so that input becomes a copy kept beside the output (measured on gloo ranks, the tests)."""
+    return shapes.q if config.cp > 1 and config.cp_mode is ContextParallel.RING else 0
+
+
+def _with_output_copy(node: NodeMemory, mode: Checkpoint, copy: int) -> NodeMemory:
+    """A decoder layer with the ring's output copy: kept from forward to backward where the layer saves the
+    attention output (no recompute, op-level SAC), made again during a full recompute."""
+    if mode in (Checkpoint.NONE, Checkpoint.OP_SELECTIVE):
+        return replace(node, saved=node.saved + copy, fwd_net=node.fwd_net + copy, fwd_peak=node.fwd_peak + copy,
+                       bwd_net=node.bwd_net - copy)
+    if mode is Checkpoint.FULL:
+        return replace(node, bwd_peak=node.bwd_peak + copy, bwd_peak_fresh=node.bwd_peak_fresh + copy)
+    return node
 
 
 def node_seconds(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,

@@ -44,8 +44,8 @@ def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
     elif not rules_of(config.engine).reduces_before_grad_hooks and shard_ranks(config) > 1:
         # torch DistributedDataParallel all-reduces buckets from its own autograd hooks; a post-accumulate-grad
         # hook would step on the unreduced local gradient (DDP uses these hooks only for compiled autograd).
-        reasons.append(f"DDP over dp x cp = {shard_ranks(config)} ranks reduces gradients after the hooks would "
-                       "have stepped them; "
+        ranks = f"dp={config.dp}" + (f" x cp={config.cp}" if config.cp > 1 else "")
+        reasons.append(f"DDP with {ranks} reduces gradients after the hooks would have stepped them; "
                        "use FSDP2 (which runs the hooks after its reduce-scatter)")
     if config.optimizer_offload is not Offload.NONE:
         reasons.append("offloaded optimizer steps are priced as one host step per optimizer step, not per "

@@ -110,21 +110,95 @@ def run_rank(rank: int, cp: int) -> dict[str, object]:
             "extra": [fwd.peak - local_fwd.peak, bwd.peak - local_bwd.peak]}
 
 
+class RingAttention(torch.autograd.Function):
+    """Causal attention over the context-parallel group as torch's CP dispatcher runs SDPA: the ring forward and
+    backward, saving what the CPU flash kernel's autograd node saves (q, k, v, output, log-sum-exp)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+        out, lse = ring._templated_ring_attention(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
+                                                  q, k, v, is_causal=True, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+        def op(*, query, key, value, out, logsumexp, is_causal, grad_out, **kwargs):
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, query, key, value, out, logsumexp, 0.0, is_causal, scale=ctx.scale)
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring._templated_ring_attention_backward(dist.group.WORLD, 2, op, grad.contiguous(), "grad_out",
+                                                             q, k, v, out, lse, True)
+        return dq, dk, dv, None
+
+
+def ring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-interface entry for `RingAttention` (K, V unrepeated, as SDPA with enable_gqa)."""
+    out = RingAttention.apply(query, key.contiguous(), value.contiguous(), scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def run_model_rank(rank: int, cp: int, config_dir: str) -> dict[str, object]:
+    """Saved bytes per decoder layer of one training step of the tiny Llama on this rank's load-balanced shard of
+    every sequence (positions of chunks r and 2 cp - 1 - r), with ring attention across the ranks."""
+    import transformers.masking_utils as masking_utils
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM
+
+    AttentionInterface.register("ring", ring_attention)
+    AttentionMaskInterface.register("ring", lambda *args, **kwargs: None)  # causal inside the kernel
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None  # shards are not packed sequences
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(config_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="ring")
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (B, S))
+    chunks = torch.arange(S).chunk(2 * cp)
+    positions = torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+    local = ids[:, positions]
+    layers = model.model.layers
+    existing = {p.untyped_storage()._cdata for p in model.parameters()}
+    existing |= {b.untyped_storage()._cdata for b in model.buffers()}
+    existing |= {local.untyped_storage()._cdata}
+    stack, owner, nbytes, keep = ["outside"], {}, {}, []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in existing and storage._cdata not in owner:
+            owner[storage._cdata], nbytes[storage._cdata] = stack[-1], storage.nbytes()
+            keep.append(storage)
+        return tensor
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: stack.append(f"layer{i}"))
+        layer.register_forward_hook(lambda m, a, o: stack.pop() and None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=local, labels=local, position_ids=positions.unsqueeze(0), use_cache=False).loss
+    loss.backward()
+    return {"layer_saved": [sum(n for k, n in nbytes.items() if owner[k] == f"layer{i}") for i in range(len(layers))]}
+
+
 def worker(spec_path: str, rank: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=spec["cp"],
                             timeout=timedelta(seconds=60))
     try:
-        result = run_rank(rank, spec["cp"])
+        result = run_model_rank(rank, spec["cp"], spec["model"]) if spec.get("model") else run_rank(rank, spec["cp"])
     finally:
         dist.destroy_process_group()
     (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def launch(folder: Path, cp: int) -> list[dict]:
-    """Run the ring on `cp` gloo ranks (this file as a script) and return each rank's record."""
+def launch(folder: Path, cp: int, *, model: Path | None = None) -> list[dict]:
+    """Run the ring (or, given a model config folder, a model step) on `cp` gloo ranks (this file as a script) and
+    return each rank's record."""
     spec = folder / "spec.json"
-    spec.write_text(json.dumps({"store": str(folder / "store"), "cp": cp}))
+    spec.write_text(json.dumps({"store": str(folder / "store"), "cp": cp, "model": str(model) if model else None}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tests.costmodels.cp_ring_reference", str(spec)]
     procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -13,12 +13,14 @@ from costmodels.config import ContextParallel, Precision
 from costmodels.context_parallel import (
     attention_shapes,
     buffer_bytes,
+    output_copy_bytes,
     rank_graph,
     rank_workload,
     ring_traffic,
     ulysses_traffic,
 )
 from costmodels.estimate import InvalidConfig
+from costmodels.memory import memory_terms
 from graphs import Checkpoint, Role, lower
 from tests.costmodels.cp_ring_reference import HEAD_DIM, HEADS, KV_HEADS, B, S, launch
 from tests.graphs.reference import write_config
@@ -82,6 +84,31 @@ def test_ring_buffers_bound_torch_ring_attention_extra_bytes_on_gloo(cp, measure
     extra_backward = max(rank["extra"][1] for rank in measured[cp])
     assert forward == pytest.approx(extra_forward, rel=0.25)
     assert backward == pytest.approx(extra_backward, rel=0.10)
+
+
+@pytest.fixture(scope="module")
+def model_measured(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("cp-model")
+    return launch(folder, 2, model=write_config(folder / "llama", tiny_values("llama")))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_saved_bytes_per_layer_equal_a_real_ring_attention_step_of_tiny_llama_on_gloo(model_measured, graph):
+    """Saved-tensor hooks over a real training step of the tiny Llama on 2 gloo ranks, each on its load-balanced
+    half of every sequence with torch's ring attention: the largest rank saves exactly what `memory_terms` gives
+    a decoder layer at s / cp with the ring's output copy, the last rank (no partial merge) exactly the lowering
+    at s / cp; the first layer also saves the model-wide rotary tables (`graph.shared`)."""
+    cp = 2
+    terms = memory_terms(graph, Workload(seq_len=S, global_batch=B), _config(cp, micro_batch=B))
+    decoder = [dict(options)[Checkpoint.NONE].saved for layer, options in zip(graph.nodes(), terms.nodes, strict=True)
+               if layer.role is Role.DECODER]
+    shared = [graph.shared(B, S // cp)] + [0] * (len(decoder) - 1)
+    copy = output_copy_bytes(_shapes(graph, cp), _config(cp))
+    largest = [max(rank["layer_saved"][i] for rank in model_measured) for i in range(len(decoder))]
+    last = model_measured[-1]["layer_saved"]
+    assert largest == [n + extra for n, extra in zip(decoder, shared, strict=True)]
+    assert last == [n - copy + extra for n, extra in zip(decoder, shared, strict=True)]
 
 
 def test_rank_graph_leaves_linear_work_per_token_and_scales_attention_by_cp(graph):
