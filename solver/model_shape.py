@@ -12,6 +12,9 @@ from .plan import ModelShape
 # Families whose config.json omits the bias flags: Llama-style blocks have no linear biases; Qwen2 keeps a
 # bias on the q/k/v projections only (transformers models/qwen2/modeling_qwen2.py: q_proj(..., bias=True)).
 _QKV_BIAS_ONLY = frozenset({"qwen2", "qwen2_moe"})
+# Families that normalise each head's queries and keys (transformers models/qwen3/modeling_qwen3.py and
+# qwen3_moe: q_norm and k_norm, RMSNorm over head_dim, before RoPE).
+_QK_NORM = frozenset({"qwen3", "qwen3_moe"})
 
 
 def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> ModelShape:
@@ -20,7 +23,8 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
     dims = graph.dims
     rms = "rms_norm_eps" in text
     epsilon = text.get("rms_norm_eps") or text.get("layer_norm_eps") or text.get("layer_norm_epsilon")
-    activation = str(text.get("hidden_act") or text.get("activation_function") or "")
+    activation = str(text.get("hidden_act") or text.get("activation_function") or
+                     _class_default(graph.model_type, "hidden_act", ""))
     rope_theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or \
         text.get("rotary_emb_base")
     rope = rope_theta is not None or "rope_scaling" in text or "rotary_pct" in text
@@ -33,18 +37,20 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
         normalization="RMSNorm" if rms else "LayerNorm", norm_epsilon=None if epsilon is None else float(epsilon),
         gated_silu=activation in ("silu", "swish"), rope=rope,
         rope_theta=None if rope_theta is None else float(rope_theta),
-        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings",
-                                                                         _tied_by_default(graph.model_type)))),
+        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", _class_default(
+            graph.model_type, "tie_word_embeddings", True)))),
         linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts,
-        top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0)
+        top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0,
+        qk_norm=graph.model_type in _QK_NORM)
 
 
-def _tied_by_default(model_type: str) -> bool:
-    """Whether transformers ties the model family's embeddings when config.json does not say (MixtralConfig and
-    LlamaConfig do not, GPT2Config does): the lowering builds the model from the same config class."""
+def _class_default(model_type: str, key: str, fallback: Any) -> Any:
+    """What transformers' config class of the family sets for `key` when config.json leaves it out (Qwen3Config:
+    hidden_act silu; MixtralConfig and LlamaConfig: untied embeddings; GPT2Config: tied): the lowering builds the
+    model from the same class. `fallback` (PretrainedConfig's own default) for a type transformers does not know."""
     from transformers import AutoConfig
 
     try:
-        return bool(AutoConfig.for_model(model_type).tie_word_embeddings)
-    except ValueError:  # a model type transformers does not know: PretrainedConfig's own default
-        return True
+        return getattr(AutoConfig.for_model(model_type), key, fallback)
+    except ValueError:
+        return fallback

@@ -66,6 +66,8 @@ class ModelShape:
     """Experts each token is routed to."""
     expert_ffn_hidden: int = 0
     """FFN width of one expert (0: ffn_hidden, as in Mixtral)."""
+    qk_norm: bool = False
+    """A norm over each head's queries and keys before RoPE (Qwen3)."""
 
 
 @dataclass(frozen=True, kw_only=True)

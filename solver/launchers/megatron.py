@@ -28,7 +28,7 @@ KNOWN_FLAGS = frozenset({
     "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--context-parallel-size",
     "--cp-comm-type", "--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-    "--moe-token-dispatcher-type",
+    "--moe-token-dispatcher-type", "--qk-layernorm",
 })
 # validate_args (core_v0.16.1) asserts this variable is 1 under tensor or context parallelism before Blackwell, as
 # Megatron-LM's example scripts export it: one CUDA work queue keeps its communication kernels in issue order.
@@ -64,6 +64,8 @@ def shape_arguments(plan: Plan) -> list[str]:
         args.append("--disable-bias-linear")
     if shape.qkv_bias:
         args.append("--add-qkv-bias")
+    if shape.qk_norm:
+        args.append("--qk-layernorm")  # per head, in --normalization's norm
     return args
 
 

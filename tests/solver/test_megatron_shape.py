@@ -2,7 +2,9 @@
 
 Megatron's argument parser (megatron/training/arguments.py) is not in the megatron-core wheel, so flag names are
 checked against `megatron.KNOWN_FLAGS` (copied from that file) and the values against the transformers model
-itself, built on the meta device: its norm classes, MLP projections, rotary module, tied weights and biases.
+itself, built on the meta device: its norm classes, MLP projections, rotary module, tied weights and biases. Given
+Megatron-LM's source ($MEGATRON_LM_SOURCE, tests/solver/megatron_args.py), its own parser and TransformerConfig
+read the same values.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import torch
 from graphs import FitplanError, resolve
 from solver import solve
 from solver.launchers import emit, megatron
+from tests.solver import megatron_args
 
-MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B", "gpt2", "Qwen/Qwen2.5-0.5B"]
+MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B", "gpt2", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen3-8B"]
 
 
 def flag_values(arguments: list[str]) -> dict[str, str | bool]:
@@ -36,7 +39,7 @@ def reference_model(name: str):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_megatron_shape_flags_describe_the_transformers_model(name):
+def test_megatron_shape_flags_describe_the_transformers_model(name, tmp_path, monkeypatch):
     plan = solve(name, "8xH100", launcher="megatron", seq_len=1024, global_batch=64, time_limit=10)
     arguments = megatron.arguments(plan)
     assert [a for a in arguments if a.startswith("--") and a not in megatron.KNOWN_FLAGS] == []
@@ -64,6 +67,7 @@ def test_megatron_shape_flags_describe_the_transformers_model(name):
     if rotary:
         theta = getattr(text, "rope_theta", None) or text.rope_parameters["rope_theta"]
         assert int(flags["--rotary-base"]) == int(theta)
+    assert ("--qk-layernorm" in flags) == any(n.endswith(("q_norm", "k_norm")) for n, _ in block.named_modules())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert ("--untie-embeddings-and-output-weights" in flags) == (not tied)
     if linears:
@@ -77,6 +81,18 @@ def test_megatron_shape_flags_describe_the_transformers_model(name):
     assert int(flags["--micro-batch-size"]) * plan.decisions.grad_accum * plan.decisions.dp == \
         int(flags["--global-batch-size"]) == plan.inputs.global_batch
     assert emit(plan, "megatron")["megatron_args.txt"].split() == arguments
+    if megatron_args.available():
+        import shlex
+
+        launch = shlex.split(emit(plan, "megatron")["megatron_launch.sh"].splitlines()[-1])
+        env = dict(w.split("=", 1) for w in launch[1:launch.index("torchrun")]) if launch[0] == "env" else {}
+        _, core = megatron_args.validate(tmp_path, arguments, world=8, capability=megatron_args.H100, env=env,
+                                         monkeypatch=monkeypatch)
+        assert (core.num_layers, core.hidden_size, core.ffn_hidden_size, core.num_attention_heads) == \
+            (text.num_hidden_layers, text.hidden_size, ffn, text.num_attention_heads)
+        assert (core.num_query_groups or core.num_attention_heads) == kv
+        assert (core.gated_linear_unit, core.add_bias_linear, core.qk_layernorm) == \
+            ("--swiglu" in flags, "--disable-bias-linear" not in flags, "--qk-layernorm" in flags)
 
 
 def test_a_plan_without_a_shape_is_refused_with_a_way_out():
