@@ -272,3 +272,14 @@ def test_megatron_validation_refuses_a_job_without_its_launch_environment_or_wit
         _, config = validate(tmp_path, uneven, world=1024, capability=H100,
                              env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, monkeypatch=monkeypatch)
         megatron_stage_layers(config, 16, 1)
+
+
+def test_qwen3_moe_plan_passes_megatron_validation_with_its_expert_width(small, tmp_path, monkeypatch):
+    """Qwen3-30B-A3B: 128 experts of width moe_intermediate_size (not the dense intermediate_size), top-8, and
+    per-head query/key norms."""
+    plan = plan_for(small, "Qwen/Qwen3-30B-A3B", 2, seq_len=4096, engine=Engine.DEEPSPEED, zero=1, tp=1, pp=2, dp=8,
+                    ep=8, micro_batch=1, grad_accum=4, pp_split=(24, 24))
+    args, config = megatron_checked(plan, tmp_path, monkeypatch)
+    check_megatron_reads(plan, args, config)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size, config.qk_layernorm) == \
+        (128, 8, 768, True)
