@@ -222,12 +222,12 @@ class Config:
                     isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.pp_split)):
                 raise ValueError(f"pp_split={self.pp_split!r} must give {stages} stages (pp x pp_virtual) at least "
                                  "one decoder layer each")
-            if self.zero == 3 or (self.engine is Engine.DEEPSPEED and self.zero == 2):
-                # A pipeline runs each stage's micro-batches back to back: Megatron shards at most the optimizer
-                # (its distributed optimizer, ZeRO-1) and torchtitan 0.3.0 keeps FSDP2's parameters gathered from
-                # forward to backward under PP (fsdp_reshard_after_forward "default" is False with PP: zero=2).
-                raise ValueError(f"pp={self.pp} runs with parameters kept between forward and backward, not "
-                                 f"{self.engine} zero={self.zero} (Megatron: ZeRO-0/1; torchtitan: FSDP2 zero=2)")
+            from .engines import rules_of
+
+            stages = rules_of(self.engine).pipeline_stages  # costmodels/engines: the runtimes' pipeline rules
+            if self.zero not in stages:
+                raise ValueError(f"pp={self.pp} runs {self.engine} at zero={', '.join(map(str, stages))} only, not "
+                                 f"zero={self.zero} (a pipeline keeps parameters from forward to backward)")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are divided across "
                              "the data- and context-parallel ranks)")

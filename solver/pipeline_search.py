@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from costmodels import Cluster, Workload
+from costmodels import Cluster, Offload, Optimizer, Workload
+from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import (
     RankSlice,
     pipeline_step,
@@ -26,7 +27,9 @@ from costmodels.pipeline_stages import (
     stage_p2p_seconds,
     stage_split_seconds,
 )
+from costmodels.states import model_states
 from costmodels.timing import TimeTerms, time_terms
+from costmodels.verdict import memory_budget
 from graphs import Checkpoint, LayerGraph
 
 from .search import fastest_modes, search
@@ -77,8 +80,14 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
               modes: tuple[Checkpoint, ...]) -> PipelineCandidate | None:
     """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit."""
     config = outer.config()
+    slices = rank_slices(graph, workload, config)
+    budget = memory_budget(cluster, config, headroom)
+    for slice_ in slices:  # the states alone, before any timing: most configurations that cannot fit stop here
+        states = model_states(slice_.graph, config)
+        if states.gpu_total + states.step_temp + slice_.buffers > budget:
+            return None
     ranks = []
-    for slice_ in rank_slices(graph, workload, config):
+    for slice_ in slices:
         table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
                             in_flight=slice_.in_flight, buffers=slice_.buffers)
         if not table.states_fit:
@@ -130,29 +139,50 @@ def solve_ranks(found: PipelineCandidate, modes: tuple[Checkpoint, ...], *,
     return chosen, proved
 
 
+def compute_bound(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
+                  modes: tuple[Checkpoint, ...], memo: dict[Outer, float]) -> int:
+    """Step ticks no split or schedule of `outer` beats: its micro-batches' compute in the fastest modes spread
+    evenly over the pipeline ranks (the busiest rank has at least the mean, and the schedule lasts at least as
+    long as its busiest rank). One time evaluation per compute setting, shared by every pipeline degree."""
+    # What the micro-batches' compute depends on: not the data-parallel degree, offload or optimizer (their time
+    # is outside the schedule), nor the pipeline (dp = ep keeps ep valid).
+    key = replace(outer, pp=1, pp_schedule=Schedule.ONE_F_ONE_B, pp_virtual=1, pp_split=(), grad_accum=1,
+                  dp=outer.ep, optimizer_offload=Offload.NONE, param_offload=Offload.NONE, optimizer=Optimizer.ADAMW)
+    if key not in memo:
+        terms = time_terms(graph, cluster, workload, key.config())
+        fastest = sum(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
+                      for options in terms.layers)
+        memo[key] = terms.fixed.step_time - terms.outside + fastest
+    return ticks(outer.grad_accum * memo[key] / outer.pp)
+
+
 def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
                     workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...], incumbent: int | None,
                     deadline: float) -> PipelineResult:
-    """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any)."""
-    candidates = []
-    complete = True
+    """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any): configurations
+    in the order of `compute_bound`, each built (`candidate`) and its ranks solved only while its bounds are below
+    the best step so far."""
+    memo: dict[Outer, float] = {}
+    bounds = []
     for outer in outers:
-        if candidates and time.perf_counter() > deadline:
-            complete = False
-            break
-        found = candidate(outer, graph_of(outer), cluster, workload, headroom=headroom, modes=modes)
-        if found is not None:
-            candidates.append(found)
-    explored = len(candidates)
+        if time.perf_counter() > deadline:  # no bound for the rest: none of them is searched
+            return PipelineResult("UNKNOWN", None, (), None, 0, 0)
+        bounds.append(compute_bound(outer, graph_of(outer), cluster, workload, modes, memo))
     best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
-    searched = 0
-    for found in sorted(candidates, key=lambda c: c.lower):
+    explored = searched = 0
+    complete = True
+    for k in sorted(range(len(outers)), key=lambda i: (bounds[i], i)):
         bound = best[0] if best is not None else incumbent
-        if bound is not None and found.lower >= bound:
+        if bound is not None and bounds[k] >= bound:
             break
         if time.perf_counter() > deadline:
             complete = False
             break
+        outer = outers[k]
+        found = candidate(outer, graph_of(outer), cluster, workload, headroom=headroom, modes=modes)
+        explored += 1
+        if found is None or (bound is not None and found.lower >= bound):
+            continue
         rank_modes, proved = solve_ranks(found, modes, deadline=deadline)
         searched += 1
         complete = complete and proved

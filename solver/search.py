@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Offload, Workload, precision
+from costmodels.activations import NodeMemory
 from graphs import Checkpoint, LayerGraph
 
 from .model import SolveResult, build_model, solve
@@ -127,6 +128,55 @@ def _bisect(table: Table, kinds: list[int], mode: Checkpoint, modes: tuple[Check
     return assignment(low)
 
 
+def peak_lower_bound(table: Table, modes: tuple[Checkpoint, ...]) -> int:
+    """An allocated peak no assignment of `modes` goes below: each of the timeline's events (`model._events`)
+    takes, node by node, the mode that adds least to it, and the bound is the largest such event. Above the
+    budget it proves a table infeasible without CP-SAT (most pipeline ranks that cannot fit)."""
+    terms = table.memory
+    nodes = [[node for mode, node in options if mode in modes or not node.decoder] or [options[0][1]]
+             for options in terms.nodes]
+    n, others = len(nodes), terms.in_flight - 1
+    decoders = [i for i, options in enumerate(nodes) if options[0].decoder]
+    last = decoders[-1] if decoders else -1
+    kept = [0]
+    for extra in terms.extra:
+        kept.append(kept[-1] + extra[1])
+    base = terms.in_flight * (terms.start - (terms.forward_only if last >= 0 else 0)) + terms.buffers
+
+    def held(node: NodeMemory) -> int:
+        return node.fwd_net - node.released_after_forward
+
+    best = terms.states.step_temp + terms.buffers + terms.states.accumulating_grads  # the optimizer step
+    for fresh, before in terms.walks:
+        peak = "bwd_peak_fresh" if fresh else "bwd_peak"
+        # forward event i: nodes before i add fwd_net and their held bytes in the other micro-batches, i its peak
+        ahead = [min(o.fwd_net + others * held(o) for o in options) for options in nodes]
+        behind = [min(others * held(o) for o in options) for options in nodes]
+        prefix, suffix = [0], [0] * (n + 1)
+        for i in range(n):
+            prefix.append(prefix[-1] + ahead[i])
+        for i in reversed(range(n)):
+            suffix[i] = suffix[i + 1] + behind[i]
+        for i in range(n):
+            own = min(o.fwd_peak + others * held(o) for o in nodes[i])
+            start = terms.start - (terms.forward_only if i > last >= 0 else 0) + others * (
+                terms.start - (terms.forward_only if last >= 0 else 0)) + terms.buffers
+            best = max(best, before + start + prefix[i] + own + suffix[i + 1] + terms.extra[i][0] + kept[i])
+        # backward event i: every node's held bytes in all in-flight micro-batches, nodes after i their backward
+        done = [min(terms.in_flight * held(o) + o.bwd_net + (o.grads if fresh else 0) for o in options)
+                for options in nodes]
+        waiting = [min(terms.in_flight * held(o) for o in options) for options in nodes]
+        prefix, suffix = [0], [0] * (n + 1)
+        for i in range(n):
+            prefix.append(prefix[-1] + waiting[i])
+        for i in reversed(range(n)):
+            suffix[i] = suffix[i + 1] + done[i]
+        for i in range(n):
+            own = min(terms.in_flight * held(o) + getattr(o, peak) for o in nodes[i])
+            best = max(best, before + base + prefix[i] + own + suffix[i + 1] + terms.extra[i][2] + kept[i + 1])
+    return terms.states.gpu_total + best
+
+
 def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...], *, time_limit: float,
            configurations: int) -> SearchResult:
     """The best plan among `tables` within `time_limit` seconds (model building included). The status is
@@ -150,8 +200,17 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
             if incumbent is None or value < incumbent[0]:
                 incumbent = (value, k, plan)
     viable.sort()
-    # Without a quick plan, CP-SAT still gets every viable table to prove infeasibility or find one.
+    # Without a quick plan, CP-SAT still gets every viable table to prove infeasibility or find one (less those
+    # whose peak cannot come under the budget in any assignment).
     candidates = viable if incumbent is None else [k for k in viable if lower[k] <= incumbent[0]]
+    candidates = [k for k in candidates if k in quick or peak_lower_bound(tables[k], table_modes(tables[k], modes))
+                  <= tables[k].budget]
+    if incumbent is not None and candidates == [incumbent[1]] and lower[incumbent[1]] == incumbent[0]:
+        # the quick plan is the fastest assignment of the only configuration that could beat it: optimal
+        status = "OPTIMAL" if complete else "FEASIBLE"
+        result = SolveResult(status, incumbent[0], incumbent[0], time.perf_counter() - start, incumbent[1],
+                             incumbent[2])
+        return SearchResult(result, tables, candidates, configurations, weight, quick)
     if not candidates:
         status = "INFEASIBLE" if complete else "UNKNOWN"  # unbuilt configurations might fit
         empty = SolveResult(status, None, None, time.perf_counter() - start, None, ())

@@ -186,9 +186,12 @@ def expert_degrees(graph: LayerGraph, pins: Pins, ranks: int) -> list[int]:
     return [ep for ep in pins.keep("ep", divisors(ranks)) if experts % ep == 0]
 
 
-# Stages per rank tried for the interleaved schedules when not pinned (Megatron's and torchtitan's examples use
-# 2 to 4 virtual stages; more multiplies the point-to-point sends).
-VIRTUAL_STAGES = (2, 4)
+# Stages per rank tried for the interleaved schedules when not pinned: 2, the fewest that interleave (each more
+# stage per rank adds pp point-to-point hops per micro-batch); --pp-virtual opens others.
+VIRTUAL_STAGES = (2,)
+# Schedules searched when not pinned: GPipe runs forward all micro-batches before any backward, so it holds all m
+# in flight for the bubble 1F1B has with at most pp (Narayanan et al. 2021, section 2.2); --pp-schedule gpipe.
+DEFAULT_SCHEDULES = tuple(s for s in Schedule if s is not Schedule.GPIPE)
 
 
 def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int) -> list[tuple[Schedule, int]]:
@@ -199,7 +202,7 @@ def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int) -> list[t
     layers = len(graph.decoder_layers())
     pinned_v = pins.value("pp_virtual")
     pairs = []
-    for schedule in pins.keep("pp_schedule", list(Schedule)):
+    for schedule in pins.allowed("pp_schedule") or DEFAULT_SCHEDULES:
         if schedule in SINGLE_STAGE:
             options: tuple[int, ...] = (1,)
         elif schedule is Schedule.ZBV:
@@ -224,10 +227,12 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+@functools.lru_cache(maxsize=16)
 def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
                 launchers: tuple[str, ...] = LAUNCHERS) -> Space:
     """Every outer configuration, in a fixed order (the order breaks ties: simpler first), that an allowed
-    launcher can run as emitted (`capability.unsupported`); `launchers` are those that can run this model."""
+    launcher can run as emitted (`capability.unsupported`); `launchers` are those that can run this model.
+    Cached: a solve asks again for its fallbacks and diagnosis, and a session for the same inputs."""
     precisions = supported_precisions(cluster, pins.allowed("precision") or default_precisions(cluster))
     # "auto" compiles where the tables find it saves enough (`tables.build_table`); never on the CPU test device.
     compile_pin = pins.value("compile")
@@ -237,25 +242,28 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     # Knobs the loops below do not enumerate take their pinned value (else their default); those they enumerate
     # override it. So a new knob needs no change here until the search should choose it.
     pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
+    pinned_mode = pins.value("checkpoint")
+    modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
+    runnable = _Runnable(pins, modes, lora=graph.lora, launchers=launchers)  # QLoRA/DoRA: its launchers
     outers = []
     for engine, zero in engine_stages(pins, launchers):
+        compiles = compiled and _compiles(engine, zero, pins)
         for layout in parallel_layouts(graph, cluster, workload, pins, engine):
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
                 for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
+                    if mb >= layout["cp"] > 1:
+                        continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
                     for prec in precisions:
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(layout["tp"], pins):
                                 for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
-                                    outers += _valid(graph, {**pinned, **layout, **dict(
+                                    outers += runnable(_valid(graph, {**pinned, **layout, **dict(
                                         engine=engine, zero=zero, optimizer_offload=opt_off, param_offload=param_off,
                                         micro_batch=mb, grad_accum=ga, precision=prec, optimizer=optimizer,
-                                        sequence_parallel=sp, compile=compiled and _compiles(engine, zero, pins),
-                                        pp_schedule=schedule, pp_virtual=v)})
-    pinned_mode = pins.value("checkpoint")
-    modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
+                                        sequence_parallel=sp, compile=compiles, pp_schedule=schedule,
+                                        pp_virtual=v)}))
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
-    outers = _runnable(outers, pins, modes, lora=graph.lora, launchers=launchers)  # QLoRA/DoRA: its launchers
     if pins.launcher is not None:
         entry = REGISTRY[pins.launcher]
         if not entry.per_layer and pinned_mode is None:
@@ -290,26 +298,35 @@ def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launcher
                            f"Use one of: {', '.join(str(m) for m in graph.checkpoint_modes())}.")
 
 
-def _runnable(outers: list[Outer], pins: Pins, modes: tuple[Checkpoint, ...], *, lora: object,
-              launchers: tuple[str, ...]) -> list[Outer]:
-    """The outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each marked
-    with whether selective and op-level selective recompute stay runnable. Launcher rules do not depend on the
-    micro-batch split, so they are checked once per configuration family, not per outer."""
-    allowed = (pins.launcher,) if pins.launcher else launchers
-    memo: dict[Outer, tuple[str, ...]] = {}
-    kept = []
-    for outer in outers:
-        key = (replace(outer, micro_batch=1, grad_accum=1) if outer.pp == 1 else  # pipelines: m is checked
-               replace(outer, micro_batch=1))
-        if key not in memo:
-            memo[key] = runnable_by(outer, lora=lora, launchers=allowed)
-        runners = memo[key]
-        marked = replace(outer, selective=bool(selective_runners(runners, all_layers=modes == (Checkpoint.SELECTIVE,))),
-                         op_selective=bool(op_selective_runners(runners,
-                                                                all_layers=modes == (Checkpoint.OP_SELECTIVE,))))
-        if runners and any(marked.runs(mode) for mode in modes):
-            kept.append(marked)
-    return kept
+class _Runnable:
+    """Keeps the outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each
+    marked with whether selective and op-level selective recompute stay runnable. Launcher rules do not depend on
+    the micro-batch size (nor, without a pipeline, on the accumulation steps), so each is asked once per family."""
+
+    def __init__(self, pins: Pins, modes: tuple[Checkpoint, ...], *, lora: object,
+                 launchers: tuple[str, ...]) -> None:
+        self.allowed = (pins.launcher,) if pins.launcher else launchers
+        self.modes, self.lora = modes, lora
+        self.memo: dict[tuple[object, ...], tuple[bool, bool] | None] = {}
+
+    def __call__(self, outers: list[Outer]) -> list[Outer]:
+        kept = []
+        for outer in outers:
+            key = tuple(getattr(outer, name) for name in KNOBS if name != "micro_batch" and
+                        (outer.pp > 1 or name != "grad_accum"))
+            if key not in self.memo:
+                self.memo[key] = self._marks(outer)
+            if self.memo[key] is not None:
+                selective, op_selective = self.memo[key]
+                kept.append(replace(outer, selective=selective, op_selective=op_selective))
+        return kept
+
+    def _marks(self, outer: Outer) -> tuple[bool, bool] | None:
+        runners = runnable_by(outer, lora=self.lora, launchers=self.allowed)
+        marks = (bool(selective_runners(runners, all_layers=self.modes == (Checkpoint.SELECTIVE,))),
+                 bool(op_selective_runners(runners, all_layers=self.modes == (Checkpoint.OP_SELECTIVE,))))
+        marked = replace(outer, selective=marks[0], op_selective=marks[1])
+        return marks if runners and any(marked.runs(mode) for mode in self.modes) else None
 
 
 def _valid(graph: LayerGraph, values: dict[str, object]) -> list[Outer]:

@@ -114,6 +114,9 @@ class EngineRules:
     """Keeps an fp32 gradient buffer beside the 16-bit gradients under mixed precision."""
     small_params_whole_stages: tuple[int, ...] = ()
     """Stages that keep small parameters (norms, biases) whole on every rank instead of sharding them."""
+    pipeline_stages: tuple[int, ...] = ()
+    """Stages a pipeline-parallel runtime runs it at: parameters kept from a micro-batch's forward to its
+    backward (a pipeline interleaves micro-batches, so resharding after every forward is refused)."""
     own_fused_optimizer: bool = False
     """Steps its own fused optimizer (no torch foreach temporaries), after backward only."""
     bucketed_reduce_stages: tuple[int, ...] = ()

@@ -29,4 +29,6 @@ RULES = EngineRules(
     # local gradient (DDP uses these hooks only for compiled autograd).
     reduces_before_grad_hooks=False,
     quantized_base=True,
+    # torchtitan 0.3.0 runs pipelines with plain data parallelism (parallelize: data_parallel_replicate).
+    pipeline_stages=(0,),
 )

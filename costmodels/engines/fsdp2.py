@@ -38,4 +38,7 @@ RULES = EngineRules(
     # FSDP2 reduce-scatters a unit's gradients before its post-accumulate-grad hooks run (torchtune's
     # optimizer-in-backward steps on the sharded, reduced gradient).
     reduces_before_grad_hooks=True,
+    # torchtitan 0.3.0 keeps FSDP2 parameters gathered through forward and backward under PP
+    # (fsdp_reshard_after_forward "default" = False with pipeline parallelism: parallelize.py).
+    pipeline_stages=(2,),
 )

@@ -196,3 +196,21 @@ def test_cpsat_equals_enumeration_with_context_or_expert_parallelism(seed, tmp_p
     assert best is not None and found.result.status == "OPTIMAL"
     assert found.result.objective == best.objective
     assert (found.result.table, found.result.modes) == (best.table, best.modes)
+
+
+@pytest.mark.parametrize("seed", range(0, 30, 3))
+def test_peak_lower_bound_is_never_above_any_assignment(seed):
+    """`search.peak_lower_bound` proves tables infeasible without CP-SAT: it must not exceed the peak of any
+    assignment (checked against every canonical assignment of each rank, in-flight micro-batches included)."""
+    from solver.search import peak_lower_bound
+    from solver.space import all_counts, canonical_modes
+
+    case = instance(seed)
+    graph_of, space = space_of(case)
+    modes = tuple(m for m in case["modes"] if m in space.modes)
+    for outer in space.pipelines[:3]:
+        found = candidate(outer, graph_of(outer), case["cluster"], case["workload"], headroom=0.0, modes=modes)
+        for rank in found.ranks if found else ():
+            peaks = [rank.table.peak_of(canonical_modes(rank.kinds, c)) for c in all_counts(rank.kinds, modes)]
+            assert peak_lower_bound(rank.table, modes) <= min(peaks)
+            assert peak_lower_bound(rank.table, modes[-1:]) == rank.table.peak_of(tuple(modes[-1:] * len(rank.kinds)))
