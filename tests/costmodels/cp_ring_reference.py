@@ -183,22 +183,62 @@ def run_model_rank(rank: int, cp: int, config_dir: str) -> dict[str, object]:
     return {"layer_saved": [sum(n for k, n in nbytes.items() if owner[k] == f"layer{i}") for i in range(len(layers))]}
 
 
+def run_ulysses_rank(rank: int, cp: int) -> dict[str, object]:
+    """Bytes this rank sends through DeepSpeed-Ulysses' own `DistributedAttention` (its q, k, v and output
+    all-to-alls, sequence shards to head shards and back) in one forward and backward of the tiny Llama's
+    attention shapes, counted at every `all_to_all_single` call (each sends all but its own 1/cp share)."""
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cp))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # wraps the gloo group
+    sent, phase = [0, 0], [0]
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):  # DeepSpeed passes `input=` by name
+        sent[phase[0]] += input.numel() * input.element_size() * (cp - 1) // cp
+        return original(output, input, *args, **kwargs)
+
+    def local(q, k, v, *args, **kwargs):  # (b, s, heads, d) as Ulysses hands them over
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    dist.all_to_all_single = counting
+    try:
+        attention = DistributedAttention(local, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+        q, k, v = (torch.randn(B, S // cp, h, HEAD_DIM, dtype=torch.bfloat16, requires_grad=True)
+                   for h in (HEADS, KV_HEADS, KV_HEADS))
+        out = attention(q, k, v, 0)
+        phase[0] = 1
+        out.float().sum().backward()
+    finally:
+        dist.all_to_all_single = original
+    return {"sent": sent}
+
+
 def worker(spec_path: str, rank: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=spec["cp"],
                             timeout=timedelta(seconds=60))
     try:
-        result = run_model_rank(rank, spec["cp"], spec["model"]) if spec.get("model") else run_rank(rank, spec["cp"])
+        if spec.get("model"):
+            result = run_model_rank(rank, spec["cp"], spec["model"])
+        elif spec.get("ulysses"):
+            result = run_ulysses_rank(rank, spec["cp"])
+        else:
+            result = run_rank(rank, spec["cp"])
     finally:
         dist.destroy_process_group()
     (Path(spec_path).parent / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def launch(folder: Path, cp: int, *, model: Path | None = None) -> list[dict]:
-    """Run the ring (or, given a model config folder, a model step) on `cp` gloo ranks (this file as a script) and
-    return each rank's record."""
+def launch(folder: Path, cp: int, *, model: Path | None = None, ulysses: bool = False) -> list[dict]:
+    """Run the ring (given a model config folder, a model step; with `ulysses`, DeepSpeed's all-to-all attention)
+    on `cp` gloo ranks (this file as a script) and return each rank's record."""
     spec = folder / "spec.json"
-    spec.write_text(json.dumps({"store": str(folder / "store"), "cp": cp, "model": str(model) if model else None}))
+    spec.write_text(json.dumps({"store": str(folder / "store"), "cp": cp, "model": str(model) if model else None,
+                                "ulysses": ulysses}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tests.costmodels.cp_ring_reference", str(spec)]
     procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,

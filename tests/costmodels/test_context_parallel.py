@@ -22,7 +22,7 @@ from costmodels.context_parallel import (
 from costmodels.estimate import InvalidConfig
 from costmodels.memory import memory_terms
 from graphs import Checkpoint, Role, lower
-from tests.costmodels.cp_ring_reference import HEAD_DIM, HEADS, KV_HEADS, B, S, launch
+from tests.costmodels.cp_ring_reference import B, S, launch
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -123,12 +123,14 @@ def test_rank_graph_leaves_linear_work_per_token_and_scales_attention_by_cp(grap
                 assert (p.flops - p.attention_flops).exact(B, S // cp) * cp == linear.exact(B, S)
 
 
-def test_ulysses_traffic_sends_all_but_the_kept_share_of_q_k_v_and_output(graph):
-    cp = 4
-    shapes = _shapes(graph, cp)
-    assert shapes.q == B * (S // cp) * HEADS * HEAD_DIM * 2 and shapes.kv == 2 * B * (S // cp) * KV_HEADS * HEAD_DIM * 2
-    traffic = ulysses_traffic(shapes, cp)
-    assert traffic.forward == traffic.backward == (2 * shapes.q + shapes.kv) * 3 // 4
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ulysses_traffic_equals_what_deepspeed_distributed_attention_sends_on_gloo(tmp_path, graph):
+    """DeepSpeed-Ulysses' own `DistributedAttention` over 2 gloo ranks: exact bytes of its q, k, v and output
+    all-to-alls in forward and of their gradients in backward."""
+    cp = 2
+    traffic = ulysses_traffic(_shapes(graph, cp), cp)
+    assert [rank["sent"] for rank in launch(tmp_path, cp, ulysses=True)] == [[traffic.forward, traffic.backward]] * cp
 
 
 # --- estimate: wiring and refusals ----------------------------------------------------------------------------
