@@ -244,6 +244,20 @@ def node_seconds(graph: LayerGraph, cluster: Cluster, config: Config, layer: Lay
     return layer_seconds(cluster, config, shapes, AttentionTime(forward=kernel[0], backward=kernel[1]), mode)
 
 
+def notes(config: Config) -> tuple[str, ...]:
+    """What the context-parallel costs assume, in words (none at cp = 1)."""
+    if config.cp == 1:
+        return ()
+    if config.cp_mode is ContextParallel.ALL_TO_ALL:
+        how = ("all-to-all (Ulysses): q, k, v and the output re-sharded from sequence to heads and back in every "
+               "layer, not overlapped")
+    else:
+        how = ("ring: K, V shards passed on cp - 1 times per layer (dK, dV in fp32 in backward), each hop hidden "
+               "behind one chunk of attention where it is shorter; buffers and merges as torch 2.13's ring runs them")
+    return (f"context parallelism cp={config.cp}: each rank holds seq_len / cp tokens (two load-balanced chunks "
+            f"per sequence) and 1/cp of the causal attention work; {how}",)
+
+
 def refusals(graph: LayerGraph, config: Config) -> list[str]:
     """Why context parallelism cannot run this model as configured (empty when cp = 1)."""
     if config.cp == 1:

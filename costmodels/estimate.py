@@ -178,7 +178,7 @@ def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
         notes.append("checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
     if any(layer.role is Role.DECODER and layer.moe for layer in graph.nodes()):
         notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)")
-    return tuple(notes) + expert_notes(config) + _saver_notes(config)
+    return tuple(notes) + context_parallel.notes(config) + expert_notes(config) + _saver_notes(config)
 
 
 def _saver_notes(config: Config) -> tuple[str, ...]:
