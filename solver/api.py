@@ -23,8 +23,10 @@ from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
 from costmodels.estimate import model_refusals
 from costmodels.packing import Lengths, packed, padded
+from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import stage_layers
 from costmodels.profile import load_profile
+from costmodels.verdict import fits
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
 from graphs.lower import lower_resolved
 from graphs.positions import sequence_note
@@ -41,7 +43,7 @@ from .model import SolveResult
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
 from .pipeline_search import PipelineResult, pipeline_search
-from .plan import ClusterInfo, Inputs, LoraDecision, Plan, SolverStats, decisions_of
+from .plan import ClusterInfo, Inputs, LoraDecision, Plan, ScheduleOption, SolverStats, decisions_of
 from .search import SearchResult, build_tables, search
 from .space import Outer, Space, outer_space
 from .tables import TICK_SECONDS
@@ -371,7 +373,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     space = outer_space(any_graph, cluster, workload, pins, launchers)
     if any_graph.runtime == "torchtitan":
         space = _titan_priced(space, lora=lora is not None)
-    if not space.outers:
+    if not space.outers and not space.pipelines:
         _check_memory_savers(pins, any_graph, (pins.launcher,) if pins.launcher else launchers)
         raise Infeasible(*diagnose(None, inputs, pins, space, rebuild=lambda relaxed: outer_space(
             any_graph, cluster, workload, relaxed, launchers)))
@@ -388,8 +390,14 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     search_limit = max(0.01, begin + 0.85 * time_limit - time.perf_counter())
     found = search(tables, kinds, space.modes, time_limit=search_limit, configurations=len(space.outers))
     result = found.result
+    adapters = None if lora is None else LoraDecision.of(lora)
+
+    def runs(config: Config) -> bool:  # the launchers the plan will list run it (its model's limits included)
+        d = decisions_of(config, config.checkpoint, lora=adapters, attention=any_graph.attention)
+        return any(pins.launcher in (None, name) for name in runnable_by(d, inputs))
+
     piped, pipeline_status = _pipeline(space, graph_of, cluster, workload, found, headroom=headroom,
-                                       deadline=begin + 0.85 * time_limit)
+                                       deadline=begin + 0.85 * time_limit, runs=runs)
     configurations = len(space.outers) + len(space.pipelines)
     if (piped is None or piped.outer is None) and result.table is None and result.status == "INFEASIBLE" \
             and pipeline_status in ("INFEASIBLE", None):  # proven over the whole space
@@ -418,7 +426,6 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)
-    adapters = None if lora is None else LoraDecision.of(lora)
     decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),
                         compile=guide.compile, dataloader_num_workers=guide.workers)
     objective = result.objective // found.weight * TICK_SECONDS if result.objective is not None else \
@@ -440,12 +447,39 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
         raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
                            "This is a fitplan bug; please report it with the command line.")
+    schedules = _schedule_options(space, outer, modes, graph, cluster, workload, headroom, estimate) \
+        if outer.pp > 1 else ()
     return Plan(inputs=inputs, decisions=decisions, estimate=estimate, solver=stats, alternatives=alts,
+                schedules=schedules,
                 launchers=runners, binding=binding, advice=guide.lines)
 
 
+def _schedule_options(space: Space, outer: Outer, modes: tuple[Checkpoint, ...], graph: LayerGraph,
+                      cluster: Cluster, workload: Workload, headroom: float,
+                      chosen: Estimate) -> tuple[ScheduleOption, ...]:
+    """The chosen pipeline configuration's layout and per-layer recompute priced under every other schedule the
+    search had for it (each with its own balanced split), the chosen one first: why the schedule won."""
+    def same(o: Outer) -> Outer:
+        return replace(o, pp_schedule=Schedule.ONE_F_ONE_B, pp_virtual=1, pp_split=())
+
+    def option(config: Config, priced: Estimate, *, is_chosen: bool) -> ScheduleOption:
+        return ScheduleOption(schedule=str(config.pp_schedule), virtual=config.pp_virtual,
+                              step_time=priced.time.step_time, bubble=priced.time.bubble,
+                              device_peak=priced.memory.device_peak, fits=fits(priced, cluster, headroom).fits,
+                              chosen=is_chosen)
+
+    options = [option(outer.config(modes), chosen, is_chosen=True)]
+    for other in space.pipelines:
+        if same(other) == same(outer) and (other.pp_schedule, other.pp_virtual) != \
+                (outer.pp_schedule, outer.pp_virtual):
+            config = other.config(modes)
+            options.append(option(config, estimate_config(graph, cluster, workload, config), is_chosen=False))
+    return tuple(options)
+
+
 def _pipeline(space: Space, graph_of: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload,
-              found: SearchResult, *, headroom: float, deadline: float) -> tuple[PipelineResult | None, str | None]:
+              found: SearchResult, *, headroom: float, deadline: float,
+              runs: Callable[[Config], bool]) -> tuple[PipelineResult | None, str | None]:
     """The pipeline search over the space's pipeline configurations, against the whole-model search's plan
     (`pipeline_search`), and its status (None without pipeline configurations)."""
     if not space.pipelines:
@@ -453,7 +487,7 @@ def _pipeline(space: Space, graph_of: Callable[[Outer], LayerGraph], cluster: Cl
     result = found.result
     incumbent = result.objective // found.weight if result.objective is not None else None
     piped = pipeline_search(space.pipelines, graph_of, cluster, workload, headroom=headroom, modes=space.modes,
-                            incumbent=incumbent, deadline=deadline)
+                            incumbent=incumbent, deadline=deadline, runs=runs)
     return piped, piped.status
 
 

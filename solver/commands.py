@@ -188,6 +188,37 @@ def gpu_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def pipeline_lines(plan: Plan) -> list[str]:
+    """A pipeline plan's stages: each rank's memory and work, the bubble, and the schedules it beat."""
+    p, step = plan.estimate.pipeline, plan.estimate.time.step_time
+    assert p is not None
+    lines = [f"Pipeline: pp={p.pp} {p.schedule}" + (f" with {p.virtual} stages per rank" if p.virtual > 1 else "")
+             + f", {p.micro_batches} micro-batches per step; decoder layers per stage {list(p.stage_layers)}; "
+             f"bubble {plan.estimate.time.bubble:.3f} s of the {step:.3f} s step ({p.bubble_fraction:.1%} of all "
+             "ranks' time idle in the schedule)."]
+    for rank in p.ranks:
+        m = rank.memory
+        states = m.parameters + m.gradients + m.optimizer_states
+        stages = ", ".join(map(str, rank.stages))
+        lines.append(f"  rank {rank.rank} (stages {stages}; {rank.layers} layers, {rank.in_flight} micro-batch(es) "
+                     f"in flight): device peak {m.device_peak / GIB:.2f} GiB (activations {m.activations / GIB:.2f}, "
+                     f"states {states / GIB:.2f} GiB), compute {rank.busy:.3f} s, outside the schedule "
+                     f"{rank.outside:.3f} s")
+    if plan.schedules:
+        lines.append("Schedules for this layout and recompute:")
+        for option in plan.schedules:
+            name = option.schedule + (f" v={option.virtual}" if option.virtual > 1 else "")
+            if option.chosen:
+                why = f"chosen: step {option.step_time:.3f} s, bubble {option.bubble:.3f} s"
+            elif not option.fits:
+                why = f"does not fit (device peak {option.device_peak / GIB:.2f} GiB)"
+            else:
+                why = (f"{option.step_time / step - 1:+.1%} step time (bubble {option.bubble:.3f} s, device peak "
+                       f"{option.device_peak / GIB:.2f} GiB)")
+            lines.append(f"  - {name}: {why}")
+    return lines
+
+
 def explain_plan(path: Path) -> list[str]:
     try:
         plan = Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
@@ -202,7 +233,10 @@ def explain_plan(path: Path) -> list[str]:
              f"Memory per GPU: device peak {e.memory.device_peak / GIB:.2f} GiB of "
              f"{plan.inputs.cluster.gpu_memory_bytes / GIB:.2f} GiB, {plan.inputs.headroom:.0%} of it kept free "
              f"(allocated {e.memory.allocated_peak / GIB:.2f} GiB at {e.memory.peak_at}).",
-             f"Solver: {plan.solver.summary()}.", "Alternatives:"]
+             f"Solver: {plan.solver.summary()}."]
+    if e.pipeline is not None:
+        lines += pipeline_lines(plan)
+    lines.append("Alternatives:")
     lines += [f"  - {a.decisions}: {a.why}" for a in plan.alternatives] or ["  (none)"]
     if plan.advice:
         lines.append("Guide methods:")

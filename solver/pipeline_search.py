@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from costmodels import Cluster, Offload, Optimizer, Workload
+from costmodels import Cluster, Config, Offload, Optimizer, Workload
 from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import (
     RankSlice,
     pipeline_step,
     rank_slices,
+    stage_layers,
     stage_p2p_seconds,
     stage_split_seconds,
 )
@@ -58,6 +59,12 @@ class PipelineCandidate:
     p2p: tuple[float, ...]
     lower: int
     """Step ticks with every rank in its fastest modes: no assignment is faster."""
+    split: tuple[int, ...] = ()
+    """Decoder layers of each stage (what the plan records)."""
+
+    def config(self, rank_modes: list[tuple[Checkpoint, ...]]) -> Config:
+        """The configuration with its split and these modes, as a plan would carry it."""
+        return replace(self.outer, pp_split=self.split).config(whole_model_modes(self, rank_modes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +105,8 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
                                outside))
     found = PipelineCandidate(outer, tuple(ranks), stage_p2p_seconds(graph, cluster, workload, config), 0)
     fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in ranks]
-    return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest))
+    return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest),
+                             stage_layers(graph, workload, config))
 
 
 def step_ticks(found: PipelineCandidate, rank_modes: list[tuple[Checkpoint, ...]]) -> int:
@@ -156,9 +164,65 @@ def compute_bound(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: W
     return ticks(outer.grad_accum * memo[key] / outer.pp)
 
 
+Runs = Callable[[Config], bool]
+"""Whether some allowed launcher runs a configuration as emitted (`capability.runnable_by`)."""
+
+
+def stage_blocks(found: PipelineCandidate, mode: Checkpoint, k: int, modes: tuple[Checkpoint, ...]
+                 ) -> list[tuple[Checkpoint, ...]]:
+    """Each rank's modes when every stage puts its first k layers in `mode` and the rest in no recompute (or in
+    `mode` too when no recompute is not allowed): Megatron's block recompute, and one mode for every layer at k =
+    the largest stage (torchtitan's one policy)."""
+    rest = Checkpoint.NONE if Checkpoint.NONE in modes else mode
+    return [tuple(mode if i < k else rest for terms in rank.stage_terms for i in range(len(terms.layers)))
+            for rank in found.ranks]
+
+
+def free_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs: Runs) -> bool:
+    """Whether a launcher runs any per-layer modes on this configuration: asked with an assignment no uniform
+    or per-stage block rule expresses (the first layer of rank 0 alone checkpointed)."""
+    checkpointed = [m for m in modes if m is not Checkpoint.NONE]
+    if not checkpointed or Checkpoint.NONE not in modes:
+        return True  # one mode for every layer: nothing to choose
+    sample = [tuple(checkpointed[0] if r == 0 and i == 0 else Checkpoint.NONE for i in range(len(rank.kinds)))
+              for r, rank in enumerate(found.ranks)]
+    return runs(found.config(sample))
+
+
+def block_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...],
+                    runs: Runs) -> list[tuple[Checkpoint, ...]] | None:
+    """The fastest runnable per-stage block assignment that fits every rank (exhaustive: each mode, each k)."""
+    largest = max(len(terms.layers) for rank in found.ranks for terms in rank.stage_terms)
+    best: tuple[int, list[tuple[Checkpoint, ...]]] | None = None
+    options = [(m, k) for m in modes if m is not Checkpoint.NONE for k in range(1, largest + 1)]
+    if Checkpoint.NONE in modes:
+        options.insert(0, (Checkpoint.NONE, 0))
+    for mode, k in options:
+        rank_modes = stage_blocks(found, mode, k, modes)
+        if any(rank.table.peak_of(own) > rank.table.budget for rank, own in zip(found.ranks, rank_modes,
+                                                                                  strict=True)):
+            continue
+        if not runs(found.config(rank_modes)):
+            continue
+        step = step_ticks(found, rank_modes)
+        if best is None or step < best[0]:
+            best = (step, rank_modes)
+    return None if best is None else best[1]
+
+
+def best_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs: Runs, *,
+                   deadline: float) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
+    """The ranks' fastest fitting modes that a launcher runs: per rank by CP-SAT where some launcher takes any
+    per-layer modes (`free_recompute`), else the best per-stage block (Megatron's block recompute, torchtitan's
+    one policy), exhaustively; and whether the search finished."""
+    if free_recompute(found, modes, runs):
+        return solve_ranks(found, modes, deadline=deadline)
+    return block_recompute(found, modes, runs), True
+
+
 def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
                     workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...], incumbent: int | None,
-                    deadline: float) -> PipelineResult:
+                    deadline: float, runs: Runs | None = None) -> PipelineResult:
     """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any): configurations
     in the order of `compute_bound`, each built (`candidate`) and its ranks solved only while its bounds are below
     the best step so far."""
@@ -183,7 +247,8 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
             continue
-        rank_modes, proved = solve_ranks(found, modes, deadline=deadline)
+        rank_modes, proved = best_recompute(found, modes, runs or registry_runs(graph_of(outer)),
+                                            deadline=deadline)
         searched += 1
         complete = complete and proved
         if rank_modes is None:
@@ -195,3 +260,11 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if complete else "UNKNOWN"
         return PipelineResult(status, None, (), None, explored, searched)
     return PipelineResult("OPTIMAL" if complete else "FEASIBLE", best[1], best[2], best[0], explored, searched)
+
+
+def registry_runs(graph: LayerGraph) -> Runs:
+    """Whether any registered launcher runs a configuration (the model's own launcher limits aside): the search's
+    default when the caller gives none."""
+    from .capability import runnable_by
+
+    return lambda config: bool(runnable_by(config, lora=graph.lora))

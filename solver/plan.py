@@ -214,6 +214,22 @@ class Alternative:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScheduleOption:
+    """The chosen pipeline layout and recompute under one schedule, so a plan says why its schedule won."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    schedule: str
+    virtual: int
+    """Stages per rank."""
+    step_time: float
+    bubble: float
+    """Seconds the busiest rank waits per step."""
+    device_peak: int
+    """Bytes on the fullest rank."""
+    fits: bool
+    chosen: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """How to run the job: the answer of `solver.solve`."""
     __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
@@ -229,6 +245,8 @@ class Plan:
     """Which constraint binds: memory, or nothing (the fastest configuration already fits)."""
     advice: tuple[str, ...] = ()
     """Guide methods and what the plan did with each."""
+    schedules: tuple[ScheduleOption, ...] = ()
+    """A pipeline plan: its layout and recompute priced under each schedule the search had (the chosen first)."""
 
     def to_json(self) -> dict[str, Any]:
         return _ADAPTER.dump_python(self, mode="json")

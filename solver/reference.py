@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from graphs import Checkpoint
 
-from .pipeline_search import PipelineCandidate, step_ticks
+from .pipeline_search import PipelineCandidate, Runs, registry_runs, step_ticks
 from .space import all_counts, canonical_modes
 from .tables import Table, objective, tie_weight
 
@@ -52,9 +52,11 @@ class PipelineBest:
     evaluated: int
 
 
-def enumerate_pipelines(candidates: list[PipelineCandidate], modes: tuple[Checkpoint, ...]) -> PipelineBest | None:
+def enumerate_pipelines(candidates: list[PipelineCandidate], modes: tuple[Checkpoint, ...],
+                        runs: Runs | None = None) -> PipelineBest | None:
     """The fastest pipeline configuration by brute force: every combination of the ranks' canonical assignments
-    that each fits its rank, through the schedule simulation (no decomposition assumed). None when nothing fits."""
+    that each fits its rank and a launcher runs (`runs`, default: the registry), through the schedule simulation
+    (no decomposition assumed). None when nothing fits."""
     best: PipelineBest | None = None
     evaluated = 0
     for index, found in enumerate(candidates):
@@ -64,7 +66,10 @@ def enumerate_pipelines(candidates: list[PipelineCandidate], modes: tuple[Checkp
             options = [canonical_modes(rank.kinds, counts) for counts in all_counts(rank.kinds, modes)]
             per_rank.append([a for a in options if all(table.outer.runs(m) for m in set(a))
                              and table.peak_of(a) <= table.budget])
+        check = runs or registry_runs(found.ranks[0].slice.graph)
         for combination in itertools.product(*per_rank):
+            if not check(found.config(list(combination))):
+                continue
             evaluated += 1
             step = step_ticks(found, list(combination))
             if best is None or step < best.step_ticks:

@@ -1,0 +1,69 @@
+"""Pipeline plans end to end: `solve` returns one a launcher runs as emitted, its decisions carry the split it was
+priced with, and `explain` shows per-stage memory, the bubble and why its schedule beat the others."""
+
+from __future__ import annotations
+
+import functools
+
+from costmodels import Config, Workload
+from costmodels.pipeline_stages import stage_layers
+from graphs import Checkpoint, lower
+from solver import estimate, solve
+from solver.capability import block_recompute_layers
+from solver.commands import explain_plan
+from solver.launchers import emit
+
+GIB = 2**30
+
+
+@functools.cache
+def megatron_pipeline():
+    """Llama-3.2-1B over 4 pipeline ranks, memory tight enough that stages recompute (Megatron runs it)."""
+    return solve("meta-llama/Llama-3.2-1B", "4xA100-40GB", seq_len=2048, global_batch=16, pp=4, tp=1,
+                 engine="deepspeed", zero=0, headroom=0.6)
+
+
+def test_a_pipeline_plan_records_its_split_and_runs_on_megatron_as_emitted():
+    plan = megatron_pipeline()
+    d = plan.decisions
+    assert d.pp == 4 and sum(d.pp_split) == 16 and len(d.pp_split) == 4 * d.pp_virtual
+    assert "megatron" in plan.launchers
+    assert Checkpoint.FULL in d.checkpoint  # tight: some layers recompute, as Megatron's block rule expresses
+    assert block_recompute_layers(d.checkpoint, d.pp_split) is not None
+    args = emit(plan, "megatron")
+    text = "\n".join(args.values())
+    assert "--pipeline-model-parallel-size 4" in text
+
+
+def test_the_plan_split_is_the_one_estimate_prices():
+    plan = megatron_pipeline()
+    d = plan.decisions
+    graph = lower("meta-llama/Llama-3.2-1B", dtype="bfloat16")
+    workload = Workload(seq_len=2048, global_batch=16)
+    unsplit = Config(pp=d.pp, pp_schedule=d.pp_schedule, pp_virtual=d.pp_virtual, grad_accum=d.grad_accum,
+                     micro_batch=d.micro_batch, tp=d.tp)
+    assert d.pp_split == stage_layers(graph, workload, unsplit)  # the balanced split the search priced
+    again = estimate("meta-llama/Llama-3.2-1B", "4xA100-40GB", d, seq_len=2048, global_batch=16)
+    assert again.time.step_time == plan.estimate.time.step_time
+    assert again.memory.device_peak == plan.estimate.memory.device_peak
+    assert again.pipeline == plan.estimate.pipeline
+
+
+def test_explain_shows_each_stage_the_bubble_and_the_schedules_compared(tmp_path):
+    plan = megatron_pipeline()
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    text = "\n".join(explain_plan(path))
+    p = plan.estimate.pipeline
+    assert f"Pipeline: pp=4 {p.schedule}" in text and "bubble" in text
+    for rank in p.ranks:
+        assert f"rank {rank.rank} (stages" in text
+        assert f"device peak {rank.memory.device_peak / GIB:.2f} GiB" in text
+    assert plan.schedules[0].chosen and len(plan.schedules) >= 2  # megatron runs 1f1b and interleaved-1f1b
+    assert "Schedules for this layout and recompute:" in text
+    for option in plan.schedules[1:]:
+        assert option.schedule in text
+        assert ("does not fit" in text) or f"{option.step_time / plan.estimate.time.step_time - 1:+.1%}" in text
+    # the chosen schedule is the fastest of those that fit
+    fitting = [o.step_time for o in plan.schedules if o.fits]
+    assert plan.schedules[0].step_time == min(fitting)
