@@ -47,6 +47,12 @@ def rank_workload(workload: Workload, config: Config) -> Workload:
     return replace(workload, seq_len=local_seq_len(workload.seq_len, config.cp))
 
 
+def kernel_seq_len(s_local: int, config: Config) -> int:
+    """The sequence length one rank's attention kernels run at: the local chunks of a ring step, or the whole
+    sequence (on heads / cp) after Ulysses' all-to-all."""
+    return s_local * config.cp if config.cp_mode is ContextParallel.ALL_TO_ALL else s_local
+
+
 def quadratic(poly: Poly) -> Poly:
     """The s^2 terms of `poly` (attention's score work)."""
     return Poly.of({m: c for m, c in poly.terms if m[1] == 2})

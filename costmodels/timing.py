@@ -93,7 +93,8 @@ def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s:
     width = dims.hidden if head or not layers else \
         reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layers[0], config.tp)])
     return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
-                        seq_len=s, head_dim=dims.head_dim, alignment=factor, profile=cluster.profile)
+                        seq_len=context_parallel.kernel_seq_len(s, config), head_dim=dims.head_dim, alignment=factor,
+                        profile=cluster.profile)
 
 
 def layer_gemms(layer: Layer, tp: int) -> list[Gemm]:
