@@ -42,7 +42,7 @@ from .launchers.support import TITAN_PRICED, model_launchers, model_problems, ru
 from .model import SolveResult
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
-from .pipeline_search import PipelineResult, pipeline_search
+from .pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, ScheduleOption, SolverStats, decisions_of
 from .search import SearchResult, build_tables, search
 from .space import Outer, Space, outer_space
@@ -399,6 +399,9 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     piped, pipeline_status = _pipeline(space, graph_of, cluster, workload, found, headroom=headroom,
                                        deadline=begin + 0.85 * time_limit, runs=runs)
     configurations = len(space.outers) + len(space.pipelines)
+    if not space.outers and piped is not None and piped.outer is None and pipeline_status == "INFEASIBLE":
+        raise Infeasible(*pipeline_infeasible(space.pipelines, graph_of, cluster, workload, headroom=headroom,
+                                              model=inputs.model, gpus=inputs.cluster.spec))
     if (piped is None or piped.outer is None) and result.table is None and result.status == "INFEASIBLE" \
             and pipeline_status in ("INFEASIBLE", None):  # proven over the whole space
         message, hint, diagnosis = diagnose(found, inputs, pins, space, lora=lora is not None,

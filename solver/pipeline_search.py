@@ -268,3 +268,34 @@ def registry_runs(graph: LayerGraph) -> Runs:
     from .capability import runnable_by
 
     return lambda config: bool(runnable_by(config, lora=graph.lora))
+
+
+def pipeline_infeasible(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
+                        workload: Workload, *, headroom: float, model: str, gpus: str) -> tuple[str, str, dict]:
+    """Why no pipeline configuration fits (all of them were searched): the fullest rank of the leanest one, by
+    its persistent states and receive buffers alone, against the budget; with the ways out."""
+    leanest: tuple[int, int, Outer] | None = None
+    for outer in outers:
+        config = outer.config()
+        budget = memory_budget(cluster, config, headroom)
+        worst = max(model_states(s.graph, config).gpu_total + s.buffers
+                    for s in rank_slices(graph_of(outer), workload, config))
+        if leanest is None or worst - budget < leanest[0] - leanest[1]:
+            leanest = (worst, budget, outer)
+    assert leanest is not None
+    worst, budget, outer = leanest
+    gib = 2**30
+    summary = (f"pp={outer.pp} tp={outer.tp} dp={outer.dp} {outer.engine} zero={outer.zero} {outer.pp_schedule}"
+               + (f" cp={outer.cp}" if outer.cp > 1 else ""))
+    if worst > budget:
+        why = (f"its fullest rank holds {worst / gib:.1f} GiB of parameters, gradients, optimizer states and receive "
+               f"buffers before any activation; {budget / gib:.1f} GiB is available after overhead and headroom")
+    else:
+        why = ("the ranks' states fit, but no checkpointing that a pipeline launcher runs brings every rank's "
+               f"activations under the {budget / gib:.1f} GiB available")
+    return (f"Nothing fits {model} on {gpus} with pipeline parallelism: the leanest configuration ({summary}): "
+            f"{why}.",
+            "A pipeline shards only what each stage holds (Megatron's distributed optimizer at most the optimizer "
+            "states, torchtitan's FSDP2 keeps a stage's parameters gathered); leave --pp to the solver to compare "
+            "ZeRO-3/FSDP2 sharding and offload, or use more GPUs.",
+            {"pipeline_states_bytes": worst, "budget_bytes": budget})
