@@ -1,6 +1,7 @@
-"""Context parallelism: each of `cp` ranks holds seq_len / cp tokens of every sequence, and attention exchanges keys
-and values around a ring (torch's `_templated_ring_attention`, as torchtitan runs it; Megatron/TE's p2p CP) or
-re-shards sequence to heads with all-to-alls (DeepSpeed-Ulysses). Per-rank shapes, FLOPs, traffic and buffers."""
+"""Context parallelism: each of `cp` ranks holds seq_len / cp tokens of every sequence, and attention passes keys
+and values around a ring (torch 2.13's `_templated_ring_attention` with its p2p rotation, the scheme of Megatron/TE's
+p2p CP; torchtitan's default all-gather rotation is not modelled) or re-shards sequence to heads with all-to-alls
+(DeepSpeed-Ulysses). Per-rank shapes, FLOPs, traffic, overlap and buffers."""
 
 from __future__ import annotations
 
