@@ -463,7 +463,7 @@ def _schedule_options(space: Space, outer: Outer, modes: tuple[Checkpoint, ...],
     """The chosen pipeline configuration's layout and per-layer recompute priced under every other schedule the
     search had for it (each with its own balanced split), the chosen one first: why the schedule won."""
     def same(o: Outer) -> Outer:
-        return replace(o, pp_schedule=Schedule.ONE_F_ONE_B, pp_virtual=1, pp_split=())
+        return replace(o, pp_schedule=Schedule.GPIPE, pp_virtual=1, pp_split=())  # GPipe: any m (1F1B needs m >= pp)
 
     def option(config: Config, priced: Estimate, *, is_chosen: bool) -> ScheduleOption:
         return ScheduleOption(schedule=str(config.pp_schedule), virtual=config.pp_virtual,

@@ -15,7 +15,7 @@ from typing import Literal
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision
 from costmodels.config import ContextParallel, Loss
-from costmodels.pipeline_schedule import Schedule
+from costmodels.pipeline_schedule import SPLIT_BACKWARD, Schedule
 from graphs import Checkpoint
 
 Rule = Callable[[str, Config, tuple[Checkpoint, ...], bool], list[str]]
@@ -160,6 +160,30 @@ def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
                         "torchao's Float8 styles)")
     if lora and d.tp > 1:
         problems.append(_LORA_TP)
+    if d.pp > 1:
+        problems += _torchrun_pipeline(d, lora)
+    return problems
+
+
+def _torchrun_pipeline(d: Config, lora: bool) -> list[str]:
+    """What the script's torch.distributed.pipelining stages (torch 2.13 `PipelineStage`, the schedule's own loss
+    and backward) do not run: the script wraps each stage whole in DDP over its data-parallel group or nothing."""
+    problems = []
+    if d.tp > 1:
+        problems.append("tensor parallelism inside pipeline stages (the script's stages are whole HF layers)")
+    if d.engine is Engine.FSDP2:
+        problems.append("FSDP2 with pipeline parallelism (torch.distributed.pipelining keeps FSDP2's gradients "
+                        "unsharded until a step's last backward, stage.py backward_maybe_with_nosync, which the plan "
+                        "does not price; DDP or one replica runs)")
+    if d.dp > 1 and d.pp_schedule in SPLIT_BACKWARD:
+        problems.append(f"{d.pp_schedule} with data parallelism (the script's DDP reducer is primed for a full "
+                        "backward, not zero-bubble's split input and weight steps)")
+    if d.precision in (Precision.FP16_MIXED, Precision.FP8):
+        problems.append(f"{d.precision} with pipeline parallelism (the schedule runs the loss's backward itself: no "
+                        "loss scaler or float8 conversion of the stages)")
+    if lora or d.optimizer_in_backward or d.loss is not Loss.HF:
+        problems.append("LoRA, optimizer-in-backward or a fused or chunked loss with pipeline parallelism (the "
+                        "script's stages are plain HF layers with the schedule's cross-entropy)")
     return problems
 
 
@@ -259,9 +283,9 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
     return problems
 
 
-# Where pipeline, context and expert parallelism run as emitted (issue 13). The torchrun script, HF Trainer, accelerate
-# and DeepSpeed files fitplan emits run data and tensor parallelism only.
-_PP_RUNNERS = ("megatron", "torchtitan")
+# Where pipeline, context and expert parallelism run as emitted (issue 13). HF Trainer, accelerate and DeepSpeed files
+# fitplan emits run data and tensor parallelism only; the torchrun script runs pipelines (`_torchrun_pipeline`).
+_PP_RUNNERS = ("megatron", "torchtitan", "torchrun")
 _CP_RUNNERS = ("megatron",)
 _EP_RUNNERS = ("megatron",)
 # megatron-core 0.16.1 pipeline_parallel/schedules.py get_forward_backward_func: forward_backward_pipelining_without_

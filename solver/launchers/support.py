@@ -9,6 +9,7 @@ from ..capability import runnable_by as _runnable_by
 from ..capability import unsupported as _unsupported
 from ..plan import Decisions, Inputs
 from . import torchtitan
+from .torchrun_pipeline import PIPELINE_ARCHITECTURES
 
 # `graphs.titan.TITAN_ATTENTION` (not imported: graphs.titan imports torch): the attention of a plan priced on
 # torchtitan's own model code, which only the torchtitan launcher runs.
@@ -38,6 +39,10 @@ def parallelism_problems(launcher: str, d: Decisions, inputs: Inputs) -> list[st
         problems.append(f"expert parallelism (ep={d.ep}) for a model without experts")
     elif d.ep > 1 and experts % d.ep:
         problems.append(f"ep={d.ep}, which does not divide the model's {experts} experts")
+    if launcher == "torchrun" and d.pp > 1 and inputs.architecture not in PIPELINE_ARCHITECTURES:
+        problems.append(f"pipeline parallelism of {inputs.architecture or 'this model'} (the script cuts stages from "
+                        f"{', '.join(PIPELINE_ARCHITECTURES)} only: their decoders run embedding, layers, norm and "
+                        "head with nothing in between; launchers that run it: megatron, torchtitan)")
     if launcher == "torchtitan" and d.pp > 1 and inputs.shape is not None and inputs.shape.tied_embeddings:
         problems.append("pipeline parallelism of a model with tied input and output embeddings (torchtitan 0.3.0 "
                         "refuses it: models/common/decoder.py 'Weight tying is not supported with Pipeline "

@@ -11,6 +11,7 @@ from .common import LEARNING_RATE, MAX_GRAD_NORM, about
 from .hf import LIGER_FUSED_LOSS_ONLY
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import launch_script, option
+from .torchrun_pipeline import PIPELINE_CODE, pipeline_spec
 
 SCRIPT = r'''"""Training script emitted by fitplan for: __SUMMARY__
 
@@ -125,13 +126,15 @@ def decoder_layers(model):
         PLAN["decisions"]["checkpoint"]))
 
 
-def apply_checkpointing(model):
+def apply_checkpointing(model, layers=None, modes=None):
     """FULL layers are checkpointed whole; SELECTIVE layers recompute only the attention core; OP_SELECTIVE layers
-    are checkpointed whole with op-level selective checkpointing (`sac_context`)."""
-    modes = PLAN["decisions"]["checkpoint"]
+    are checkpointed whole with op-level selective checkpointing (`sac_context`). A pipeline stage passes its own
+    `layers` and their `modes`."""
+    layers = decoder_layers(model) if layers is None else layers
+    modes = PLAN["decisions"]["checkpoint"] if modes is None else modes
     if "full" in modes or "op_selective" in modes:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer, mode in zip(decoder_layers(model), modes):
+    for layer, mode in zip(layers, modes, strict=True):
         layer.gradient_checkpointing = mode in ("full", "op_selective")
         if mode == "op_selective":
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
@@ -139,21 +142,31 @@ def apply_checkpointing(model):
         for module in layer.modules():
             module._fitplan_selective = mode == "selective"
     if "selective" in modes:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        selective_attention()
 
-        original = type(ALL_ATTENTION_FUNCTIONS).get_interface
 
-        def get_interface(self, name, default):
-            attention = original(self, name, default)
+def selective_attention():
+    """Wrap transformers' attention functions, once per process (a pipeline rank may build several stages): the
+    attention core of layers marked SELECTIVE runs under checkpoint."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-            def wrapped(module, q, k, v, mask, **kw):
-                if getattr(module, "_fitplan_selective", False) and torch.is_grad_enabled():
-                    return checkpoint(lambda a, b, c, m: attention(module, a, b, c, m, **kw), q, k, v, mask,
-                                      use_reentrant=False)
-                return attention(module, q, k, v, mask, **kw)
-            return wrapped
+    interfaces = type(ALL_ATTENTION_FUNCTIONS)
+    if getattr(interfaces, "_fitplan_wrapped", False):
+        return
+    original = interfaces.get_interface
 
-        type(ALL_ATTENTION_FUNCTIONS).get_interface = get_interface
+    def get_interface(self, name, default):
+        attention = original(self, name, default)
+
+        def wrapped(module, q, k, v, mask, **kw):
+            if getattr(module, "_fitplan_selective", False) and torch.is_grad_enabled():
+                return checkpoint(lambda a, b, c, m: attention(module, a, b, c, m, **kw), q, k, v, mask,
+                                  use_reentrant=False)
+            return attention(module, q, k, v, mask, **kw)
+        return wrapped
+
+    interfaces.get_interface = get_interface
+    interfaces._fitplan_wrapped = True
 
 
 # While a report measures a forward (`saved_bytes`): who counts the outputs op-level SAC keeps, which live in its
@@ -433,6 +446,9 @@ def clip_gradients(model, max_norm):
     return total
 
 
+__PIPELINE_CODE__
+
+
 def main():
     args = parse()
     d = PLAN["decisions"]
@@ -444,6 +460,11 @@ def main():
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = d["precision"] == "tf32"
         torch.backends.cudnn.allow_tf32 = d["precision"] == "tf32"
+    if d["pp"] > 1:
+        train_pipeline(args, device, cuda)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda" if cuda else "cpu", (d["dp"], d["tp"]), mesh_dim_names=("dp", "tp"))
@@ -534,11 +555,13 @@ def emit(plan: Plan) -> dict[str, str]:
     decisions = plan.to_json()["decisions"]
     # repr() of a str is always a valid Python literal of that str, so user text never becomes code; one pass, so
     # a placeholder inside user text is never substituted.
-    values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len})),
+    pipeline = pipeline_spec(plan)
+    values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len, "pipeline": pipeline})),
               "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary(), "LR": repr(LEARNING_RATE),
-              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM), "LIGER": repr(LIGER_FUSED_LOSS_ONLY)}
-    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER)__", lambda match: values[match.group(1)],
-                    SCRIPT)
+              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM), "LIGER": repr(LIGER_FUSED_LOSS_ONLY),
+              "PIPELINE_CODE": PIPELINE_CODE.strip() + "\n"}
+    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER|PIPELINE_CODE)__",
+                    lambda match: values[match.group(1)], SCRIPT)
     program = ["train_fitplan.py", *option("--model", plan.inputs.model)]
     launch = launch_script([*torchrun_argv(plan), *program], about=about(plan), forward=True, notes=nodes_note(plan))
     files = {"train_fitplan.py": script, "torchrun_launch.sh": launch}

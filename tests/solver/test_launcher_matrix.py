@@ -24,7 +24,7 @@ import torch
 
 from costmodels import Engine, Offload, Optimizer, Precision
 from costmodels.config import ContextParallel, Loss
-from costmodels.pipeline_schedule import Schedule
+from costmodels.pipeline_schedule import TORCH_CLASS, Schedule, stage_ranks
 from graphs import Checkpoint, FitplanError
 from solver import solve
 from solver.capability import MEGATRON_CP_COMM, REGISTRY
@@ -215,7 +215,8 @@ def torchrun_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch)
         optimizer = type(built).__name__ + (f"[{inner.pop()}]" if len(inner) == 1 else "")
     scaler = namespace["loss_scaler"](torch.device("cpu"))
     return {"decisions": d, "optimizer": optimizer, "weights": namespace["model_kwargs"]()["dtype"],
-            "scaler": scaler is not None, "fp8": "float8" in script.read_text() and d["precision"] == "fp8"}
+            "scaler": scaler is not None, "fp8": "float8" in script.read_text() and d["precision"] == "fp8",
+            "pipeline": namespace["PLAN"]["pipeline"]}
 
 
 READERS = {"deepspeed": deepspeed_reads, "hf": hf_reads, "accelerate": accelerate_reads,
@@ -267,6 +268,10 @@ def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:
         assert got["weights"] == (torch.bfloat16 if d.precision is Precision.BF16 else torch.float32)
         assert got["scaler"] == (d.precision is Precision.FP16_MIXED)
         assert got["fp8"] == (d.precision is Precision.FP8)
+        # the pipeline's torch schedule class, each global stage's rank (a V for ZB-V) and layers, as priced
+        pipeline = None if d.pp == 1 else {"schedule": TORCH_CLASS[d.pp_schedule], "split": list(d.pp_split),
+                                           "stage_ranks": list(stage_ranks(d.pp_schedule, d.pp, d.pp_virtual))}
+        assert (got["pipeline"] and {k: got["pipeline"][k] for k in ("schedule", "split", "stage_ranks")}) == pipeline
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def test_ddp_syncs_gradients_only_on_the_last_micro_batch(model_dir, tmp_path, m
 
 def peak_rss_growth(model_dir: Path, folder: Path, engine: str, baseline: int | None = None) -> tuple[int, object]:
     """Peak resident bytes of the largest rank after building and sharding (no step), less `baseline`."""
-    plan, script = emitted_script(model_dir, folder, engine=engine, tp=1, precision=("fp32",))
+    plan, script = emitted_script(model_dir, folder, engine=engine, tp=1, pp=1, precision=("fp32",))  # DDP: whole model
     report = folder / "report"
     reports, _ = run_steps(script, model_dir, report, 0)
     return max(r["peak_rss_bytes"] for r in reports) - (baseline or 0), plan
