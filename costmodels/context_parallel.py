@@ -80,10 +80,12 @@ def rank_graph(graph: LayerGraph, cp: int) -> LayerGraph:
     key = f"context_parallel:{cp}"
     if key not in graph._memo:
         digraph = graph.graph.copy()
+        by_kind: dict[int, tuple[tuple[Checkpoint, ModeCost], ...]] = {}  # layers of one kind share their costs
         for name in digraph.nodes:
             layer: Layer = digraph.nodes[name]["layer"]
-            modes = tuple((mode, _balanced_cost(cost, cp)) for mode, cost in layer.modes)
-            digraph.nodes[name]["layer"] = replace(layer, modes=modes)
+            if id(layer.modes) not in by_kind:
+                by_kind[id(layer.modes)] = tuple((mode, _balanced_cost(cost, cp)) for mode, cost in layer.modes)
+            digraph.nodes[name]["layer"] = replace(layer, modes=by_kind[id(layer.modes)])
         graph._memo[key] = replace(graph, graph=digraph, _memo={})
     return graph._memo[key]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphs import LayerGraph
+from graphs import LayerGraph, Role
 
 from .plan import ModelShape
 
@@ -37,11 +37,18 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
         normalization="RMSNorm" if rms else "LayerNorm", norm_epsilon=None if epsilon is None else float(epsilon),
         gated_silu=activation in ("silu", "swish"), rope=rope,
         rope_theta=None if rope_theta is None else float(rope_theta),
-        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", _class_default(
-            graph.model_type, "tie_word_embeddings", True)))),
+        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", _traced_tied(graph)))),
         linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts,
         top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0,
         qk_norm=graph.model_type in _QK_NORM)
+
+
+def _traced_tied(graph: LayerGraph) -> bool:
+    """Whether the traced model ties its LM head to the embedding (the lowering counts a tied weight once, on the
+    embedding, so the head node has none): what transformers' config class decided when config.json is silent,
+    read without importing transformers (a cached lowering needs no import)."""
+    heads = [layer for layer in graph.nodes() if layer.role is Role.HEAD]
+    return bool(heads) and not any(layer.params for layer in heads)
 
 
 def _class_default(model_type: str, key: str, fallback: Any) -> Any:

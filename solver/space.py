@@ -151,11 +151,17 @@ def parallel_layouts(graph: LayerGraph, cluster: Cluster, workload: Workload, pi
     return layouts
 
 
+# Context parallelism is searched from this sequence length on (shorter ones with --cp): below it one sequence's
+# activations fit a GPU under full recompute for every catalog model that fits at all, and CP only adds its K/V
+# exchange (Megatron's guide suggests CP for long-context training, beyond ~8K; two doublings of margin).
+LONG_CONTEXT = 32768
+
+
 def context_parallel(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
                      tp: int) -> list[tuple[int, ContextParallel]]:
     """(cp, mode) pairs: degrees that split the sequence into 2 cp load-balanced chunks and divide the GPUs left
     by TP; all-to-all (Ulysses) only where tp x cp divides the query and key/value heads."""
-    if graph.attention == "eager":
+    if graph.attention == "eager" or (pins.allowed("cp") is None and workload.seq_len < LONG_CONTEXT):
         return [(1, ContextParallel.RING)] if pins.allows("cp", 1) else []
     pairs = []
     for cp in pins.keep("cp", divisors(cluster.world_size // tp)):
