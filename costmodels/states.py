@@ -12,7 +12,7 @@ from . import optimizer_in_backward, optimizers, paging, precision
 from .config import Config, Offload, Precision
 from .engines import GradientSizes, rules_of
 from .expert_parallel import state_ranks
-from .zero import local_elements, local_shape, persistence_threshold, sharding
+from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding
 
 Group = tuple[ParamTensor, int]
 """Identical parameter tensors and how many there are (`LayerGraph.tensor_groups`)."""
@@ -68,7 +68,7 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     shard = sharding(config)
     trainable = list(graph.tensor_groups(trainable=True))
     frozen = list(graph.tensor_groups(trainable=False))
-    tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
+    tp, dp, engine, prec = config.tp, shard_ranks(config), config.engine, config.precision
 
     def count(ts: list[Group], sharded: bool) -> int:
         return local_elements(ts, tp=tp, dp=dp, engine=engine, sharded=sharded, ep=config.ep)
@@ -115,14 +115,14 @@ def fp8_weight_cache(graph: LayerGraph, config: Config) -> int:
     if config.precision is not Precision.FP8:
         return 0
     linears = [(t, n) for t, n in graph.tensor_groups() if len(t.shape) >= 2 and t.node.startswith("layers.")]
-    weights = local_elements(linears, tp=config.tp, dp=config.dp, engine=config.engine,
+    weights = local_elements(linears, tp=config.tp, dp=shard_ranks(config), engine=config.engine,
                              sharded=sharding(config).params > 1, ep=config.ep)
     return weights + sum(n for _, n in linears) * FP8_SCALED_TENSORS_PER_LINEAR * FP8_AMAX_HISTORY * 4
 
 
 def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tuple[int, ...], int]]:
     """(shape, count) the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
-    tp, dp, engine, ep = config.tp, config.dp, config.engine, config.ep
+    tp, dp, engine, ep = config.tp, shard_ranks(config), config.engine, config.ep
     if not rules_of(engine).per_tensor_dim_shards and sharding(config).optimizer > 1:
         return [((math.ceil(math.prod(local_shape(t, tp=tp, dp=1, engine=engine, ep=ep)) / state_ranks(t, dp, ep)),),
                  n) for t, n in trainable]
@@ -140,7 +140,7 @@ def _optimizer_bytes(config: Config, trainable: list[Group]) -> int:
 def _param_bytes(graph: LayerGraph, config: Config, trainable: list[Group], frozen: list[Group]) -> tuple[int, int]:
     """(partitioned, persistent) parameter bytes per rank."""
     shard = sharding(config)
-    tp, dp, engine, prec = config.tp, config.dp, config.engine, config.precision
+    tp, dp, engine, prec = config.tp, shard_ranks(config), config.engine, config.precision
     partitioned = persistent = 0
     # bitsandbytes-quantized base weights (QLoRA) keep their measured packed bytes and quantisation state, whole on
     # every rank: sharding packed weights (FSDP-QLoRA's bnb_4bit_quant_storage) is not modelled.
@@ -179,7 +179,7 @@ def _grad_bytes(config: Config, full: int, partition: int, itemsize: int) -> tup
     mixed = precision.is_mixed(config.precision)
     reduce = 4 if mixed and rules.reduce_fp32_when_mixed else itemsize
     return rules.gradients(config.zero, GradientSizes(full=full, partition=partition, itemsize=itemsize,
-                                                      fp32_copy=fp32, reduce_itemsize=reduce, dp=config.dp))
+                                                      fp32_copy=fp32, reduce_itemsize=reduce, dp=shard_ranks(config)))
 
 
 def _step_temp(config: Config, local: list[tuple[int, ...]], itemsize: int) -> int:

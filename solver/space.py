@@ -131,9 +131,14 @@ def _runnable_optimizers(optimizers: tuple[Optimizer, ...], engine: Engine, zero
 def tp_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, engine: Engine) -> list[int]:
     """TP degrees that divide the heads (the graph's list), fit in a node, and the engine can combine with."""
     degrees = [t for t in graph.tp_degrees if t <= cluster.gpus_per_node and cluster.world_size % t == 0]
-    if engine is Engine.DEEPSPEED and pins.launcher != "megatron":
-        degrees = [1]  # fitplan emits DeepSpeed plans for HF models without AutoTP
     return pins.keep("tp", degrees)
+
+
+def _whole_model_tp(engine: Engine, pins: Pins, tp: int) -> bool:
+    """Whether TP without a pipeline or CP is searched with this engine: fitplan emits DeepSpeed plans for HF
+    models without AutoTP, so DeepSpeed-priced TP (Megatron's) is searched there only for --launcher megatron;
+    with a pipeline or CP only Megatron and torchtitan run the layout anyway."""
+    return tp == 1 or engine is not Engine.DEEPSPEED or pins.launcher == "megatron"
 
 
 def parallel_layouts(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
@@ -145,7 +150,7 @@ def parallel_layouts(graph: LayerGraph, cluster: Cluster, workload: Workload, pi
         for cp, cp_mode in context_parallel(graph, cluster, workload, pins, tp):
             for pp in pipeline_degrees(graph, cluster, pins, tp * cp):
                 dp = cluster.world_size // (tp * cp * pp)
-                if workload.global_batch % dp == 0:
+                if workload.global_batch % dp == 0 and (cp > 1 or pp > 1 or _whole_model_tp(engine, pins, tp)):
                     layouts += [dict(tp=tp, cp=cp, cp_mode=cp_mode, pp=pp, dp=dp, ep=ep)
                                 for ep in expert_degrees(graph, pins, dp * cp)]
     return layouts
@@ -261,7 +266,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                         continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
                     for prec in precisions:
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
-                            for sp in _sequence_parallel(layout["tp"], pins):
+                            for sp in _sequence_parallel(layout, engine, pins):
                                 for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
                                     outers += runnable(_valid(graph, {**pinned, **layout, **dict(
                                         engine=engine, zero=zero, optimizer_offload=opt_off, param_offload=param_off,
@@ -345,12 +350,16 @@ def _valid(graph: LayerGraph, values: dict[str, object]) -> list[Outer]:
     return [] if model_refusals(graph, outer, modes_decided=False) else [outer]
 
 
-def _sequence_parallel(tp: int, pins: Pins) -> list[bool]:
-    if tp == 1:
+def _sequence_parallel(layout: dict[str, object], engine: Engine, pins: Pins) -> list[bool]:
+    """Sequence parallelism where TP runs: searched where only Megatron or torchtitan run the layout (a pipeline,
+    CP, or DeepSpeed-priced TP: Megatron's), which shard the sequence with TP as standard; HF TP plans do not, so
+    there it is pin-only."""
+    if layout["tp"] == 1:
         return [False]
     if pins.allowed("sequence_parallel") is not None:
         return list(pins.allowed("sequence_parallel"))
-    return [False]  # HF TP plans do not shard sequences; Megatron/torchtitan users can pin it on
+    megatron_style = layout["cp"] > 1 or layout["pp"] > 1 or engine is Engine.DEEPSPEED  # type: ignore[operator]
+    return [False, True] if megatron_style else [False]
 
 
 # The checkpointed modes, leanest first: the canonical order within a kind (`canonical_modes`), and the order

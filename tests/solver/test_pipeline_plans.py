@@ -67,3 +67,26 @@ def test_explain_shows_each_stage_the_bubble_and_the_schedules_compared(tmp_path
     # the chosen schedule is the fastest of those that fit
     fitting = [o.step_time for o in plan.schedules if o.fits]
     assert plan.schedules[0].step_time == min(fitting)
+
+
+def test_a_131k_token_sequence_runs_with_context_parallelism_on_the_gpus_given():
+    # Before CP: "nothing fits (223 GiB), try about 22 GPUs", which cannot help a batch of 2 sequences.
+    plan = solve("meta-llama/Llama-3.1-8B", "8xH100", seq_len=131072, global_batch=2)
+    d = plan.decisions
+    assert d.cp > 1 and d.optimizer_offload == "none" and d.param_offload == "none"
+    assert d.tp * d.cp * d.pp * d.dp == 8
+    assert plan.estimate.memory.device_peak <= plan.inputs.cluster.gpu_memory_bytes * (1 - plan.inputs.headroom)
+    assert plan.launchers
+
+
+def test_context_parallel_ranks_shard_the_model_states_like_data_parallel_ones():
+    # Weights are reduced and sharded over dp x cp (Megatron's distributed optimizer, torchtitan's dp_shard_cp):
+    # cp=8 x dp=1 holds the states dp=8 does.
+    graph = lower("meta-llama/Llama-3.1-8B", dtype="bfloat16")
+    from costmodels import Engine, Precision
+    from costmodels.states import model_states
+
+    states = {cp: model_states(graph, Config(cp=cp, dp=8 // cp, engine=Engine.DEEPSPEED, zero=1,
+                                             precision=Precision.BF16_MIXED)) for cp in (1, 8)}
+    assert states[8].optimizer == states[1].optimizer and states[8].master == states[1].master
+    assert states[8].grads == states[1].grads
