@@ -111,7 +111,7 @@ class Config:
                                    "pipeline_stages", "states", "tensor_parallel", "timing"),
                             high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
-                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "pipeline_stages", "states",
+                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "pipeline_stages",
                                    "zero"))] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
                                    reads=("compilation", "estimate", "loss", "memory", "offload",
