@@ -15,7 +15,7 @@ from typing import Literal
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision
 from costmodels.config import ContextParallel, Loss
-from costmodels.pipeline_schedule import SPLIT_BACKWARD, Schedule
+from costmodels.pipeline_schedule import Schedule
 from graphs import Checkpoint
 
 Rule = Callable[[str, Config, tuple[Checkpoint, ...], bool], list[str]]
@@ -167,7 +167,7 @@ def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
 
 def _torchrun_pipeline(d: Config, lora: bool) -> list[str]:
     """What the script's torch.distributed.pipelining stages (torch 2.13 `PipelineStage`, the schedule's own loss
-    and backward) do not run: the script wraps each stage whole in DDP over its data-parallel group or nothing."""
+    and backward) do not run: the script replicates whole stages over their data-parallel group (DDP)."""
     problems = []
     if d.tp > 1:
         problems.append("tensor parallelism inside pipeline stages (the script's stages are whole HF layers)")
@@ -175,9 +175,6 @@ def _torchrun_pipeline(d: Config, lora: bool) -> list[str]:
         problems.append("FSDP2 with pipeline parallelism (torch.distributed.pipelining keeps FSDP2's gradients "
                         "unsharded until a step's last backward, stage.py backward_maybe_with_nosync, which the plan "
                         "does not price; DDP or one replica runs)")
-    if d.dp > 1 and d.pp_schedule in SPLIT_BACKWARD:
-        problems.append(f"{d.pp_schedule} with data parallelism (the script's DDP reducer is primed for a full "
-                        "backward, not zero-bubble's split input and weight steps)")
     if d.precision in (Precision.FP16_MIXED, Precision.FP8):
         problems.append(f"{d.precision} with pipeline parallelism (the schedule runs the loss's backward itself: no "
                         "loss scaler or float8 conversion of the stages)")

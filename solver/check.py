@@ -158,13 +158,14 @@ def plan_graph(plan: Plan, config: Config) -> LayerGraph:
 def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -> int:
     """Bytes autograd saves in one micro-batch's forward, as saved-tensor hooks see them: every node's saved
     tensors in its mode, plus the tensors layers share (rotary tables), seen once when some layer is not
-    checkpointed (a checkpointed layer keeps them in its recompute closure, outside the hooks)."""
+    checkpointed whole (a whole checkpointed layer keeps them in its recompute closure, outside the hooks; selective
+    recompute checkpoints only the attention core, after the rotary multiplications)."""
     modes = iter(config.layer_modes(len(graph.decoder_layers())))
     shape = {"b": config.micro_batch, "s": seq_len, "tp": config.tp, "sequence_parallel": config.sequence_parallel}
     total, any_plain = 0, False
     for node in graph.nodes():
         mode = next(modes) if node.role is Role.DECODER else Checkpoint.NONE
-        any_plain |= node.role is Role.DECODER and mode is Checkpoint.NONE
+        any_plain |= node.role is Role.DECODER and mode in (Checkpoint.NONE, Checkpoint.SELECTIVE)
         total += evaluate(node.cost(mode).saved, **shape)
     return total + (evaluate(graph.shared, **shape) if any_plain else 0)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from costmodels.pipeline_schedule import TORCH_CLASS, stage_ranks
+from costmodels.pipeline_schedule import SPLIT_BACKWARD, TORCH_CLASS, stage_ranks
 from graphs import FitplanError
 
 from ..plan import Plan
@@ -32,6 +32,7 @@ def pipeline_spec(plan: Plan) -> dict[str, Any] | None:
                            "Re-plan with this fitplan (its plans record the split), or pin one with --pp-split.")
     return {"schedule": TORCH_CLASS[d.pp_schedule], "split": list(split),
             "stage_ranks": list(stage_ranks(d.pp_schedule, d.pp, d.pp_virtual)),
+            "split_backward": d.pp_schedule in SPLIT_BACKWARD,
             "architectures": list(PIPELINE_ARCHITECTURES)}
 
 
@@ -210,8 +211,9 @@ class SavedBox:
 
 
 def train_pipeline(args, device, cuda):
-    """The plan's pipeline: this rank's stages, the plan's schedule with grad_accum micro-batches, an optimizer
-    over its stages' parameters, and (with --report) what a steady-state step holds."""
+    """The plan's pipeline: this rank's stages (each in DDP over its data-parallel group, or averaged after the step
+    under zero-bubble schedules), the plan's schedule with grad_accum micro-batches, an optimizer over its stages'
+    parameters, and (with --report) what a steady-state step holds."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     d, pipe = PLAN["decisions"], PLAN["pipeline"]
@@ -229,7 +231,7 @@ def train_pipeline(args, device, cuda):
             for layer in layers:
                 layer.compile()
         module = StageModule(model, first=s == 0, last=s == last).train()
-        if d["dp"] > 1:
+        if d["dp"] > 1 and not pipe["split_backward"]:
             module = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
         modules.append(module)
     stages = [PipelineStage(module, s, len(pipe["split"]), device, group=mesh["pp"].get_group())
@@ -246,7 +248,7 @@ def train_pipeline(args, device, cuda):
     optimizer = build_optimizer(params, args.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     data = pipeline_batches(vocab, args, device, dp_rank)
-    seconds, norms, lrs, held = [], [], [], None
+    seconds, norms, lrs, step_losses, held = [], [], [], [], None
     for step in range(args.steps):
         started = time.perf_counter()
         ids, labels = next(data)
@@ -260,6 +262,8 @@ def train_pipeline(args, device, cuda):
             schedule.step(*inputs, losses=losses, return_outputs=False, **target)
         if watch:
             held = watch
+        if d["dp"] > 1 and pipe["split_backward"]:
+            average_gradients(params, mesh["dp"].get_group())
         if sync_tied:
             sync_tied()
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -272,9 +276,22 @@ def train_pipeline(args, device, cuda):
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
         if losses:
-            print(f"step {step + 1}: loss {torch.stack(losses).mean().item():.4f}", flush=True)
+            step_losses.append(torch.stack(losses).mean().item())
+            if dp_rank == 0:  # one replica's last stage prints, as rank 0 does without a pipeline
+                print(f"step {step + 1}: loss {step_losses[-1]:.4f}", flush=True)
     if args.report:
-        report_pipeline(args, modules, optimizer, held, seconds, norms, lrs, mine)
+        report_pipeline(args, modules, optimizer, held, mine, {"step_seconds": seconds, "grad_norms": norms,
+                                                                "learning_rates": lrs, "losses": step_losses})
+
+
+def average_gradients(params, group):
+    """Average the step's gradients over the data-parallel group, tensor by tensor, after the last backward: under
+    a zero-bubble schedule, whose split input and weight steps DDP's reducer does not follow (torch 2.13 fails with
+    "Expected to have finished reduction in the prior iteration")."""
+    for param in params:
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(group.size())
 
 
 def clip_pipeline(params, max_norm, group, tied_copy):
@@ -293,7 +310,9 @@ def clip_pipeline(params, max_norm, group, tied_copy):
     return total
 
 
-def report_pipeline(args, modules, optimizer, held, seconds, norms, lrs, mine):
+def report_pipeline(args, modules, optimizer, held, mine, steps):
+    """This rank's JSON report: its stages, parameter and optimizer-state bytes, the peak of the saved bytes it held
+    in the measured step and what was left after it, and the per-step values in `steps`."""
     rank = dist.get_rank()
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     states = sum(local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
@@ -302,7 +321,6 @@ def report_pipeline(args, modules, optimizer, held, seconds, norms, lrs, mine):
     with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
         json.dump({"rank": rank, "stages": mine, "param_bytes": sum(local_bytes(p) for p in params),
                    "optimizer_bytes": states, "held_saved_peak_bytes": held.peak if held else None,
-                   "held_saved_left_bytes": held.held if held else None, "step_seconds": seconds,
-                   "grad_norms": norms, "learning_rates": lrs,
+                   "held_saved_left_bytes": held.held if held else None, **steps,
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, handle)
 '''

@@ -67,12 +67,12 @@ def run_script(plan, model_dir: Path, folder: Path, ranks: int = RANKS) -> tuple
     return reports, [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
 
 
-def stage_saved_bytes(plan) -> tuple[list[StageActivations], list[int]]:
+def stage_saved_bytes(plan, global_batch: int = GLOBAL_BATCH) -> tuple[list[StageActivations], list[int]]:
     """Per global stage, the lowering's saved bytes of one micro-batch (the loss's as freed by an input step on the
     last stage); per pipeline rank, its slice's saved bytes of one pass through all its stages."""
     config = plan_config(plan)
     graph = plan_graph(plan, config)
-    slices = rank_slices(graph, Workload(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH), config)
+    slices = rank_slices(graph, Workload(seq_len=SEQ_LEN, global_batch=global_batch), config)
     stages: dict[int, StageActivations] = {}
     for slice_ in slices:
         for local, stage in enumerate(slice_.stages):
@@ -106,19 +106,70 @@ def check_run(plan, reports: list[dict], losses: list[float]) -> None:
         assert report["optimizer_bytes"] == rank.memory.optimizer_states
 
 
-FAST = [Schedule.ONE_F_ONE_B, Schedule.ZBV]
-SLOW = [Schedule.GPIPE, Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB]
+FAST = [(Schedule.ONE_F_ONE_B, None), (Schedule.ZBV, None)]
+SLOW = [(Schedule.GPIPE, None), (Schedule.INTERLEAVED_1F1B, None), (Schedule.INTERLEAVED_ZB, None),
+        (Schedule.ONE_F_ONE_B, "full"), (Schedule.INTERLEAVED_1F1B, "selective")]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", [*FAST, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW)])
-def test_emitted_pipeline_holds_the_activations_the_plan_prices(schedule, model_dir, tmp_path):
-    plan = pipeline_plan(model_dir, schedule)
+@pytest.mark.parametrize(("schedule", "checkpoint"), [*FAST, *(pytest.param(*c, marks=pytest.mark.slow) for c in SLOW)],
+                         ids=lambda v: str(v))
+def test_emitted_pipeline_holds_the_activations_the_plan_prices(schedule, checkpoint, model_dir, tmp_path):
+    plan = pipeline_plan(model_dir, schedule, **({"checkpoint": checkpoint} if checkpoint else {}))
     d = plan.decisions
     assert (d.pp, d.pp_schedule, d.micro_batch, d.grad_accum, d.dp) == (2, schedule, MICRO_BATCH, 4, 1)
+    assert {str(m) for m in d.checkpoint} == {checkpoint or "none"}
     assert "torchrun" in plan.launchers
     reports, losses = run_script(plan, model_dir, tmp_path / "out")
     check_run(plan, reports, losses)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV], ids=str)
+def test_data_parallel_pipeline_replicas_average_their_gradients(schedule, model_dir, tmp_path):
+    """pp=2 x dp=2 on four processes: each stage in DDP over its data-parallel group (1F1B), or its gradients
+    averaged after the step (ZB-V's split backward, which DDP's reducer does not follow); the replicas see different
+    tokens, so one gradient norm on all four ranks means the gradients were averaged. Each replica holds what the
+    plan prices for its pipeline rank."""
+    plan = solve(str(model_dir), "4xCPU", seq_len=SEQ_LEN, global_batch=2 * GLOBAL_BATCH, time_limit=5, pp=2, tp=1,
+                 pp_schedule=schedule, micro_batch=MICRO_BATCH, engine="ddp", launcher="torchrun")
+    assert (plan.decisions.pp, plan.decisions.dp, plan.decisions.grad_accum) == (2, 2, 4)
+    reports, losses = run_script(plan, model_dir, tmp_path / "out", ranks=4)
+    assert len(losses) == 2 and len({tuple(r["grad_norms"]) for r in reports}) == 1
+    first = [r["losses"][0] for r in reports if r["losses"]]  # the two replicas' last stages: different data
+    assert len(first) == 2 and first[0] != first[1]
+    stages, _ = stage_saved_bytes(plan, global_batch=2 * GLOBAL_BATCH)
+    held = held_activation_bytes(schedule, 2, 4, v=plan.decisions.pp_virtual, stages=stages)
+    assert [r["held_saved_peak_bytes"] for r in reports] == [held[0], held[0], held[1], held[1]]  # pp outermost
+
+
+@pytest.mark.distributed
+def test_pipeline_stages_load_the_checkpoint_and_compute_the_models_loss(tmp_path):
+    """Stages read their own tensors from the safetensors checkpoint (a tied head from the embedding) and together
+    compute the whole model's loss: the first step's printed loss equals transformers' loss of the same tokens."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {**tiny_values("llama"), "num_hidden_layers": 4}
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    assert config.tie_word_embeddings
+    model.save_pretrained(tmp_path / "model")
+    plan = pipeline_plan(tmp_path / "model", Schedule.ONE_F_ONE_B)
+    emit_files(plan, "torchrun", tmp_path / "out")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+               str(tmp_path / "out" / "train_fitplan.py"), "--model", str(tmp_path / "model"), "--steps", "1"]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    printed = float(re.findall(r"loss (\S+)", done.stdout)[0])
+    # the script's tokens for data-parallel rank 0 (`pipeline_batches`), in the schedule's micro-batches
+    ids = torch.randint(0, 512, (MICRO_BATCH * 4, SEQ_LEN), generator=torch.Generator().manual_seed(1000))
+    with torch.no_grad():
+        expected = sum(model(input_ids=chunk, labels=chunk).loss.item() for chunk in ids.chunk(4)) / 4
+    assert printed == pytest.approx(expected, abs=1e-4)
 
 
 def test_registry_runs_torchrun_pipelines_and_names_what_it_refuses():
@@ -128,9 +179,9 @@ def test_registry_runs_torchrun_pipelines_and_names_what_it_refuses():
     pipe = {"pp": 2, "grad_accum": 4, "engine": Engine.DDP, "zero": 0}
     assert unsupported("torchrun", Config(**pipe)) == []
     assert unsupported("torchrun", Config(**pipe, dp=2)) == []  # DDP over each stage's data-parallel group
+    assert unsupported("torchrun", Config(**pipe, dp=2, pp_schedule=Schedule.ZBV, pp_virtual=2)) == []
     refused = {"tensor parallelism inside pipeline stages": Config(**pipe, tp=2, dp=1),
                "FSDP2 with pipeline parallelism": Config(**{**pipe, "engine": Engine.FSDP2, "zero": 2}),
-               "zbv with data parallelism": Config(**pipe, dp=2, pp_schedule=Schedule.ZBV, pp_virtual=2),
                "fp16-mixed with pipeline parallelism": Config(**pipe, precision=Precision.FP16_MIXED),
                "context parallelism": Config(**pipe, cp=2)}
     for reason, config in refused.items():
