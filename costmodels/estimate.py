@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from graphs import Checkpoint, FitplanError, LayerGraph, Role
 
-from . import activation_offload, context_parallel, loss, precision
+from . import activation_offload, context_parallel, expert_parallel, loss, precision
 from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
@@ -102,9 +102,11 @@ def _degrees(config: Config) -> str:
 
 
 def model_refusals(graph: LayerGraph, config: Config, *, modes_decided: bool = True) -> list[str]:
-    """Why `config` cannot run on this model: the loss, activation offload (once the checkpoint modes are
-    decided) and a bitsandbytes-quantized base (the knob-only refusals are `Config`'s own)."""
+    """Why `config` cannot run on this model: the loss, context and expert parallelism, activation offload (once
+    the checkpoint modes are decided) and a bitsandbytes-quantized base (the knob-only refusals are `Config`'s
+    own)."""
     reasons = loss.refusals(config.loss, graph, config) + context_parallel.refusals(graph, config)
+    reasons += expert_parallel.refusals(graph, config)  # the search leaves out what check() would refuse
     if config.activation_offload and modes_decided:
         reasons += activation_offload.refusals(graph, config)
     quantization = graph.lora.quantization if graph.lora is not None else None

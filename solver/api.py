@@ -158,9 +158,13 @@ def _lower_hf(resolved: ResolvedModel, *, dtype: str, autocast: str | None, atte
 def _titan_priced(space: Space, *, lora: bool) -> Space:
     """The configurations torchtitan's lowering prices: without FSDP2, torchtitan runs mixed precision under
     torch.autocast (train.py maybe_enable_amp), which its trace (parameters in the compute dtype) does not run."""
-    kept = tuple(o for o in space.outers if shared_lowering(o.config(), lora=lora)[1] is None)
+    def priced(outers: tuple[Outer, ...]) -> tuple[Outer, ...]:
+        return tuple(o for o in outers if shared_lowering(o.config(), lora=lora)[1] is None)
+
+    kept, pipelines = priced(space.outers), priced(space.pipelines)
     note = "DDP with mixed precision left out (torchtitan autocasts it; its lowering traces FSDP2's casting)"
-    return replace(space, outers=kept, notes=(*space.notes, note) if len(kept) < len(space.outers) else space.notes)
+    dropped = len(kept) < len(space.outers) or len(pipelines) < len(space.pipelines)
+    return replace(space, outers=kept, pipelines=pipelines, notes=(*space.notes, note) if dropped else space.notes)
 
 
 def _runtime_lowering(pins: Pins, launchers: tuple[str, ...]) -> dict[str, Any]:
