@@ -1,5 +1,6 @@
 """torchrun: a launch line and a training script that applies the plan with plain PyTorch (FSDP2, DTensor TP,
-DDP, per-layer checkpointing). It runs as emitted; replace `batches()` with your data."""
+DDP, per-layer checkpointing, torch.distributed.pipelining stages: `torchrun_pipeline`). It runs as emitted;
+replace `batches()` (or `pipeline_batches()`) with your data."""
 
 from __future__ import annotations
 
