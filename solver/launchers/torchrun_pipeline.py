@@ -16,9 +16,11 @@ from ..plan import Plan
 # Causal LMs whose transformers 5.x decoder runs `model.embed_tokens -> model.layers -> model.norm` and whose head
 # applies `lm_head` with nothing in between (no embedding scale, position embedding or logit cap: modeling_<type>.py),
 # so a stage takes the previous stage's hidden states as `inputs_embeds` and passes its own on through identity norm
-# and head. Gemma (embedding normalizer), Granite and Cohere (logit scales), GPT-2 (learned positions) are not.
+# and head. Gemma (embedding normalizer), Granite and Cohere (logit scales), GPT-2 (learned positions) are not; nor
+# are Mixtral and Qwen 3 MoE, whose checkpoints store each expert apart while transformers fuses them on loading
+# (conversion_mapping.py), and each stage reads its tensors from the checkpoint by name.
 PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM")
+                          "Phi3ForCausalLM", "Olmo2ForCausalLM")
 
 
 def pipeline_spec(plan: Plan) -> dict[str, Any] | None:
@@ -94,7 +96,8 @@ def load_stage(model, source, start):
             for key in set(handle.keys()) & set(wanted):
                 wanted.pop(key).copy_(handle.get_tensor(key))
     if wanted:
-        raise SystemExit(f"The checkpoint in {folder} lacks these tensors of the stage: {sorted(wanted)[:5]}")
+        raise SystemExit(f"The checkpoint in {folder} lacks these tensors of the stage under the model's own names "
+                         f"(a checkpoint transformers converts on loading?): {sorted(wanted)[:5]}")
 
 
 class StageModule(torch.nn.Module):

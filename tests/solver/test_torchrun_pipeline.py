@@ -11,7 +11,9 @@ by several nodes once; released with its last saved copy), against
   input step frees on the last stage: exact bytes;
 - the plan's own `Estimate.pipeline`: each rank's in-flight passes times its slice's saved bytes per micro-batch,
   equal for one stage per rank and never below the real peak with several (whole passes, `in_flight_passes`).
-Parameters and AdamW states per rank equal the plan's per-rank memory breakdown exactly (fp32 on CPU).
+Parameters and AdamW states per rank equal the plan's per-rank memory breakdown exactly (fp32 on CPU). The stages
+themselves are checked against the whole model: cut from a checkpoint, they compose to its logits, and a run's
+first loss is transformers' loss of the same tokens.
 """
 
 from __future__ import annotations
@@ -196,3 +198,48 @@ def test_pipeline_of_a_model_the_script_cannot_cut_is_refused(tmp_path):
     assert "torchrun" not in plan.launchers
     with pytest.raises(FitplanError, match="cuts stages from"):
         emit_files(plan, "torchrun", tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory, model_dir):
+    """The emitted pipeline script's namespace (its functions share the PLAN dict, which a test may edit)."""
+    import runpy
+
+    folder = tmp_path_factory.mktemp("pipeline-script")
+    emit_files(pipeline_plan(model_dir, Schedule.ONE_F_ONE_B), "torchrun", folder)
+    return runpy.run_path(str(folder / "train_fitplan.py"), run_name="fitplan_emitted")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2"])
+def test_stages_cut_from_a_checkpoint_compose_to_the_whole_model(arch, script, tmp_path):
+    """The script's two stages (its own `stage_model` and `StageModule`, loading the checkpoint by name) give the
+    whole model's logits for every architecture it cuts; Gemma 2, which it refuses, scales the embeddings inside
+    the decoder, so its second stage would scale hidden states again: the control that shows the check can fail."""
+    import argparse
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {**tiny_values(arch), "num_hidden_layers": 4}
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    attention = "eager" if arch == "gemma2" else "sdpa"  # transformers 5.24 runs Gemma 2 eagerly only
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention).eval()
+    model.save_pretrained(tmp_path / arch)
+    plan = script["PLAN"]
+    listed = type(model).__name__ in plan["pipeline"]["architectures"]
+    assert listed == (arch != "gemma2")
+    plan["pipeline"]["architectures"].append(type(model).__name__)
+    plan["decisions"]["attention"], planned = attention, plan["decisions"]["attention"]
+    try:
+        args = argparse.Namespace(model=str(tmp_path / arch), from_config=False)
+        stages = [script["stage_model"](args, s, torch.device("cpu"))[0].eval() for s in (0, 1)]
+    finally:
+        plan["pipeline"]["architectures"].pop()
+        plan["decisions"]["attention"] = planned
+    ids = torch.randint(0, 512, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = script["StageModule"](stages[0], first=True, last=False)(ids)
+        logits = script["StageModule"](stages[1], first=False, last=True)(hidden)
+        whole = model(input_ids=ids).logits
+    assert torch.allclose(logits, whole, atol=1e-5) == listed
