@@ -108,19 +108,27 @@ def check_run(plan, reports: list[dict], losses: list[float]) -> None:
         assert report["optimizer_bytes"] == rank.memory.optimizer_states
 
 
-FAST = [(Schedule.ONE_F_ONE_B, None), (Schedule.ZBV, None)]
-SLOW = [(Schedule.GPIPE, None), (Schedule.INTERLEAVED_1F1B, None), (Schedule.INTERLEAVED_ZB, None),
-        (Schedule.ONE_F_ONE_B, "full"), (Schedule.INTERLEAVED_1F1B, "selective")]
+FAST = [(Schedule.ONE_F_ONE_B, {}), (Schedule.ZBV, {})]
+SLOW = [(Schedule.GPIPE, {}), (Schedule.INTERLEAVED_1F1B, {}), (Schedule.INTERLEAVED_ZB, {}),
+        (Schedule.ONE_F_ONE_B, {"checkpoint": "full"}), (Schedule.INTERLEAVED_1F1B, {"checkpoint": "selective"}),
+        (Schedule.ONE_F_ONE_B, {"precision": ("bf16-mixed",)}), (Schedule.ZBV, {"precision": ("bf16",)})]
+
+
+def case_id(value: object) -> str:
+    if not isinstance(value, dict):
+        return str(value)
+    return "-".join(str(v[0] if isinstance(v, tuple) else v) for v in value.values()) or "plain"
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("schedule", "checkpoint"), [*FAST, *(pytest.param(*c, marks=pytest.mark.slow) for c in SLOW)],
-                         ids=lambda v: str(v))
-def test_emitted_pipeline_holds_the_activations_the_plan_prices(schedule, checkpoint, model_dir, tmp_path):
-    plan = pipeline_plan(model_dir, schedule, **({"checkpoint": checkpoint} if checkpoint else {}))
+@pytest.mark.parametrize(("schedule", "pins"), [*FAST, *(pytest.param(*c, marks=pytest.mark.slow) for c in SLOW)],
+                         ids=case_id)
+def test_emitted_pipeline_holds_the_activations_the_plan_prices(schedule, pins, model_dir, tmp_path):
+    plan = pipeline_plan(model_dir, schedule, **pins)
     d = plan.decisions
     assert (d.pp, d.pp_schedule, d.micro_batch, d.grad_accum, d.dp) == (2, schedule, MICRO_BATCH, 4, 1)
-    assert {str(m) for m in d.checkpoint} == {checkpoint or "none"}
+    assert {str(m) for m in d.checkpoint} == {pins.get("checkpoint", "none")}
+    assert str(d.precision) == pins.get("precision", ("fp32",))[0]  # fp32: the CPU plan's own choice
     assert "torchrun" in plan.launchers
     reports, losses = run_script(plan, model_dir, tmp_path / "out")
     check_run(plan, reports, losses)
