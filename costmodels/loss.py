@@ -263,8 +263,8 @@ def head_shape(graph: LayerGraph, config: Config, *, b: int, s: int) -> HeadShap
 def loss_terms(graph: LayerGraph, config: Config, terms: MemoryTerms, loss: Loss, *, seq_len: int,
                chunks: int = TORCHTUNE_CHUNKS) -> MemoryTerms:
     """`memory_terms(graph, workload, config)` with the lowered head and loss nodes replaced by `loss`'s."""
-    if loss is Loss.HF:
-        return terms
+    if loss is Loss.HF or not any(layer.role is Role.HEAD for layer in graph.nodes()):
+        return terms  # a pipeline stage without the head computes no loss
     x = head_shape(graph, config, b=config.micro_batch, s=seq_len)
     return replace_head_nodes(terms, *loss_nodes(loss_memory(loss, x, chunks=chunks), x))
 

@@ -419,7 +419,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
         result = SolveResult(status, piped.step_ticks * found.weight, None, result.wall_seconds, None, modes)
     else:
         outer, modes = tables[result.table].outer, result.modes
-        if pipeline_status not in ("OPTIMAL", "INFEASIBLE") and result.status == "OPTIMAL":
+        if pipeline_status not in (None, "OPTIMAL", "INFEASIBLE") and result.status == "OPTIMAL":
             result = replace(result, status="FEASIBLE")  # a pipeline configuration left unsearched might be faster
     graph = graph_of(outer)
     if outer.pp > 1:  # the plan records the split it was priced with

@@ -178,7 +178,8 @@ def test_training_script_holds_model_and_plan_as_literals(emitted):
     plan, folder = emitted["torchrun"]
     values = literal_assignments((folder / "train_fitplan.py").read_text())
     assert values["MODEL"] == plan["inputs"]["model"]
-    assert values["PLAN"] == {"decisions": plan["decisions"], "seq_len": plan["inputs"]["seq_len"]}
+    assert values["PLAN"] == {"decisions": plan["decisions"], "seq_len": plan["inputs"]["seq_len"],
+                              "pipeline": None}  # a pipeline plan's stages and schedule (torchrun_pipeline.py)
 
 
 def parsed_model(script: Path, argv: list[str]) -> str:

@@ -128,10 +128,11 @@ def test_pins_that_leave_nothing_are_named(pins, named):
 
 
 def test_activations_that_no_sharding_removes_are_not_told_to_add_gpus():
-    # 8B at 131,072 tokens: the logits and activations alone exceed an H100; more data-parallel GPUs (or LoRA) only
-    # shard or drop model states. Before: "more GPUs: ... try about 26 GPUs".
+    # 8B at 131,072 tokens without context or pipeline parallelism (which run it: test_pipeline_plans.py): the
+    # logits and activations alone exceed an H100; more data-parallel GPUs (or LoRA) only shard or drop model
+    # states. Before: "more GPUs: ... try about 26 GPUs".
     with pytest.raises(Infeasible) as caught:
-        solve("meta-llama/Llama-3.1-8B", "8xH100", seq_len=131072, global_batch=8)
+        solve("meta-llama/Llama-3.1-8B", "8xH100", seq_len=131072, global_batch=8, cp=1, pp=1)
     hint = caught.value.hint
     assert "not more GPUs" in hint and "try about" not in hint and "--lora-rank" not in hint
     assert "--seq-len 65536" in hint
