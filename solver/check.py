@@ -15,9 +15,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from costmodels import Config, shared_lowering
+from costmodels import Config, Workload, shared_lowering
 from costmodels.activations import evaluate
 from costmodels.knobs import declared
+from costmodels.pipeline import StageActivations, held_activation_bytes
+from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
 from graphs.files import parse_json, read_text
 from graphs.lower import lower_resolved
@@ -95,14 +97,15 @@ def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int |
 def _ranks(plan: Plan, device: str, nproc: int | None, steps: int) -> int:
     import torch
 
-    world = plan.decisions.tp * plan.decisions.dp
+    d = plan.decisions
+    world = d.tp * d.cp * d.pp * d.dp
     if steps < 1:
         raise FitplanError(f"--steps {steps} must be at least 1.", "e.g. --steps 5")
     if plan.inputs.cluster.nodes > 1:
         raise FitplanError(f"The plan spans {plan.inputs.cluster.nodes} nodes; check runs one node.",
                            "Check a one-node plan of the same model (e.g. solve --gpus 8xH100).")
     if nproc is not None and nproc != world:
-        raise FitplanError(f"--nproc {nproc}: the plan runs tp={plan.decisions.tp} x dp={plan.decisions.dp} = "
+        raise FitplanError(f"--nproc {nproc}: the plan runs tp={d.tp} x cp={d.cp} x pp={d.pp} x dp={d.dp} = "
                            f"{world} ranks.", "Check runs the plan as planned: one process per rank.")
     if device == "cuda" and torch.cuda.device_count() < world:
         raise FitplanError(f"The plan needs {world} GPUs; this machine has {torch.cuda.device_count()}.",
@@ -170,10 +173,48 @@ def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -
     return total + (evaluate(graph.shared, **shape) if any_plain else 0)
 
 
+def pipeline_held_bytes(plan: Plan, config: Config, graph: LayerGraph) -> tuple[int, ...]:
+    """Per pipeline rank, the peak bytes autograd holds over one step of the plan's schedule, as saved-tensor hooks
+    see them: `held_activation_bytes` in torch's action order, fed per global stage with its slice's saved bytes of
+    one micro-batch (`saved_activation_bytes`), the loss's being what a zero-bubble input step frees."""
+    workload = Workload(seq_len=plan.inputs.seq_len, global_batch=plan.inputs.global_batch)
+    stages: dict[int, StageActivations] = {}
+    for slice_ in rank_slices(graph, workload, config):
+        for local, stage in enumerate(slice_.stages):
+            sub, own = slice_.stage_graphs[local], rank_config(config, slice_, stage=local)
+            loss = sum(evaluate(node.cost().saved, b=config.micro_batch, s=plan.inputs.seq_len, tp=config.tp,
+                                sequence_parallel=config.sequence_parallel)
+                       for node in sub.nodes() if node.role is Role.LOSS)
+            stages[stage] = StageActivations(saved=saved_activation_bytes(sub, own, seq_len=plan.inputs.seq_len),
+                                             freed_by_input=loss)
+    return held_activation_bytes(config.pp_schedule, config.pp, config.grad_accum, v=config.pp_virtual,
+                                 stages=[stages[s] for s in sorted(stages)])
+
+
+def _pipeline_rows(plan: Plan, reports: list[dict], *, cpu: bool) -> list[Row]:
+    """Per pipeline rank (the first replica's ranks: the pipeline is the outermost dimension), its parameters,
+    optimizer states and the saved bytes its stages held at the step's peak."""
+    config = plan_config(plan)
+    held = pipeline_held_bytes(plan, config, plan_graph(plan, config))
+    rows = []
+    for rank, priced in enumerate(plan.estimate.pipeline.ranks):
+        report = reports[rank * config.tp * config.cp * config.dp]
+        rows += [Row(name=f"pipeline rank {rank}: parameters", measured=report["param_bytes"],
+                     estimated=priced.memory.parameters, unit="bytes", exact=cpu),
+                 Row(name=f"pipeline rank {rank}: optimizer states", measured=report["optimizer_bytes"],
+                     estimated=priced.memory.optimizer_states, unit="bytes", exact=cpu),
+                 Row(name=f"pipeline rank {rank}: held saved activations", measured=report["held_saved_peak_bytes"],
+                     estimated=held[rank], unit="bytes", exact=cpu)]
+    return rows
+
+
 def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
-    """Rows for rank 0 (the largest FSDP shard); step time is the slowest rank's median after the first step."""
+    """Rows for rank 0 (the largest FSDP shard), or per pipeline rank; step time is the slowest rank's median after
+    the first step."""
     memory, first = plan.estimate.memory, reports[0]
     cpu = device == "cpu"
+    if plan.decisions.pp > 1:
+        return [*_pipeline_rows(plan, reports, cpu=cpu), _step_row(plan, reports)]
     config = plan_config(plan)
     saved = saved_activation_bytes(plan_graph(plan, config), config, seq_len=plan.inputs.seq_len)
     rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
@@ -188,10 +229,14 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
                      estimated=memory.allocated_peak, unit="bytes", exact=False),
                  Row(name="peak reserved", measured=max(r["peak_reserved_bytes"] for r in reports),
                      estimated=memory.reserved_peak, unit="bytes", exact=False)]
-    timed = [r["step_seconds"][1:] or r["step_seconds"] for r in reports]  # the first step warms up
-    rows.append(Row(name="step time", measured=max(statistics.median(t) for t in timed),
-                    estimated=plan.estimate.time.step_time, unit="s", exact=False))
+    rows.append(_step_row(plan, reports))
     return rows
+
+
+def _step_row(plan: Plan, reports: list[dict]) -> Row:
+    timed = [r["step_seconds"][1:] or r["step_seconds"] for r in reports]  # the first step warms up
+    return Row(name="step time", measured=max(statistics.median(t) for t in timed),
+               estimated=plan.estimate.time.step_time, unit="s", exact=False)
 
 
 def check_lines(report: CheckReport) -> list[str]:

@@ -251,3 +251,18 @@ def test_stages_cut_from_a_checkpoint_compose_to_the_whole_model(arch, script, t
         logits = script["StageModule"](stages[1], first=False, last=True)(hidden)
         whole = model(input_ids=ids).logits
     assert torch.allclose(logits, whole, atol=1e-5) == listed
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fitplan_check_runs_a_pipeline_plan_and_every_row_is_exact(model_dir, tmp_path):
+    """`fitplan check` runs a pipeline plan on pp processes and compares each pipeline rank's parameters,
+    optimizer states and held saved activations with the plan: every byte row exact on CPU."""
+    from solver.check import check_plan
+
+    plan = pipeline_plan(model_dir, Schedule.ZBV)
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_json()))
+    report = check_plan(tmp_path / "plan.json", steps=2, device="cpu")
+    assert report.ranks == RANKS
+    rows = [row for row in report.rows if row.exact]
+    assert len(rows) == 3 * RANKS and all(row.measured == row.estimated for row in rows), rows
