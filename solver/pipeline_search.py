@@ -95,12 +95,13 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
             return None
     ranks = []
     for slice_ in slices:
-        table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
-                            in_flight=slice_.in_flight, buffers=slice_.buffers)
+        terms = tuple(time_terms(g, cluster, workload, config) for g in slice_.stage_graphs)
+        whole = terms[0] if len(terms) == 1 else time_terms(slice_.graph, cluster, workload, config)  # one stage:
+        table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,  # the same nodes
+                            in_flight=slice_.in_flight, buffers=slice_.buffers, terms=whole)
         if not table.states_fit:
             return None
-        terms = tuple(time_terms(g, cluster, workload, config) for g in slice_.stage_graphs)
-        outside = terms[0].outside if len(terms) == 1 else time_terms(slice_.graph, cluster, workload, config).outside
+        outside = whole.outside
         ranks.append(RankTable(slice_, table, [layer.kind for layer in slice_.graph.decoder_layers()], terms,
                                outside))
     found = PipelineCandidate(outer, tuple(ranks), stage_p2p_seconds(graph, cluster, workload, config), 0)

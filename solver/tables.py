@@ -72,14 +72,15 @@ class Table:
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
                 headroom: float, compile_auto: bool = False, eager_graph: LayerGraph | None = None,
-                in_flight: int = 1, buffers: int = 0) -> Table:
+                in_flight: int = 1, buffers: int = 0, terms: TimeTerms | None = None) -> Table:
     """One configuration's table. With `compile_auto` a compiled configuration keeps torch.compile only where
     it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs;
     `eager_graph` is its lowering without compile (what it then saves). `in_flight` and `buffers` make it a
-    pipeline rank's table (`graph` its slice: `costmodels.pipeline_stages`)."""
+    pipeline rank's table (`graph` its slice: `costmodels.pipeline_stages`); `terms` its time terms when the caller
+    has them."""
     config = outer.config()
     check(graph, cluster, workload, config)
-    terms = time_terms(graph, cluster, workload, config)
+    terms = terms or time_terms(graph, cluster, workload, config)
     if compile_auto and outer.compile:
         eager_config = replace(config, compile=False)
         graph_eager = eager_graph or graph
