@@ -167,10 +167,11 @@ def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
 
 def _torchrun_pipeline(d: Config, lora: bool) -> list[str]:
     """What the script's torch.distributed.pipelining stages (torch 2.13 `PipelineStage`, the schedule's own loss
-    and backward) do not run: the script replicates whole stages over their data-parallel group (DDP)."""
+    and backward) do not run: the script shards its stages' layers by DTensor TP and replicates stages over their
+    data-parallel group (DDP)."""
     problems = []
-    if d.tp > 1:
-        problems.append("tensor parallelism inside pipeline stages (the script's stages are whole HF layers)")
+    if d.sequence_parallel:
+        problems.append("sequence parallelism inside pipeline stages (the script's stages pass whole sequences)")
     if d.engine is Engine.FSDP2:
         problems.append("FSDP2 with pipeline parallelism (torch.distributed.pipelining keeps FSDP2's gradients "
                         "unsharded until a step's last backward, stage.py backward_maybe_with_nosync, which the plan "

@@ -259,14 +259,16 @@ def apply_tensor_parallel(model, mesh):
               "colwise_gather_output": ColwiseParallel(output_layouts=Replicate())}
     plan = {}
     for pattern, style in (getattr(model, "_tp_plan", None) or {}).items():
-        for name, _ in model.named_modules():
+        for name, module in model.named_modules():
             parts, names = pattern.split("."), name.split(".")
-            if len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names)) and style in styles:
+            if len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names)) and style in styles \
+                    and not isinstance(module, torch.nn.Identity):  # a pipeline stage's stand-in norm or head
                 plan[name] = styles[style]
     parallelize_module(model, mesh, plan)
-    tied = model.get_output_embeddings()
-    if getattr(model.config, "tie_word_embeddings", False) and tied is not None:
-        tied.weight = model.get_input_embeddings().weight  # keep tied weights one tensor
+    tied, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and isinstance(tied, torch.nn.Linear) \
+            and embedding is not None:
+        tied.weight = embedding.weight  # keep tied weights one tensor
 
 
 def apply_fsdp(model, mesh):

@@ -122,7 +122,8 @@ class StageModule(torch.nn.Module):
 
 def tie_stages(stages, pp_rank, pp_group_of):
     """A tied embedding and head on different pipeline ranks are two copies (Megatron's output-layer copy): the
-    last stage starts from the first's weight and their gradients are summed every step. Returns the function that
+    last stage starts from the first's weight and their gradients are summed every step (under tensor parallelism
+    both are sharded by vocabulary rows, so the local shards pair up). Returns the function that
     sums them and the copy on this rank, which the global norm counts once (None, None: nothing to sync)."""
     pipe = PLAN["pipeline"]
     first, last = pipe["stage_ranks"][0], pipe["stage_ranks"][-1]
@@ -139,26 +140,32 @@ def tie_stages(stages, pp_rank, pp_group_of):
         return None, None
     weight = (by_stage[0].model.embed_tokens if pp_rank == first else by_stage[len(pipe["split"]) - 1].lm_head).weight
     with torch.no_grad():
-        dist.broadcast(weight.data, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast(local(weight.data), src=dist.get_global_rank(group, 0), group=group)
 
     def sync():
-        if weight.grad is not None:
-            dist.all_reduce(weight.grad, group=group)
+        if weight.grad is None:
+            return
+        if hasattr(weight, "placements") and weight.grad.placements != weight.placements:
+            # torch 2.13 leaves the TP embedding's gradient replicated: shard it as the weight, as the head's is
+            weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+        dist.all_reduce(local(weight.grad), group=group)
     return sync, (weight if pp_rank == last else None)
 
 
 def pipeline_mesh(device):
-    """The (pp, dp) mesh, pipeline outermost as fitplan prices it, and a function giving the group of two pipeline
-    ranks at this rank's data-parallel index (every rank creates every group, as new_group requires)."""
+    """The (pp, dp, tp) mesh, pipeline outermost as fitplan prices it, and a function giving the group of two
+    pipeline ranks at this rank's data- and tensor-parallel index (every rank creates every group, as new_group
+    requires)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     d = PLAN["decisions"]
-    mesh = init_device_mesh(device.type, (d["pp"], d["dp"]), mesh_dim_names=("pp", "dp"))
-    dp_rank = mesh["dp"].get_local_rank()
+    mesh = init_device_mesh(device.type, (d["pp"], d["dp"], d["tp"]), mesh_dim_names=("pp", "dp", "tp"))
+    inner = d["dp"] * d["tp"]
+    mine = mesh["dp"].get_local_rank() * d["tp"] + mesh["tp"].get_local_rank()
 
     def pair_group(a, b):
-        groups = [dist.new_group([a * d["dp"] + j, b * d["dp"] + j]) for j in range(d["dp"])]
-        return groups[dp_rank]
+        groups = [dist.new_group([a * inner + j, b * inner + j]) for j in range(inner)]
+        return groups[mine]
     return mesh, pair_group
 
 
@@ -178,13 +185,13 @@ class HeldBytes:
 
     def __init__(self, modules, batch):
         owned = [t for m in modules for t in (*m.parameters(), *m.buffers())]
-        self.skip = {t.untyped_storage().data_ptr() for t in (*owned, *batch)}
+        self.skip = {local(t).untyped_storage().data_ptr() for t in (*owned, *batch)}
         self.refs, self.held, self.peak = {}, 0, 0
 
     def pack(self, tensor):
         import weakref
 
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()  # a DTensor's (tensor parallelism) local shard
         if storage.data_ptr() in self.skip or storage.nbytes() == 0:
             return tensor
         key = (storage.data_ptr(), storage.nbytes())
@@ -204,6 +211,12 @@ class HeldBytes:
         self.refs[key] -= 1
         if self.refs[key] == 0:
             self.held -= key[1]
+
+
+def local(tensor):
+    """The plain tensor behind a DTensor (its local shard) or an async collective's result (waited for)."""
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.trigger_wait() if hasattr(tensor, "trigger_wait") else tensor
 
 
 class SavedBox:
@@ -226,6 +239,8 @@ def train_pipeline(args, device, cuda):
     last = len(pipe["split"]) - 1
     torch.manual_seed(0)
     built = {s: stage_model(args, s, device) for s in mine}
+    for model, _, _ in built.values() if d["tp"] > 1 else ():
+        apply_tensor_parallel(model, mesh["tp"])  # from tensor-parallel rank 0's weights (src_data_rank=0)
     sync_tied, tied_copy = tie_stages(built, pp_rank, pair_group)
     modules = []
     for s, (model, layers, start) in built.items():
@@ -280,7 +295,7 @@ def train_pipeline(args, device, cuda):
         seconds.append(time.perf_counter() - started)
         if losses:
             step_losses.append(torch.stack(losses).mean().item())
-            if dp_rank == 0:  # one replica's last stage prints, as rank 0 does without a pipeline
+            if dp_rank == 0 and mesh["tp"].get_local_rank() == 0:  # one replica's last stage prints
                 print(f"step {step + 1}: loss {step_losses[-1]:.4f}", flush=True)
     if args.report:
         report_pipeline(args, modules, optimizer, held, mine, {"step_seconds": seconds, "grad_norms": norms,
@@ -301,9 +316,10 @@ def clip_pipeline(params, max_norm, group, tied_copy):
     """Clip the global gradient norm over every pipeline rank's stages (a tied head's copy counted once)."""
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and p is not tied_copy]
-    square = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    square = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     for g in counted:
-        square += torch.linalg.vector_norm(g.float()) ** 2
+        norm = torch.linalg.vector_norm(g.float())
+        square += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2  # TP shards made whole
     dist.all_reduce(square, group=group)
     total = float(square.sqrt())
     factor = max_norm / (total + 1e-6)

@@ -155,6 +155,29 @@ def test_data_parallel_pipeline_replicas_average_their_gradients(schedule, model
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [Schedule.ONE_F_ONE_B, Schedule.ZBV], ids=str)
+def test_tensor_parallel_stages_hold_the_plan_and_train_as_one_rank_per_stage(schedule, model_dir, tmp_path):
+    """pp=2 x tp=2 on four processes (DTensor TP inside each stage, the tied head's shards summed with the
+    embedding's): every rank holds the saved bytes the plan prices for its pipeline rank at tp=2, and the
+    parameters and AdamW states of its shards; the losses and the global gradient norm equal the tp=1 pipeline's."""
+    plan = solve(str(model_dir), "4xCPU", seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, time_limit=5, pp=2, tp=2,
+                 pp_schedule=schedule, micro_batch=MICRO_BATCH, sequence_parallel="off", launcher="torchrun")
+    d = plan.decisions
+    assert (d.pp, d.tp, d.dp, d.grad_accum, d.sequence_parallel) == (2, 2, 1, 4, False)
+    reports, losses = run_script(plan, model_dir, tmp_path / "tp2", ranks=4)
+    stages, _ = stage_saved_bytes(plan)
+    held = held_activation_bytes(schedule, 2, 4, v=d.pp_virtual, stages=stages)
+    assert [r["held_saved_peak_bytes"] for r in reports] == [held[0], held[0], held[1], held[1]]  # pp outermost
+    ranks = plan.estimate.pipeline.ranks
+    assert [r["param_bytes"] for r in reports] == [ranks[i // 2].memory.parameters for i in range(4)]
+    assert [r["optimizer_bytes"] for r in reports] == [ranks[i // 2].memory.optimizer_states for i in range(4)]
+    single, single_losses = run_script(pipeline_plan(model_dir, schedule), model_dir, tmp_path / "tp1")
+    assert losses == single_losses
+    assert all(r["grad_norms"] == pytest.approx(single[0]["grad_norms"], rel=1e-5) for r in reports)
+
+
+@pytest.mark.distributed
 def test_pipeline_stages_load_the_checkpoint_and_compute_the_models_loss(tmp_path):
     """Stages read their own tensors from the safetensors checkpoint (a tied head from the embedding) and together
     compute the whole model's loss: the first step's printed loss equals transformers' loss of the same tokens."""
@@ -190,7 +213,9 @@ def test_registry_runs_torchrun_pipelines_and_names_what_it_refuses():
     assert unsupported("torchrun", Config(**pipe)) == []
     assert unsupported("torchrun", Config(**pipe, dp=2)) == []  # DDP over each stage's data-parallel group
     assert unsupported("torchrun", Config(**pipe, dp=2, pp_schedule=Schedule.ZBV, pp_virtual=2)) == []
-    refused = {"tensor parallelism inside pipeline stages": Config(**pipe, tp=2, dp=1),
+    assert unsupported("torchrun", Config(**pipe, tp=2)) == []  # DTensor TP inside the stages
+    refused = {"sequence parallelism inside pipeline stages": Config(**pipe, tp=2, sequence_parallel=True),
+               "tensor parallelism with DDP": Config(**pipe, tp=2, dp=2),
                "FSDP2 with pipeline parallelism": Config(**{**pipe, "engine": Engine.FSDP2, "zero": 2}),
                "fp16-mixed with pipeline parallelism": Config(**pipe, precision=Precision.FP16_MIXED),
                "context parallelism": Config(**pipe, cp=2)}
