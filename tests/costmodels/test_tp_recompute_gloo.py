@@ -96,8 +96,13 @@ def counts(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "counts.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                str(out)]
-    done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=240, check=False)
+    for attempt in range(2):  # gloo ranks sometimes abort at teardown ("terminate called without an active
+        # exception", SIGABRT) on a loaded machine; the counts are deterministic, so one relaunch is fair
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=240, check=False)
+        teardown_abort = "terminate called without an active exception" in done.stdout + done.stderr
+        if done.returncode == 0 or not teardown_abort or attempt:
+            break
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads(out.read_text())
 
