@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import weakref
 from datetime import timedelta
@@ -23,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.gloo import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 # The tiny Llama's attention (tests/graphs/tiny_configs.py): 4 query and 2 key/value heads of 32.
@@ -239,24 +240,8 @@ def launch(folder: Path, cp: int, *, model: Path | None = None, ulysses: bool = 
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"store": str(folder / "store"), "cp": cp, "model": str(model) if model else None,
                                 "ulysses": ulysses}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "tests.costmodels.cp_ring_reference", str(spec)]
-    procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(cp)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(rank, proc.returncode, log[-3000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
-              if proc.returncode != 0]
-    if failed:
-        raise RuntimeError(f"gloo workers failed: {failed}")
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(cp)]
+    return run_ranks("tests.costmodels.cp_ring_reference", [str(spec)], world=cp, folder=folder,
+                     timeout=LAUNCH_TIMEOUT)
 
 
 if __name__ == "__main__":

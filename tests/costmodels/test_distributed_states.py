@@ -7,8 +7,6 @@ takes one AdamW step per case and writes its local bytes to JSON; the tests comp
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -27,6 +25,7 @@ from costmodels import Config, Engine, Optimizer, Precision, lowering_for
 from costmodels.states import ModelStates, model_states
 from costmodels.zero import fsdp_shard_dim, local_shape
 from graphs import LayerGraph, lower
+from tests.gloo import run_ranks
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -90,24 +89,8 @@ def launch(world: int, cases: list[Case], folder: Path) -> list[dict]:
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"world": world, "store": str(folder / "store"),
                                 "cases": [{**asdict(c), "values": c.values()} for c in cases]}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    command = [sys.executable, "-m", "tests.costmodels.test_distributed_states"]
-    procs = [subprocess.Popen([*command, str(spec), str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(world)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(rank, proc.returncode, log[-3000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
-              if proc.returncode != 0]
-    if failed:
-        raise RuntimeError(f"gloo workers failed: {failed}")
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return run_ranks("tests.costmodels.test_distributed_states", [str(spec)], world=world, folder=folder,
+                     timeout=LAUNCH_TIMEOUT, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
 
 
 def worker(spec_path: str, rank: int) -> None:

@@ -10,8 +10,6 @@ One launch runs this file as 4 worker processes; each writes what it moved and h
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.gloo import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -117,24 +117,8 @@ def worker(store: str, rank: int) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp("ep_gloo")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "tests.costmodels.test_expert_parallel_gloo", str(folder / "store")]
-    procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(rank, proc.returncode, log[-2000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
-              if proc.returncode != 0]
-    if failed:
-        raise RuntimeError(f"gloo workers failed: {failed}")
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_ranks("tests.costmodels.test_expert_parallel_gloo", [str(folder / "store")], world=WORLD,
+                     folder=folder, timeout=LAUNCH_TIMEOUT)
 
 
 def _layer_and_config(ep: int):

@@ -10,8 +10,6 @@ it with the cost model exactly.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import weakref
 from dataclasses import asdict, dataclass
@@ -27,6 +25,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from costmodels.pipeline import StageActivations, activation_bytes, held_activation_bytes
 from costmodels.pipeline_schedule import TORCH_CLASS, Schedule, stage_ranks
+from tests.gloo import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -212,24 +211,8 @@ def launch(folder: Path) -> list[dict]:
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"store": str(folder / "store"),
                                 "cases": [{**asdict(c), "name": c.name} for c in CASES]}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "tests.costmodels.test_pipeline_gloo", str(spec)]
-    procs = [subprocess.Popen([*command, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(PP)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [(rank, proc.returncode, log[-3000:]) for rank, (proc, log) in enumerate(zip(procs, logs, strict=True))
-              if proc.returncode != 0]
-    if failed:
-        raise RuntimeError(f"gloo workers failed: {failed}")
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(PP)]
+    return run_ranks("tests.costmodels.test_pipeline_gloo", [str(spec)], world=PP, folder=folder,
+                     timeout=LAUNCH_TIMEOUT)
 
 
 # --- the tests ----------------------------------------------------------------------------------------------
