@@ -133,17 +133,17 @@ def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[objec
     slices = []
     for rank in range(pp):
         stages = tuple(s for s, r in enumerate(ranks) if r == rank)
-        stage_graphs = tuple(_sub_graph(graph, tuple(range(bounds[s], bounds[s + 1])), first=s == 0,
+        stage_graphs = tuple(sub_graph(graph, tuple(range(bounds[s], bounds[s + 1])), first=s == 0,
                                         last=s == len(sizes) - 1) for s in stages)
         layers = tuple(i for s in stages for i in range(bounds[s], bounds[s + 1]))
-        whole = _sub_graph(graph, layers, first=0 in stages, last=len(sizes) - 1 in stages)
+        whole = sub_graph(graph, layers, first=0 in stages, last=len(sizes) - 1 in stages)
         slices.append(RankSlice(rank=rank, stages=stages, layers=layers, graph=whole, stage_graphs=stage_graphs,
                                 in_flight=passes[rank], buffers=buffers[rank]))
     return tuple(slices)
 
 
 @lru_cache(maxsize=4096)
-def _sub_graph(graph: LayerGraph, layers: tuple[int, ...], *, first: bool, last: bool) -> LayerGraph:
+def sub_graph(graph: LayerGraph, layers: tuple[int, ...], *, first: bool, last: bool) -> LayerGraph:
     """The nodes of decoder `layers` (with the pre-decoder nodes when `first`, the post-decoder ones when `last`)
     as a graph of their own: its token ids and labels only where the embedding or the loss is. Its `dims` stay
     the model's (the architecture), so a slice is checked against the whole model's layers."""

@@ -8,8 +8,10 @@ with the rank's in-flight micro-batches and receive buffers). With several stage
 minimise its total time (the recompute of all its stages). `reference.py` enumerates every combination of the
 ranks' modes through the simulation on small instances, and the tests check the two agree.
 
-Configurations are visited in the order of a lower bound (every rank in its fastest modes, simulated) and the
-visit stops once the bound reaches the best step found, whole-model configurations included.
+Configurations are visited in the order of a lower bound (their compute in the fastest modes spread over the
+ranks) and the visit stops once the bound reaches the best step found, whole-model configurations included; a
+configuration whose split and bubble alone (`stage_bound`) or whose ranks in their fastest modes, simulated, reach
+that step is passed over.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Config, Offload, Optimizer, Workload
-from costmodels.pipeline_schedule import Schedule
+from costmodels.pipeline import DEFAULT_WEIGHT_SHARE, StageTimes, step_lower_bound
+from costmodels.pipeline_schedule import SPLIT_BACKWARD, Schedule
 from costmodels.pipeline_stages import (
     RankSlice,
     pipeline_step,
@@ -27,6 +30,7 @@ from costmodels.pipeline_stages import (
     stage_layers,
     stage_p2p_seconds,
     stage_split_seconds,
+    sub_graph,
 )
 from costmodels.states import model_states
 from costmodels.timing import TimeTerms, time_terms
@@ -148,21 +152,104 @@ def solve_ranks(found: PipelineCandidate, modes: tuple[Checkpoint, ...], *,
     return chosen, proved
 
 
+@dataclass(frozen=True, slots=True)
+class FastestCompute:
+    """Seconds of one micro-batch's compute with every layer in its fastest mode, under one compute setting
+    (`compute_key`): what bounds every pipeline configuration that shares the setting."""
+
+    total: float
+    """Every node of the model."""
+    layers: tuple[float, ...]
+    """Per decoder layer."""
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeCompute:
+    """Seconds of one micro-batch outside the decoder layers' fastest modes, under one compute setting: the
+    nodes before the first decoder layer (the embedding, stage 0's) and after the last one (final norm, head and
+    loss, the last stage's), and the forwards (without recompute) of those nodes and of one decoder layer. Priced
+    on one-layer slices, as a stage's slice is priced."""
+
+    before: float
+    after: float
+    forward_before: float
+    forward_layer: float
+    forward_after: float
+
+
+def compute_key(outer: Outer) -> Outer:
+    """What the micro-batches' compute depends on: not the data-parallel degree, offload or optimizer (their time
+    is outside the schedule), nor the pipeline (dp = ep keeps ep valid)."""
+    return replace(outer, pp=1, pp_schedule=Schedule.ONE_F_ONE_B, pp_virtual=1, pp_split=(), grad_accum=1,
+                   dp=outer.ep, optimizer_offload=Offload.NONE, param_offload=Offload.NONE, optimizer=Optimizer.ADAMW)
+
+
+def fastest_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
+                    modes: tuple[Checkpoint, ...], memo: dict[Outer, FastestCompute]) -> FastestCompute:
+    """`FastestCompute` of `outer`'s compute setting, timed once per setting (`memo`)."""
+    key = compute_key(outer)
+    if key not in memo:
+        terms = time_terms(graph, cluster, workload, key.config())
+        layers = tuple(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
+                       for options in terms.layers)
+        memo[key] = FastestCompute(total=terms.fixed.step_time - terms.outside + sum(layers), layers=layers)
+    return memo[key]
+
+
+def edge_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
+                 memo: dict[Outer, EdgeCompute]) -> EdgeCompute:
+    """`EdgeCompute` of `outer`'s compute setting, timed once per setting (`memo`)."""
+    key = compute_key(outer)
+    if key not in memo:
+        config, last = key.config(), len(graph.decoder_layers()) - 1
+        terms = [time_terms(sub_graph(graph, (layer,), first=first, last=final), cluster, workload, config)
+                 for layer, first, final in ((0, True, False), (0, False, False), (last, False, True))]
+        layer = terms[1].forward
+        memo[key] = EdgeCompute(before=terms[0].fixed.step_time - terms[0].outside,
+                                after=terms[2].fixed.step_time - terms[2].outside,
+                                forward_before=terms[0].forward - layer,
+                                forward_layer=layer, forward_after=terms[2].forward - layer)
+    return memo[key]
+
+
 def compute_bound(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
-                  modes: tuple[Checkpoint, ...], memo: dict[Outer, float]) -> int:
+                  modes: tuple[Checkpoint, ...], memo: dict[Outer, FastestCompute]) -> int:
     """Step ticks no split or schedule of `outer` beats: its micro-batches' compute in the fastest modes spread
     evenly over the pipeline ranks (the busiest rank has at least the mean, and the schedule lasts at least as
     long as its busiest rank). One time evaluation per compute setting, shared by every pipeline degree."""
-    # What the micro-batches' compute depends on: not the data-parallel degree, offload or optimizer (their time
-    # is outside the schedule), nor the pipeline (dp = ep keeps ep valid).
-    key = replace(outer, pp=1, pp_schedule=Schedule.ONE_F_ONE_B, pp_virtual=1, pp_split=(), grad_accum=1,
-                  dp=outer.ep, optimizer_offload=Offload.NONE, param_offload=Offload.NONE, optimizer=Optimizer.ADAMW)
-    if key not in memo:
-        terms = time_terms(graph, cluster, workload, key.config())
-        fastest = sum(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
-                      for options in terms.layers)
-        memo[key] = terms.fixed.step_time - terms.outside + fastest
-    return ticks(outer.grad_accum * memo[key] / outer.pp)
+    fastest = fastest_compute(outer, graph, cluster, workload, modes, memo)
+    return ticks(outer.grad_accum * fastest.total / outer.pp)
+
+
+# Bounds are summed in another order than the step they bound: a relative margin far above float rounding.
+_BOUND_MARGIN = 1e-9
+
+
+def stage_bound(outer: Outer, graph: LayerGraph, workload: Workload, fastest: FastestCompute,
+                edges: EdgeCompute) -> int:
+    """Step ticks no assignment of `outer` beats, from its split (`stage_layers`) with every stage in its fastest
+    modes, p2p hops and the work outside the schedule taken as free: the larger of `pipeline.step_lower_bound`
+    and one micro-batch's path through every stage and back (under a split backward, its input gradients and
+    stage 0's whole backward). 0 (no bound) unless the model's decoder layers are of one kind: only then does a
+    stage's slice price its nodes as the one-layer slices do (a slice's kernel speed follows its first layer)."""
+    if len({layer.kind for layer in graph.decoder_layers()}) != 1:
+        return 0
+    sizes = stage_layers(graph, workload, outer.config())
+    forward, backward, start = [], [], 0
+    for stage, size in enumerate(sizes):
+        first, last = stage == 0, stage == len(sizes) - 1
+        work = sum(fastest.layers[start:start + size]) + (edges.before if first else 0.0) + \
+            (edges.after if last else 0.0)
+        ahead = size * edges.forward_layer + (edges.forward_before if first else 0.0) + \
+            (edges.forward_after if last else 0.0)
+        forward.append(min(ahead, work))
+        backward.append(work - forward[-1])
+        start += size
+    times = StageTimes(forward=tuple(forward), backward=tuple(backward))
+    bound = step_lower_bound(outer.pp_schedule, outer.pp, outer.grad_accum, v=outer.pp_virtual, times=times)
+    share = DEFAULT_WEIGHT_SHARE if outer.pp_schedule in SPLIT_BACKWARD else 0.0  # W may run after the path
+    path = sum(forward) + backward[0] + (1 - share) * sum(backward[1:])
+    return max(0, ticks(max(bound, path) * (1 - _BOUND_MARGIN)) - 1)
 
 
 Runs = Callable[[Config], bool]
@@ -227,7 +314,8 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
     """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any): configurations
     in the order of `compute_bound`, each built (`candidate`) and its ranks solved only while its bounds are below
     the best step so far."""
-    memo: dict[Outer, float] = {}
+    memo: dict[Outer, FastestCompute] = {}
+    edges: dict[Outer, EdgeCompute] = {}
     bounds = []
     for outer in outers:
         if time.perf_counter() > deadline:  # no bound for the rest: none of them is searched
@@ -244,6 +332,9 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
             complete = False
             break
         outer = outers[k]
+        if bound is not None and stage_bound(outer, graph_of(outer), workload, memo[compute_key(outer)],
+                                             edge_compute(outer, graph_of(outer), cluster, workload, edges)) >= bound:
+            continue  # its split and bubble alone keep it from beating the best: no tables built
         found = candidate(outer, graph_of(outer), cluster, workload, headroom=headroom, modes=modes)
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
