@@ -39,12 +39,13 @@ def _version(package: str) -> str:
 
 def cache_key(values: dict[str, Any], *, dtype: str, autocast: str | None, attention: str | None,
               lora: LoraSpec | None, probes: tuple[int, ...], variants: tuple[str, ...] = ()) -> str:
-    """The entry of one lowering; `variants` name traced variants ("compiled") beside the probes."""
+    """The entry of one lowering; `variants` name traced variants ("compiled", "liger") beside the probes."""
     payload = {
         "format": FORMAT_VERSION, "config": values, "dtype": dtype, "autocast": autocast, "attention": attention,
         "lora": lora.to_json() if lora else None, "probes": list(probes),
         "versions": {p: _version(p) for p in ("fitplan", "torch", "transformers", "peft")
-                     + (("bitsandbytes",) if lora and lora.quantization else ())},
+                     + (("bitsandbytes",) if lora and lora.quantization else ())
+                     + (("liger-kernel",) if "liger" in variants else ())},
     }
     if variants:
         payload["variants"] = list(variants)

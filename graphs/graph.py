@@ -76,6 +76,11 @@ class LayerGraph:
             self._memo["nodes"] = [self.graph.nodes[name]["layer"] for name in nx.topological_sort(self.graph)]
         return list(self._memo["nodes"])
 
+    @property
+    def liger(self) -> bool:
+        """Traced with Liger-Kernel's patch (`graphs/liger.py`): its version is among the traced libraries'."""
+        return any(package == "liger-kernel" for package, _ in self.versions)
+
     def node(self, name: str) -> Layer:
         return self.graph.nodes[name]["layer"]
 

@@ -27,7 +27,7 @@ WIDEN_FACTOR = 2
 
 def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, attention: str | None = None,
           lora: LoraSpec | None = None, use_cache: bool = True, op_selective: bool = False,
-          runtime: str = "hf", compiled: bool = False) -> LayerGraph:
+          runtime: str = "hf", compiled: bool = False, liger: bool = False) -> LayerGraph:
     """Lower `model` (catalog id, local path or cached Hub id) to its `LayerGraph`.
 
     `dtype` is the parameter dtype; `autocast` ("bfloat16"/"float16") runs forward under torch.autocast, as
@@ -35,16 +35,19 @@ def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, a
     (`Checkpoint.OP_SELECTIVE`, torchtitan's policy as the generated torchrun script would pass it).
     `runtime` is the code that will run the plan: "hf" (transformers) or "torchtitan" (`titan.py`). `compiled`
     traces the un-checkpointed layers as torch.compile trains them (`compiled.py`: Inductor's partitioner decides
-    what they save).
+    what they save). `liger` traces the model as transformers' `use_liger_kernel` patches it (`liger.py`: Liger's
+    RMSNorm, SwiGLU and RoPE kernels in the layers; the head keeps HF's loss, which costmodels replaces).
     """
     if runtime == "torchtitan":
+        if liger:
+            raise ValueError("liger=True patches the transformers modeling code, not torchtitan's")
         return _lower_titan(model, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                             use_cache=use_cache)
     if runtime != "hf":
         raise ValueError(f"runtime={runtime!r} must be 'hf' or 'torchtitan'")
     resolved = resolve(model)
     return lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                          use_cache=use_cache, op_selective=op_selective, compiled=compiled)
+                          use_cache=use_cache, op_selective=op_selective, compiled=compiled, liger=liger)
 
 
 def _lower_titan(model: str, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
@@ -61,18 +64,20 @@ def _lower_titan(model: str, *, dtype: str, autocast: str | None, attention: str
 @functools.lru_cache(maxsize=64)
 def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast: str | None = None,
                    attention: str | None = None, lora: LoraSpec | None = None, use_cache: bool = True,
-                   op_selective: bool = False, compiled: bool = False) -> LayerGraph:
+                   op_selective: bool = False, compiled: bool = False, liger: bool = False) -> LayerGraph:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"autocast={autocast!r} must be None, bfloat16 or float16")
+    if liger and compiled:
+        raise ValueError("liger=True with compiled=True: torch.compile over Liger's Triton kernels is not traced")
     key = cache_key(resolved.as_dict(), dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                     probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR) + ((1,) if op_selective else ()),
-                    variants=("compiled",) if compiled else ())
+                    variants=("compiled",) if compiled else ("liger",) if liger else ())
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
     graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                     op_selective=op_selective, compiled=compiled)
+                     op_selective=op_selective, compiled=compiled, liger=liger)
     if compiled:
         graph = _eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
                                                   lora=lora, use_cache=use_cache, op_selective=op_selective))
@@ -82,12 +87,13 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
 
 
 def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
-             lora: LoraSpec | None, op_selective: bool = False, compiled: bool = False) -> LayerGraph:
+             lora: LoraSpec | None, op_selective: bool = False, compiled: bool = False,
+             liger: bool = False) -> LayerGraph:
     from . import measure
 
     config = measure.transformers_config(resolved)
     options = {"dtype": dtype, "autocast": autocast, "attention": attention, "lora": lora, "b0": PROBE_BATCH,
-               "s0": PROBE_SEQ, "widen": WIDEN_FACTOR, "compiled": compiled}
+               "s0": PROBE_SEQ, "widen": WIDEN_FACTOR, "compiled": compiled, "liger": liger}
     try:
         study = measure.study(config, **options, op_selective=op_selective)
     except UnsupportedModel as err:

@@ -5,6 +5,7 @@ The result (`Study`) is what `lower.assemble` maps onto the full graph.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -69,12 +70,22 @@ def transformers_config(resolved: ResolvedModel) -> Any:
 
 
 def study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
-          b0: int, s0: int, widen: int, op_selective: bool = False, compiled: bool = False) -> Study:
+          b0: int, s0: int, widen: int, op_selective: bool = False, compiled: bool = False,
+          liger: bool = False) -> Study:
+    """`liger`: the model as transformers' `use_liger_kernel` patches it (`liger.py`)."""
+    with contextlib.ExitStack() as patches:
+        return _study(config, dtype=dtype, autocast=autocast, attention=attention, lora=lora, b0=b0, s0=s0,
+                      widen=widen, op_selective=op_selective, compiled=compiled,
+                      patch=patches.enter_context if liger else None)
+
+
+def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
+           b0: int, s0: int, widen: int, op_selective: bool, compiled: bool, patch: Any) -> Study:
     from .lower import dims_of, widened_config
 
     dims = dims_of(config)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    wide = _parts(config, dtype=dtype, attention=attention, lora=lora, layers=dims.layers)
+    wide = _parts(config, dtype=dtype, attention=attention, lora=lora, layers=dims.layers, patch=patch)
     kinds = layer_kinds(wide)
     layer_class = type(wide.layers[0]).__name__
     plan = dict(getattr(wide.model, "_tp_plan", None) or {})
@@ -88,7 +99,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
     tp_degrees = _tp_degrees(params, dims)
     if _clean(plan) and len(tp_degrees) > 1:
         widened = _parts(widened_config(config, widen), dtype=dtype, attention=attention, lora=lora,
-                         layers=dims.layers)
+                         layers=dims.layers, patch=patch)
         if _matches_widening(widened, wide_params=params, factor=widen):
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
@@ -105,10 +116,12 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
                  dims=dims, itemsize=torch.finfo(next(wide.model.parameters()).dtype).bits // 8, params=params,
                  kinds=kinds, slot_scopes=slot_scopes, costs=costs, rowwise_modules=rowwise, moe=moe,
                  model_wide=model_wide_bytes(probes), widened=probes.widened is not None, tp_degrees=tp_degrees,
-                 versions=_versions())
+                 versions=_versions(liger=patch is not None))
 
 
-def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, layers: int) -> ModelParts:
+def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, layers: int,
+           patch: Any = None) -> ModelParts:
+    """The model to trace; `patch` (an ExitStack's enter_context) keeps Liger's patch on it while the study runs."""
     model = build_model(config, dtype=dtype, attention=attention)
     if lora is not None and lora.quantization is not None:
         from .quantization import quantize_linears
@@ -116,6 +129,10 @@ def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | N
         quantize_linears(model, lora.quantization, double_quant=lora.double_quant)
     if lora is not None:
         model = apply_lora(model, lora)
+    if patch is not None:
+        from .liger import liger_kernels
+
+        patch(liger_kernels(model))
     return find_parts(model, layers)
 
 
@@ -207,9 +224,10 @@ def _matches_widening(widened: ModelParts, *, wide_params: list[ParamTensor], fa
     return got.keys() == expected.keys() and all(got[name] == expected[name] for name in got)
 
 
-def _versions() -> tuple[tuple[str, str], ...]:
+def _versions(*, liger: bool = False) -> tuple[tuple[str, str], ...]:
+    """The traced libraries' versions; liger-kernel's only where its code was traced (`LayerGraph.liger`)."""
     found = []
-    for package in ("fitplan", "torch", "transformers", "peft"):
+    for package in ("fitplan", "torch", "transformers", "peft") + (("liger-kernel",) if liger else ()):
         try:
             found.append((package, version(package)))
         except PackageNotFoundError:
