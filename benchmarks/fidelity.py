@@ -77,10 +77,12 @@ def throughput_config(row: dict[str, Any], layers: int) -> tuple[Config, Workloa
 def _engine(row: dict[str, Any]) -> tuple[Engine, int] | str:
     """The engine and ZeRO stage that price the row's framework, or why none does."""
     zero, framework = row["parallel"].get("zero"), row.get("framework", "")
-    if "Megatron" in framework:  # Megatron's distributed optimizer shards the optimizer states: ZeRO-1
-        return Engine.DEEPSPEED, 1 if "distributed" in str(zero) else 0
-    if zero == "opt-sharded":  # Mist's zero_o=1: optimizer states sharded over the stage's data-parallel group
-        return Engine.DEEPSPEED, 1
+    if "Megatron" in framework:  # its DDP, or its distributed optimizer (optimizer states sharded)
+        return Engine.MEGATRON, 1 if "distributed" in str(zero) else 0
+    if zero == "opt-sharded":  # Mist's zero_o=1: optimizer states sharded over the stage's data-parallel group,
+        # priced as Megatron's distributed optimizer (Mist's runtime reuses Megatron's pipeline schedule; the rows
+        # do not state its gradient dtype)
+        return Engine.MEGATRON, 1
     if zero == 3 or "FSDP" in framework:
         return Engine.FSDP2, 3
     return f"engine {framework!r} / zero {zero!r} not mapped"

@@ -48,6 +48,9 @@ class Optimizer(_Choice):
     # paged to host RAM under device-memory pressure (costmodels/paging.py)
     PAGED_ADAMW_8BIT = "paged-adamw-8bit"
     PAGED_ADAMW_32BIT = "paged-adamw-32bit"
+    # Megatron's precision-aware Adam (--use-precision-aware-optimizer, Transformer Engine's FusedAdam): bf16
+    # moments and main gradients, fp32 master weights kept as the 16-bit remainders of the bf16 weights
+    ADAMW_BF16 = "adamw-bf16"
 
 
 # bitsandbytes' optimizers: their CUDA kernels update device (or unified-memory) tensors only.
@@ -68,6 +71,7 @@ class Engine(_Choice):
     DDP = "ddp"  # plain PyTorch (DistributedDataParallel when dp > 1); autocast for mixed precision
     DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO stages 0-3
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard; ZeRO-2/3-like via reshard_after_forward
+    MEGATRON = "megatron"  # Megatron-LM's DistributedDataParallel; zero=1 is its distributed optimizer
 
 
 class ContextParallel(_Choice):
@@ -206,6 +210,11 @@ class Config:
                              f"({self.optimizer_offload}): the offloaded step is DeepSpeed's fp32 CPU Adam")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        if self.optimizer is Optimizer.ADAMW_BF16 and (self.zero not in rules.bf16_state_optimizer_stages or
+                                                       self.precision is not Precision.BF16_MIXED):
+            # TE's FusedAdam stores master remainders of bf16 weights only (costmodels/optimizers.py)
+            raise ValueError("optimizer=adamw-bf16 is Megatron's precision-aware optimizer: it runs with "
+                             "engine=megatron zero=1 (the distributed optimizer) under bf16-mixed only")
         self._check_parallelism()
         self._check_memory_savers()
 

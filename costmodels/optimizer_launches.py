@@ -13,7 +13,10 @@ from .engines import rules_of
 # implementations (`_multi_tensor_adamw`, `_fused_adamw`, `_multi_tensor_sgd` with momentum,
 # `_multi_tensor_adafactor`); fused AdamW adds one over its device-resident `step` counters (foreach keeps them
 # on the host). tests/costmodels/test_optimizer_launches.py recounts them from the real optimizers.
-MULTI_TENSOR_OPS = {Optimizer.ADAMW: 8, Optimizer.ADAMW_FUSED: 1 + 1, Optimizer.SGD: 3, Optimizer.ADAFACTOR: 13}
+MULTI_TENSOR_OPS = {Optimizer.ADAMW: 8, Optimizer.ADAMW_FUSED: 1 + 1, Optimizer.SGD: 3, Optimizer.ADAFACTOR: 13,
+                    # Transformer Engine's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py): one
+                    # multi_tensor_adam kernel over the group's lists, its step count kept on the host
+                    Optimizer.ADAMW_BF16: 1}
 # bitsandbytes' optimizers step each parameter in its own call (`Optimizer8bit.step` -> `update_step`), one
 # update kernel per tensor (`optimizer_update_8bit_blockwise` / `optimizer_update_32bit`, bitsandbytes 0.50).
 PER_TENSOR_KERNELS = {Optimizer.ADAMW_8BIT: 1, Optimizer.PAGED_ADAMW_8BIT: 1, Optimizer.PAGED_ADAMW_32BIT: 1}

@@ -31,6 +31,9 @@ def state_bytes(optimizer: Optimizer | str, shape: tuple[int, ...], itemsize: in
             return 2 * numel * 4
         case Optimizer.ADAMW | Optimizer.ADAMW_FUSED:
             return 2 * numel * itemsize  # exp_avg, exp_avg_sq (torch.optim.AdamW)
+        case Optimizer.ADAMW_BF16:
+            # Megatron-LM --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (TE FusedAdam `exp_avg_dtype`, ...)
+            return 2 * numel * 2
         case Optimizer.SGD:
             return numel * itemsize  # momentum_buffer
         case Optimizer.ADAFACTOR:
@@ -42,6 +45,20 @@ def state_bytes(optimizer: Optimizer | str, shape: tuple[int, ...], itemsize: in
                 return 2 * numel * 4
             return 2 * numel + 2 * math.ceil(numel / BNB_BLOCK) * 4
     raise ValueError(f"unknown optimizer {optimizer}")
+
+
+def master_itemsize(optimizer: Optimizer | str) -> int | None:
+    """Bytes per element of the fp32 master copy where the optimizer stores it its own way (None: as the engine
+    keeps it). Transformer Engine's FusedAdam (>= 2.1) under Megatron's precision-aware optimizer keeps only the
+    16 low bits of each fp32 master weight; the bf16 weight is its high half (megatron-core 0.16.1
+    OptimizerConfig.store_param_remainders, default True)."""
+    return 2 if optimizer is Optimizer.ADAMW_BF16 else None
+
+
+def grads_itemsize(optimizer: Optimizer | str) -> int | None:
+    """Bytes per element of the gradient buffer where the optimizer sets it (None: as the engine keeps it):
+    Megatron's precision-aware optimizer with --main-grads-dtype bf16."""
+    return 2 if optimizer is Optimizer.ADAMW_BF16 else None
 
 
 def step_counter_bytes(optimizer: Optimizer | str, tensors: int) -> int:

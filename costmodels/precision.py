@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .config import Engine, Precision
+from . import optimizers
+from .config import Engine, Optimizer, Precision
 from .engines import rules_of
 from .hardware import GPU
 
@@ -65,9 +66,25 @@ def grad_itemsize(precision: Precision, engine: Engine) -> int:
     return compute_itemsize(precision)
 
 
-def master_itemsize(precision: Precision, engine: Engine) -> int:
-    """Extra fp32 master copy per trainable element: DeepSpeed under mixed precision only."""
-    return 4 if is_mixed(precision) and not rules_of(engine).fp32_weights_when_mixed else 0
+def master_itemsize(precision: Precision, engine: Engine, optimizer: Optimizer = Optimizer.ADAMW) -> int:
+    """Extra fp32 master copy per trainable element: engines that keep 16-bit weights under mixed precision
+    (DeepSpeed, Megatron), at the optimizer's own width where it stores the copy its way."""
+    if not is_mixed(precision) or rules_of(engine).fp32_weights_when_mixed:
+        return 0
+    own = optimizers.master_itemsize(optimizer)
+    return 4 if own is None else own
+
+
+def reduce_itemsize(precision: Precision, engine: Engine, optimizer: Optimizer = Optimizer.ADAMW) -> int:
+    """Bytes per element gradients are accumulated and reduced in: the optimizer's gradient dtype where it sets
+    one, fp32 under mixed precision where the engine reduces in fp32 (FSDP2's reduce_dtype, Megatron's
+    accumulate_allreduce_grads_in_fp32), else the dtype backward produces."""
+    own = optimizers.grads_itemsize(optimizer)
+    if own is not None:
+        return own
+    if is_mixed(precision) and rules_of(engine).reduce_fp32_when_mixed:
+        return 4
+    return grad_itemsize(precision, engine)
 
 
 def state_itemsize(precision: Precision) -> int:

@@ -76,7 +76,7 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     sharded_params, persistent_params = _param_bytes(graph, config, trainable, frozen)
     grads, accumulating = _grad_bytes(config, count(trainable, False), count(trainable, True),
                                       precision.grad_itemsize(prec, engine))
-    master = count(trainable, shard.optimizer > 1) * precision.master_itemsize(prec, engine)
+    master = count(trainable, shard.optimizer > 1) * precision.master_itemsize(prec, engine, config.optimizer)
     opt = _optimizer_bytes(config, trainable)
     fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))
     offloaded = config.optimizer_offload is not Offload.NONE
@@ -176,8 +176,7 @@ def _grad_bytes(config: Config, full: int, partition: int, itemsize: int) -> tup
     (`EngineRules.gradients`)."""
     rules = rules_of(config.engine)
     fp32 = _fp32_grad_partition(config, partition if rules.sharded(config.zero)[2] else full)
-    mixed = precision.is_mixed(config.precision)
-    reduce = 4 if mixed and rules.reduce_fp32_when_mixed else itemsize
+    reduce = precision.reduce_itemsize(config.precision, config.engine, config.optimizer)
     return rules.gradients(config.zero, GradientSizes(full=full, partition=partition, itemsize=itemsize,
                                                       fp32_copy=fp32, reduce_itemsize=reduce, dp=shard_ranks(config)))
 

@@ -253,9 +253,10 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     compute and reduce-scatter each unit's gradients behind the next unit's backward, so all but the edges
     hide while compute lasts; the first gather of a pass has nothing to hide behind (the root unit: embeddings,
     final norm and head, with the first layer) and neither does the last reduce-scatter (the same units, after
-    the last backward). DDP and ZeRO-0/1 all-reduce in buckets during the last micro-batch's backward; the last
-    bucket is exposed. ZeRO-2 reduce-scatters its buckets during every backward, the last one exposed; ZeRO-1/2's
-    all-gather of the updated parameters after the step is exposed whole.
+    the last backward). DDP and ZeRO-0/1 all-reduce in buckets during the last micro-batch's backward (Megatron's
+    distributed optimizer reduce-scatters them there); the last bucket is exposed. ZeRO-2 reduce-scatters its
+    buckets during every backward, the last one exposed; ZeRO-1/2's (and the distributed optimizer's) all-gather
+    of the updated parameters after the step is exposed whole.
     """
     elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False,
                               ep=config.ep)
@@ -276,7 +277,9 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     reduce_b = (reduce_scatter_seconds(cluster, group, traffic.backward_reduce)
                 + reduce_scatter_seconds(cluster, egroup, experts.backward_reduce))
     allreduce = (all_reduce_seconds(cluster, group, traffic.step_allreduce)
-                 + all_reduce_seconds(cluster, egroup, experts.step_allreduce))
+                 + all_reduce_seconds(cluster, egroup, experts.step_allreduce)
+                 + reduce_scatter_seconds(cluster, group, traffic.step_reduce)
+                 + reduce_scatter_seconds(cluster, egroup, experts.step_reduce))
     gather_step = (all_gather_seconds(cluster, group, traffic.step_gather)
                    + all_gather_seconds(cluster, egroup, experts.step_gather))
     edge_params, edge_grads = _edge_elements(graph, config)
@@ -284,12 +287,13 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     last_reduce = 0.0
     if reduce_b:
         bucketed = config.zero in rules_of(config.engine).bucketed_reduce_stages
-        last = min(trainable, reduce_bucket_elements(graph.dims.hidden)) if bucketed else edge_grads
+        last = min(trainable, _allreduce_bucket_elements(graph, config)) if bucketed else edge_grads
         last_reduce = reduce_scatter_seconds(cluster, group, last * grad_itemsize)
     last_bucket = 0.0
     if allreduce:
-        bucket = _allreduce_bucket_elements(graph, config)
-        last_bucket = all_reduce_seconds(cluster, group, min(trainable, bucket) * grad_itemsize)
+        bucket = min(trainable, _allreduce_bucket_elements(graph, config)) * grad_itemsize
+        reduce = all_reduce_seconds if traffic.step_allreduce or experts.step_allreduce else reduce_scatter_seconds
+        last_bucket = reduce(cluster, group, bucket)
     per_mb = (first_gather + max(0.0, gather_f - first_gather - forward)
               + last_reduce + max(0.0, gather_b + reduce_b - last_reduce - backward))
     per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step
@@ -322,16 +326,16 @@ def _expert_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
 
 
 def _allreduce_bucket_elements(graph: LayerGraph, config: Config) -> int:
-    """DDP's fixed bucket (`bucket_cap_mb`), or DeepSpeed ZeRO-0/1's `reduce_bucket_size` elements (the HF
-    integration's hidden^2, `zero.py`)."""
-    fixed = rules_of(config.engine).allreduce_bucket_bytes
+    """The engine's gradient bucket: Megatron's by data-parallel size, DDP's fixed bytes (`bucket_cap_mb`), or
+    DeepSpeed's `reduce_bucket_size` elements (the HF integration's hidden^2, `zero.py`)."""
+    rules = rules_of(config.engine)
+    if rules.bucket_elements is not None:
+        return rules.bucket_elements(shard_ranks(config))
+    fixed = rules.allreduce_bucket_bytes
     if fixed is None:
         return reduce_bucket_elements(graph.dims.hidden)
     return fixed // _reduce_itemsize(config)
 
 
 def _reduce_itemsize(config: Config) -> int:
-    """Gradients are reduced in fp32 by FSDP2 under mixed precision, otherwise in the dtype they have."""
-    if rules_of(config.engine).reduce_fp32_when_mixed and precision.is_mixed(config.precision):
-        return 4
-    return precision.grad_itemsize(config.precision, config.engine)
+    return precision.reduce_itemsize(config.precision, config.engine, config.optimizer)

@@ -109,8 +109,9 @@ def _optimizer(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                allowed: tuple[Optimizer, ...]) -> str:
     if config.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED):
         others = [o for o in allowed if o not in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)]
-        return ("optimizer: AdamW" + (" (Adafactor / 8-bit AdamW allowed but not needed)" if others else
-                                       " (Adafactor / 8-bit AdamW only if allowed: they change training)"))
+        kinds = "Adafactor / 8-bit AdamW / bf16-state AdamW (Megatron's precision-aware optimizer)"
+        return f"optimizer: AdamW ({kinds} " + ("allowed but not needed)" if others else
+                                                "only if allowed: they change training)")
     adamw = _try(graph, cluster, workload, replace(config, optimizer=Optimizer.ADAMW))
     saving = "" if adamw is None else \
         f", saving {(adamw.memory.optimizer_states - chosen.memory.optimizer_states) / GIB:.1f} GiB per GPU " \

@@ -87,8 +87,16 @@ def op_selective_runners(launchers: Sequence[str], *, all_layers: bool) -> tuple
 
 
 def _engines(pairs: tuple[tuple[Engine, int], ...]) -> str:
-    return ", ".join(f"{engine} ZeRO-{zero}" if engine is Engine.DEEPSPEED else
-                     f"{engine}" + (f" (zero={zero})" if engine is Engine.FSDP2 else "") for engine, zero in pairs)
+    return ", ".join(engine_label(engine, zero) for engine, zero in pairs)
+
+
+def engine_label(engine: Engine, zero: int) -> str:
+    """How an (engine, ZeRO stage) pair reads in messages: DeepSpeed's stages by name, Megatron's optimizer."""
+    if engine is Engine.DEEPSPEED:
+        return f"{engine} ZeRO-{zero}"
+    if engine is Engine.MEGATRON:
+        return f"{engine}" + (" (distributed optimizer)" if zero else "")
+    return f"{engine}" + (f" (zero={zero})" if engine is Engine.FSDP2 else "")
 
 
 # DeepSpeed 0.19's config (docs/_pages/config-json.md) has fp16 and bf16 blocks and no fp8 one; fp8 under DeepSpeed
@@ -369,7 +377,7 @@ def _peft_variants(launcher: str, d: Config, lora: object) -> list[str]:
 # In the default preference order: fewest `needs` first, ties in this order (the torchrun script expresses every
 # knob the plan credits, then the Hugging Face stacks, then the runtimes that need their own repository or assets).
 _HF_STACKS = (*_TORCH, *_DEEPSPEED_STAGES)
-_MEGATRON = ((Engine.DEEPSPEED, 0), (Engine.DEEPSPEED, 1))  # Megatron's (distributed) optimizer, priced as ZeRO-0/1
+_MEGATRON = ((Engine.MEGATRON, 0), (Engine.MEGATRON, 1))  # its DDP, and its distributed optimizer
 REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
     Launcher("torchrun", "torch.distributed (torch 2.x: FSDP2 fully_shard, DTensor TP)", _TORCH, _torchrun,
              "per-layer", ("your data in batches() of train_fitplan.py (it trains on random tokens as emitted)",),

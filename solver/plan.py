@@ -9,9 +9,11 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter
 
-from costmodels import Config, Engine, Estimate, Offload
+from costmodels import Config, Estimate, Offload
 from costmodels.knobs import Knob, declared
 from graphs import Checkpoint, FitplanError, LoraSpec
+
+from .capability import engine_label
 
 SCHEMA_VERSION = "2.1"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
@@ -136,12 +138,21 @@ class Decisions(Config):
                                                 "cores).", pin="derived")] = 2
     dataloader_pin_memory: Annotated[bool, Knob("Pinned host memory for input batches.", pin="derived")] = True
 
+    def layout(self) -> str:
+        """How the GPUs are divided, e.g. "tp=4 pp=4 (1f1b) dp=1": pipeline, context and expert degrees where used."""
+        parts = [f"tp={self.tp}"]
+        if self.pp > 1:
+            virtual = f" v={self.pp_virtual}" if self.pp_virtual > 1 else ""
+            parts.append(f"pp={self.pp} ({self.pp_schedule}{virtual})")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} ({self.cp_mode})")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        return " ".join([*parts, f"dp={self.dp}"])
+
     def summary(self) -> str:
         ckpt = {m: sum(c is m for c in self.checkpoint) for m in Checkpoint}
-        parts = [f"tp={self.tp}", f"dp={self.dp}", f"{self.engine}" + (f" ZeRO-{self.zero}" if self.engine is
-                                                                          Engine.DEEPSPEED else
-                                                                          f" (zero={self.zero})" if self.engine is
-                                                                          Engine.FSDP2 else ""),
+        parts = [self.layout(), engine_label(self.engine, self.zero),
                  f"mb={self.micro_batch}", f"ga={self.grad_accum}", str(self.precision), str(self.optimizer),
                  f"ckpt full {ckpt[Checkpoint.FULL]}/sel {ckpt[Checkpoint.SELECTIVE]}"
                  + (f"/op-sel {ckpt[Checkpoint.OP_SELECTIVE]}" if ckpt[Checkpoint.OP_SELECTIVE] else "")

@@ -13,6 +13,7 @@ from rich.text import Text
 from costmodels import Estimate
 from costmodels.verdict import Verdict, fits
 
+from .capability import engine_label
 from .plan import Plan
 
 GIB = 2**30
@@ -88,18 +89,19 @@ def decisions_table(plan: Plan) -> Table:
     table = Table(title="Plan", show_header=False, show_edge=False)
     table.add_column("knob", style="bold")
     table.add_column("value")
-    modes = {m: sum(c.value == m for c in d.checkpoint) for m in ("none", "selective", "full")}
+    modes = {m: sum(c.value == m for c in d.checkpoint) for m in ("none", "selective", "op_selective", "full")}
+    op_level = f", op-level selective {modes['op_selective']}" if modes["op_selective"] else ""
     rows = [
         ("model", f"{plan.inputs.model} ({plan.inputs.model_source})"),
         ("cluster", f"{plan.inputs.cluster.nodes}x{plan.inputs.cluster.gpus_per_node} {plan.inputs.cluster.gpu_name}"),
         ("workload", f"seq {plan.inputs.seq_len}, {plan.inputs.global_batch} sequences/step "
                      f"({plan.inputs.tokens_per_step:,} tokens)"),
-        ("parallelism", f"tp={d.tp} dp={d.dp}" + (" +sequence-parallel" if d.sequence_parallel else "")),
-        ("engine", f"{d.engine}" + (f" ZeRO-{d.zero}" if d.engine.value == "deepspeed" else
-                                    f" reshard_after_forward={d.zero == 3}" if d.engine.value == "fsdp2" else "")),
+        ("parallelism", d.layout() + (" +sequence-parallel" if d.sequence_parallel else "")),
+        ("engine", f"{d.engine}" + (f" reshard_after_forward={d.zero == 3}" if d.engine.value == "fsdp2" else
+                                    engine_label(d.engine, d.zero).removeprefix(str(d.engine)))),
         ("offload", f"optimizer={d.optimizer_offload} params={d.param_offload}"),
         ("batch", f"micro-batch {d.micro_batch} x grad-accum {d.grad_accum} x dp {d.dp}"),
-        ("checkpointing", f"full {modes['full']}, selective {modes['selective']}, none {modes['none']} "
+        ("checkpointing", f"full {modes['full']}, selective {modes['selective']}{op_level}, none {modes['none']} "
                           f"of {len(d.checkpoint)} layers (first layers first)"),
         ("precision / optimizer", f"{d.precision} / {d.optimizer}"),
         ("LoRA", f"r={d.lora.rank} alpha={d.lora.alpha} targets={','.join(d.lora.targets)}" if d.lora else "no"),

@@ -134,11 +134,14 @@ def tp_degrees(graph: LayerGraph, cluster: Cluster, pins: Pins, engine: Engine) 
     return pins.keep("tp", degrees)
 
 
-def _whole_model_tp(engine: Engine, pins: Pins, tp: int) -> bool:
-    """Whether TP without a pipeline or CP is searched with this engine: fitplan emits DeepSpeed plans for HF
-    models without AutoTP, so DeepSpeed-priced TP (Megatron's) is searched there only for --launcher megatron;
-    with a pipeline or CP only Megatron and torchtitan run the layout anyway."""
-    return tp == 1 or engine is not Engine.DEEPSPEED or pins.launcher == "megatron"
+def _whole_model(engine: Engine, pins: Pins, tp: int) -> bool:
+    """Whether a layout without a pipeline, CP or EP is searched with this engine. Megatron's only for --launcher
+    megatron: its runs need the model in Megatron's checkpoint format, and the HF stacks run such layouts from the
+    HF checkpoint (with a pipeline, CP or EP only Megatron, torchtitan or the torchrun script run them anyway).
+    DeepSpeed's never with TP: fitplan emits DeepSpeed plans without AutoTP."""
+    if engine is Engine.MEGATRON:
+        return pins.launcher == "megatron"
+    return tp == 1 or engine is not Engine.DEEPSPEED
 
 
 def parallel_layouts(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
@@ -150,9 +153,10 @@ def parallel_layouts(graph: LayerGraph, cluster: Cluster, workload: Workload, pi
         for cp, cp_mode in context_parallel(graph, cluster, workload, pins, tp):
             for pp in pipeline_degrees(graph, cluster, pins, tp * cp):
                 dp = cluster.world_size // (tp * cp * pp)
-                if workload.global_batch % dp == 0 and (cp > 1 or pp > 1 or _whole_model_tp(engine, pins, tp)):
+                if workload.global_batch % dp == 0:
                     layouts += [dict(tp=tp, cp=cp, cp_mode=cp_mode, pp=pp, dp=dp, ep=ep)
-                                for ep in expert_degrees(graph, pins, dp * cp)]
+                                for ep in expert_degrees(graph, pins, dp * cp)
+                                if cp > 1 or pp > 1 or ep > 1 or _whole_model(engine, pins, tp)]
     return layouts
 
 
@@ -352,13 +356,13 @@ def _valid(graph: LayerGraph, values: dict[str, object]) -> list[Outer]:
 
 def _sequence_parallel(layout: dict[str, object], engine: Engine, pins: Pins) -> list[bool]:
     """Sequence parallelism where TP runs: searched where only Megatron or torchtitan run the layout (a pipeline,
-    CP, or DeepSpeed-priced TP: Megatron's), which shard the sequence with TP as standard; HF TP plans do not, so
+    CP, or Megatron's engine), which shard the sequence with TP as standard; HF TP plans do not, so
     there it is pin-only."""
     if layout["tp"] == 1:
         return [False]
     if pins.allowed("sequence_parallel") is not None:
         return list(pins.allowed("sequence_parallel"))
-    megatron_style = layout["cp"] > 1 or layout["pp"] > 1 or engine is Engine.DEEPSPEED  # type: ignore[operator]
+    megatron_style = layout["cp"] > 1 or layout["pp"] > 1 or engine is Engine.MEGATRON  # type: ignore[operator]
     return [False, True] if megatron_style else [False]
 
 

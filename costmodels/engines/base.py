@@ -21,6 +21,9 @@ class DataParallelTraffic:
     """Gradients reduce-scattered during each micro-batch's backward (ZeRO-2/3, FSDP2)."""
     step_allreduce: int = 0
     """Gradients all-reduced once per step, overlapping the last backward (DDP, ZeRO-0/1)."""
+    step_reduce: int = 0
+    """Gradients reduce-scattered once per step, overlapping the last backward (Megatron's distributed
+    optimizer)."""
     step_gather: int = 0
     """Updated parameters all-gathered after the optimizer step (ZeRO-1/2)."""
 
@@ -123,11 +126,20 @@ class EngineRules:
     """Stages that reduce-scatter gradients in fixed-size buckets (the last bucket is exposed)."""
     allreduce_bucket_bytes: int | None = None
     """Fixed gradient all-reduce bucket (DDP's bucket_cap_mb); None: the engine's hidden^2-element bucket."""
+    bucket_elements: Callable[[int], int] | None = None
+    """Gradient bucket elements for a data-parallel size, where the engine sizes them so (Megatron's DDP); it
+    buckets both its all-reduce and its reduce-scatter."""
     host_buffer_factor: float = 1.0
     """Host memory per offloaded byte (pinned staging buffers)."""
+    reduces_once_per_step: bool = False
+    """Reduces gradients only in the last micro-batch's backward (earlier ones accumulate locally), also where
+    it reduce-scatters them (Megatron's DDP: `no_sync` for all but the last micro-batch)."""
     reduces_before_grad_hooks: bool = False
     """Its reduce-scatter runs before the post-accumulate-grad hooks (so an optimizer can step in backward on
     reduced, sharded gradients)."""
+    bf16_state_optimizer_stages: tuple[int, ...] = ()
+    """Stages that run an Adam with bf16 moments and main gradients under bf16 mixed precision (Megatron's
+    precision-aware optimizer: `Optimizer.ADAMW_BF16`)."""
     quantized_base: bool = False
     """Runs a bitsandbytes-quantized (packed) base as fitplan prices it (whole on every rank)."""
 
@@ -149,6 +161,8 @@ class EngineRules:
             return DataParallelTraffic(forward_gather=param_bytes,
                                        backward_gather=param_bytes if self.reshards(stage) else 0,
                                        backward_reduce=grad_bytes)
+        if grads and self.reduces_once_per_step:  # reduce-scattered in the last backward, shards gathered after
+            return DataParallelTraffic(step_reduce=grad_bytes, step_gather=param_bytes)
         if grads:  # reduce-scattered in backward, updated shards gathered after the step
             return DataParallelTraffic(backward_reduce=grad_bytes, step_gather=param_bytes)
         return DataParallelTraffic(step_allreduce=grad_bytes)

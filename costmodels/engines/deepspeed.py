@@ -56,7 +56,5 @@ RULES = EngineRules(
     small_params_whole_stages=(3,),
     # Its own fused Adam steps the flat partition after backward (no per-parameter hook path).
     own_fused_optimizer=True, bucketed_reduce_stages=(2,), host_buffer_factor=OFFLOAD_HOST_BUFFER_FACTOR,
-    # Priced for Megatron's pipelines: its distributed optimizer shards optimizer states only (ZeRO-1); DeepSpeed's
-    # own PipelineEngine also refuses ZeRO-2/3 (runtime/pipe/engine.py asserts zero stage < 2).
-    pipeline_stages=(0, 1),
+    # No launcher fitplan emits runs DeepSpeed's own PipelineEngine (which needs a PipelineModule of the model).
 )

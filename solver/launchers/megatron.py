@@ -3,6 +3,7 @@ parse_args and validate_args at tag core_v0.16.1, the megatron-core release fitp
 
 from __future__ import annotations
 
+from costmodels import Optimizer
 from graphs import Checkpoint, FitplanError
 
 from ..capability import MEGATRON_CP_COMM, block_recompute_layers
@@ -29,6 +30,8 @@ KNOWN_FLAGS = frozenset({
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--context-parallel-size",
     "--cp-comm-type", "--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-token-dispatcher-type", "--qk-layernorm",
+    # the precision-aware optimizer (_add_training_args; core_v0.16.1)
+    "--use-precision-aware-optimizer", "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 })
 # validate_args (core_v0.16.1) asserts this variable is 1 under tensor or context parallelism before Blackwell, as
 # Megatron-LM's example scripts export it: one CUDA work queue keeps its communication kernels in issue order.
@@ -146,7 +149,12 @@ def arguments(plan: Plan) -> list[str]:
     args += recompute_arguments(d)
     if d.zero == 1:
         args += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    elif d.dp * d.cp > 1:
+        args.append("--overlap-grad-reduce")  # the bucketed all-reduce in the last backward that the plan prices
     args += ["--optimizer", "adam" if d.optimizer.value.startswith("adamw") else "sgd"]
+    if d.optimizer is Optimizer.ADAMW_BF16:  # Transformer Engine's FusedAdam; master remainders need TE >= 2.1
+        args += ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
+                 "--exp-avg-sq-dtype", "bf16"]
     return args
 
 

@@ -68,7 +68,8 @@ def test_traffic_follows_what_each_stage_shards():
         params, grads, _ = rules.sharded(stage)
         assert (traffic.forward_gather == 10) == params
         assert (traffic.backward_gather == 10) == (params and rules.reshards(stage))
-        assert (traffic.backward_reduce == 7) == (params or grads)
+        assert (traffic.backward_reduce == 7) == (params or (grads and not rules.reduces_once_per_step))
+        assert (traffic.step_reduce == 7) == (grads and not params and rules.reduces_once_per_step)
         assert (traffic.step_allreduce == 7) == (not params and not grads)
         assert dp_traffic(Config(engine=rules.engine, zero=stage, dp=1), param_bytes=10, grad_bytes=7) == \
             type(traffic)()

@@ -178,7 +178,9 @@ def megatron_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch)
     assert unknown_flags(arguments) == []
     values = flag_values(arguments)
     blocks = int(values["--recompute-num-layers"]) if values.get("--recompute-granularity") == "full" else 0
-    got = {"engine": (Engine.DEEPSPEED, 1 if "--use-distributed-optimizer" in values else 0),
+    got = {"engine": (Engine.MEGATRON, 1 if "--use-distributed-optimizer" in values else 0),
+           "bf16_states": "--use-precision-aware-optimizer" in values and all(
+               values.get(flag) == "bf16" for flag in ("--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")),
            "tp": int(values["--tensor-model-parallel-size"]), "micro_batch": int(values["--micro-batch-size"]),
            "half": "bf16" if "--bf16" in values else "fp16" if "--fp16" in values else None,
            "fp8": "--fp8-format" in values, "blocks": blocks,
@@ -192,6 +194,8 @@ def megatron_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch)
         args, config = megatron_args.validate(folder, arguments, world=WORLD, capability=megatron_args.H100,
                                               env=env, monkeypatch=monkeypatch)
         v = args.virtual_pipeline_model_parallel_size or 1
+        got["bf16_states"] = bool(args.use_precision_aware_optimizer) and all(
+            dtype == torch.bfloat16 for dtype in (args.main_grads_dtype, args.exp_avg_dtype, args.exp_avg_sq_dtype))
         got.update(pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size, v=v,
                    ep=args.expert_model_parallel_size,
                    split=megatron_args.megatron_stage_layers(config, args.pipeline_model_parallel_size, v),
@@ -250,6 +254,7 @@ def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:
     elif launcher == "megatron":
         assert got["engine"] == (d.engine, d.zero) and got["tp"] == d.tp and got["micro_batch"] == d.micro_batch
         assert got["half"] == half and got["fp8"] == (d.precision is Precision.FP8)
+        assert got["bf16_states"] == (d.optimizer is Optimizer.ADAMW_BF16)
         split = d.pp_split or (LAYERS,)
         full = [m is Checkpoint.FULL for m in d.checkpoint]
         starts = [sum(split[:k]) for k in range(len(split))]  # block recompute: the first k layers of each stage

@@ -50,10 +50,10 @@ def plan_for(small: Plan, model: str, nodes: int, *, seq_len: int, **decisions: 
     return dataclasses.replace(small, inputs=inputs, decisions=d)
 
 
-LLAMA_405B = {"engine": Engine.DEEPSPEED, "zero": 1, "tp": 8, "pp": 16, "dp": 8, "micro_batch": 1, "grad_accum": 32,
+LLAMA_405B = {"engine": Engine.MEGATRON, "zero": 1, "tp": 8, "pp": 16, "dp": 8, "micro_batch": 1, "grad_accum": 32,
               "sequence_parallel": True, "precision": Precision.BF16_MIXED, "optimizer": Optimizer.ADAMW,
               "pp_split": (6, *[8] * 14, 8)}  # 126 layers: the first stage carries the embedding
-MIXTRAL = {"engine": Engine.DEEPSPEED, "zero": 1, "tp": 1, "pp": 4, "dp": 16, "ep": 8, "micro_batch": 1,
+MIXTRAL = {"engine": Engine.MEGATRON, "zero": 1, "tp": 1, "pp": 4, "dp": 16, "ep": 8, "micro_batch": 1,
            "grad_accum": 8, "precision": Precision.BF16_MIXED, "optimizer": Optimizer.ADAMW,
            "pp_split": (13, 15, 15, 13)}  # 56 layers
 
@@ -216,7 +216,7 @@ def test_mixtral_plan_is_refused_by_torchtitan_with_reasons(small):
 
 @pytest.mark.parametrize("mode", list(ContextParallel))
 def test_context_parallel_plan_passes_megatron_validation_in_each_mode(small, tmp_path, monkeypatch, mode):
-    plan = plan_for(small, "meta-llama/Llama-3.1-8B", 1, seq_len=131072, engine=Engine.DEEPSPEED, zero=1, cp=8,
+    plan = plan_for(small, "meta-llama/Llama-3.1-8B", 1, seq_len=131072, engine=Engine.MEGATRON, zero=1, cp=8,
                     cp_mode=mode, dp=1, micro_batch=1, grad_accum=2, checkpoint=(Checkpoint.FULL,) * 32)
     args, config = megatron_checked(plan, tmp_path, monkeypatch)
     assert (args.context_parallel_size, args.cp_comm_type) == (8, [megatron.MEGATRON_CP_COMM[mode]])
@@ -236,7 +236,7 @@ def test_dense_model_with_expert_parallelism_is_refused_by_every_launcher(small)
 def test_megatron_refuses_schedules_megatron_core_lacks(small):
     for schedule, v, split in ((Schedule.GPIPE, 1, (8, 8)), (Schedule.ZBV, 2, (4, 4, 4, 4)),
                                (Schedule.INTERLEAVED_ZB, 2, (4, 4, 4, 4))):
-        d = dataclasses.replace(small.decisions, engine=Engine.DEEPSPEED, zero=1, pp=2, dp=4, grad_accum=8,
+        d = dataclasses.replace(small.decisions, engine=Engine.MEGATRON, zero=1, pp=2, dp=4, grad_accum=8,
                                 pp_schedule=schedule, pp_virtual=v, pp_split=split)
         problems = unsupported("megatron", d, small.inputs)
         assert any(f"pipeline schedule {schedule}" in p and "torchtitan" in p for p in problems), schedule
@@ -245,7 +245,7 @@ def test_megatron_refuses_schedules_megatron_core_lacks(small):
 
 def test_megatron_flag_values_name_the_split_forms(small):
     """Each split form takes its own flags: even (none), equal chunks, first/last, and a layout otherwise."""
-    base = dict(engine=Engine.DEEPSPEED, zero=1, pp=2, dp=4, grad_accum=8)
+    base = dict(engine=Engine.MEGATRON, zero=1, pp=2, dp=4, grad_accum=8)
     cases = {(8, 8): (1, {}), (7, 9): (1, {"--decoder-first-pipeline-num-layers": "7",
                                            "--decoder-last-pipeline-num-layers": "9"}),
              (4, 4, 4, 4): (2, {"--num-layers-per-virtual-pipeline-stage": "4"}),
@@ -277,7 +277,7 @@ def test_megatron_validation_refuses_a_job_without_its_launch_environment_or_wit
 def test_qwen3_moe_plan_passes_megatron_validation_with_its_expert_width(small, tmp_path, monkeypatch):
     """Qwen3-30B-A3B: 128 experts of width moe_intermediate_size (not the dense intermediate_size), top-8, and
     per-head query/key norms."""
-    plan = plan_for(small, "Qwen/Qwen3-30B-A3B", 2, seq_len=4096, engine=Engine.DEEPSPEED, zero=1, tp=1, pp=2, dp=8,
+    plan = plan_for(small, "Qwen/Qwen3-30B-A3B", 2, seq_len=4096, engine=Engine.MEGATRON, zero=1, tp=1, pp=2, dp=8,
                     ep=8, micro_batch=1, grad_accum=4, pp_split=(24, 24))
     args, config = megatron_checked(plan, tmp_path, monkeypatch)
     check_megatron_reads(plan, args, config)

@@ -22,7 +22,7 @@ GIB = 2**30
 def megatron_pipeline():
     """Llama-3.2-1B over 4 pipeline ranks, memory tight enough that stages recompute (Megatron runs it)."""
     return solve("meta-llama/Llama-3.2-1B", "4xA100-40GB", seq_len=2048, global_batch=16, pp=4, tp=1,
-                 engine="deepspeed", zero=0, headroom=0.6)
+                 engine="megatron", zero=0, headroom=0.6)
 
 
 def test_a_pipeline_plan_records_its_split_and_runs_on_megatron_as_emitted():
@@ -88,7 +88,7 @@ def test_context_parallel_ranks_shard_the_model_states_like_data_parallel_ones()
     from costmodels import Engine, Precision
     from costmodels.states import model_states
 
-    states = {cp: model_states(graph, Config(cp=cp, dp=8 // cp, engine=Engine.DEEPSPEED, zero=1,
+    states = {cp: model_states(graph, Config(cp=cp, dp=8 // cp, engine=Engine.MEGATRON, zero=1,
                                              precision=Precision.BF16_MIXED)) for cp in (1, 8)}
     assert states[8].optimizer == states[1].optimizer and states[8].master == states[1].master
     assert states[8].grads == states[1].grads

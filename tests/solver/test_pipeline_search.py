@@ -38,7 +38,7 @@ def _draw(rng: random.Random) -> dict:
     cluster = parse_cluster(rng.choice(CLUSTERS))
     pp = rng.choice([p for p in (2, 4) if cluster.world_size % p == 0])
     precision = Precision.BF16_MIXED if cluster.gpu.peak_flops("bf16") else Precision.FP16_MIXED
-    engine = rng.choice([Engine.DDP, Engine.DEEPSPEED])  # torchtitan runs every schedule, Megatron two
+    engine = rng.choice([Engine.DDP, Engine.MEGATRON])  # torchtitan runs every schedule, Megatron two
     schedule = rng.choice([None, *(Schedule if engine is Engine.DDP else (Schedule.ONE_F_ONE_B,
                                                                          Schedule.INTERLEAVED_1F1B))])
     return {
@@ -124,7 +124,7 @@ def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute(
 def test_the_plan_is_priced_by_estimate_as_the_search_priced_it():
     case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
             "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.65,
-            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.DEEPSPEED, zero=0, precision=(Precision.BF16_MIXED,),
+            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
                             micro_batch=1, optimizers=("adamw",), offload="none")}
     graph_of, space = space_of(case)
     modes = (Checkpoint.NONE, Checkpoint.FULL)
@@ -161,8 +161,8 @@ def whole_model_case(seed: int, moe_path: str) -> dict:
     cluster = parse_cluster(rng.choice(["4xA100-40GB", "8xA100-40GB", "2x4xA100"]))
     precision = Precision.BF16_MIXED if cluster.gpu.peak_flops("bf16") else Precision.FP16_MIXED
     moe = seed % 2 == 0
-    # Megatron runs CP and EP (priced as DeepSpeed ZeRO-0/1, its distributed optimizer).
-    pins = dict(tp=1, pp=1, engine=Engine.DEEPSPEED, zero=rng.choice([0, 1]), precision=(precision,),
+    # Megatron runs CP and EP (its DDP or its distributed optimizer).
+    pins = dict(tp=1, pp=1, engine=Engine.MEGATRON, zero=rng.choice([0, 1]), precision=(precision,),
                 micro_batch=1, optimizers=("adamw",), offload="none")
     pins.update(ep=rng.choice([2, 4]), cp=1) if moe else pins.update(cp=2, cp_mode=rng.choice(["ring", "all-to-all"]))
     return {"model": moe_path if moe else rng.choice(["meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"]),
