@@ -49,7 +49,8 @@ def triton_launch() -> Callable[[list[Any]], None]:
     write), with no computation, only a record (defined on first use: importing this module needs no torch)."""
     import torch
 
-    @torch.library.custom_op("fitplan::triton_launch", mutates_args=())
+    # The schema is spelled out: this module's annotations are strings (`from __future__ import annotations`).
+    @torch.library.custom_op("fitplan::triton_launch", mutates_args=(), schema="(Tensor[] tensors) -> ()")
     def launch(tensors: list[torch.Tensor]) -> None:
         return None
 
