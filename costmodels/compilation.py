@@ -35,8 +35,12 @@ def compiled_memory_bound_speedup() -> float:
 
 def compile_credited(config: Config) -> bool:
     """Whether the engine runs a compiled model as the speed-up assumes (`EngineRules.compile_stages`: not
-    DeepSpeed ZeRO-3, issue 12)."""
-    return config.compile and rules_of(config.engine).compiles(config.zero)
+    DeepSpeed ZeRO-3, issue 12), and the model is not Liger-patched: its layers are lowered eager with Liger's
+    Triton kernels (`loss.liger_lowering`, graphs/liger.py), which are fused already and which fitplan does not
+    trace through Dynamo, so a compiled Liger run is priced as eager (its memory and time as upper bounds)."""
+    from .loss import liger_lowering  # loss.py imports the memory model, which imports this module
+
+    return config.compile and rules_of(config.engine).compiles(config.zero) and not liger_lowering(config)
 
 
 def memory_bound_speedup(config: Config) -> float:

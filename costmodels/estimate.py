@@ -74,6 +74,9 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
     reasons = model_refusals(graph, config, modes_decided=bool(config.checkpoint))  # () : the search's outer
     if reasons:
         raise InvalidConfig("; ".join(reasons), hint)
+    if graph.runtime == "hf" and graph.liger != (liger := loss.liger_lowering(config)):
+        raise ValueError(f"graph lowered with liger={graph.liger}, but loss={config.loss} needs lower(..., "
+                         f"liger={liger}) (transformers' use_liger_kernel patches the layers)")
     if config.pp > 1:
         _check_pipeline(graph, config, hint)
     if (refused := expert_refusal(graph, config)) is not None:
@@ -197,7 +200,9 @@ def _saver_notes(config: Config) -> tuple[str, ...]:
         notes.append(f"{config.loss} loss: the head and cross-entropy allocate as "
                      f"{'torchtune' if config.loss is Loss.CHUNKED else 'liger-kernel'}'s code does; its time is "
                      + ("the lowered ops on each chunk" if config.loss is Loss.CHUNKED else
-                        "the head's matmuls plus Liger's three passes over the logits"))
+                        "the head's matmuls plus Liger's three passes over the logits; the layers run Liger's "
+                        "RMSNorm, SwiGLU and RoPE kernels (use_liger_kernel's patch), traced with their saved "
+                        "tensors, one launch per kernel"))
     if config.activation_offload:
         notes.append("activation offload: saved tensors go to pinned host memory after each layer's forward and "
                      "come back one layer ahead in backward; copies not hidden by compute are added")

@@ -230,6 +230,13 @@ def loss_nodes(memory: LossMemory, x: HeadShape) -> tuple[NodeMemory, NodeMemory
     return head, empty
 
 
+def liger_lowering(config: Config) -> bool:
+    """Whether `config` runs Liger's whole patch, so its layers are lowered with Liger's kernels (`graphs/liger.py`):
+    the fused linear loss is emitted as transformers' `use_liger_kernel`, which also swaps in Liger's RMSNorm,
+    SwiGLU and RoPE (solver/launchers/hf.py `LIGER_KERNEL_CONFIG`)."""
+    return config.loss is Loss.FUSED_LINEAR
+
+
 def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
     """Why `loss` cannot be priced (or run) for `config` (empty when it can)."""
     if loss is Loss.HF:

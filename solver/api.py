@@ -22,6 +22,7 @@ from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
 from costmodels.estimate import model_refusals
+from costmodels.loss import liger_lowering
 from costmodels.packing import Lengths, packed, padded
 from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import stage_layers
@@ -132,21 +133,22 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
 
                 cache[key] = lower_titan_resolved(resolved, dtype=dtype)
             return cache[key]
-        compiled = compile_credited(outer.config())
-        key = (dtype, autocast, op_selective, compiled)
+        compiled, liger = compile_credited(outer.config()), liger_lowering(outer.config())
+        key = (dtype, autocast, op_selective, compiled, liger)
         if key not in cache:
             cache[key] = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                                   op_selective=op_selective, compiled=compiled)
+                                   op_selective=op_selective, compiled=compiled, liger=liger)
         return cache[key]
     return graph
 
 
 def _lower_hf(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
-              lora: LoraSpec | None, op_selective: bool, compiled: bool) -> LayerGraph:
-    """The HF-code lowering; a compiled one falls back to eager where AOTAutograd cannot trace the model
-    (compiling saves memory, so eager prices it conservatively)."""
+              lora: LoraSpec | None, op_selective: bool, compiled: bool, liger: bool = False) -> LayerGraph:
+    """The HF-code lowering (with Liger's patch where the plan runs it, `costmodels.loss.liger_lowering`); a
+    compiled one falls back to eager where AOTAutograd cannot trace the model (compiling saves memory, so eager
+    prices it conservatively)."""
     options = {"dtype": dtype, "autocast": autocast, "attention": attention, "lora": lora,
-               "op_selective": op_selective}
+               "op_selective": op_selective, "liger": liger}
     try:
         return lower_resolved(resolved, **options, compiled=compiled)
     except UnsupportedModel:
@@ -536,7 +538,7 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
             name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"}))
     else:
         graph = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                          op_selective=op_selective, compiled=compile_credited(cfg))
+                          op_selective=op_selective, compiled=compile_credited(cfg), liger=liger_lowering(cfg))
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp
     workload, _ = _workload(resolved, cluster, seq_len, batch, None)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from costmodels import Config, Workload, shared_lowering
 from costmodels.activations import evaluate
 from costmodels.knobs import declared
+from costmodels.loss import liger_lowering
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
@@ -155,7 +156,8 @@ def plan_graph(plan: Plan, config: Config) -> LayerGraph:
     dtype, autocast = shared_lowering(config, lora=spec is not None)
     return lower_resolved(resolve(plan.inputs.model), dtype=dtype, autocast=autocast,
                           attention=plan.decisions.attention, lora=spec,
-                          op_selective=Checkpoint.OP_SELECTIVE in plan.decisions.checkpoint)
+                          op_selective=Checkpoint.OP_SELECTIVE in plan.decisions.checkpoint,
+                          liger=liger_lowering(config))
 
 
 def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -> int:

@@ -10,6 +10,7 @@ import yaml
 
 from costmodels import Engine, Offload, Optimizer
 from costmodels.config import Loss
+from graphs.liger import LIGER_KERNELS
 
 from ..plan import Plan
 from .common import (
@@ -30,11 +31,10 @@ OPTIM = {Optimizer.ADAMW: "adamw_torch", Optimizer.ADAMW_FUSED: "adamw_torch_fus
          Optimizer.ADAFACTOR: "adafactor", Optimizer.ADAMW_8BIT: "adamw_bnb_8bit", Optimizer.SGD: "sgd",
          Optimizer.PAGED_ADAMW_8BIT: "paged_adamw_8bit", Optimizer.PAGED_ADAMW_32BIT: "paged_adamw_32bit"}
 # transformers 5.24 `Trainer.train` passes `liger_kernel_config` to liger-kernel's `_apply_liger_kernel_to_instance`
-# as keyword arguments (integrations/liger.py `apply_liger_kernel`); liger-kernel 0.8.5 turns rope, rms_norm, swiglu
-# and fused_linear_cross_entropy on by default. Only the fused linear cross-entropy is planned (costmodels/loss.py):
-# the other kernels change saved tensors fitplan measures unpatched.
-LIGER_FUSED_LOSS_ONLY = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False,
-                         "swiglu": False}
+# as keyword arguments (integrations/liger.py `apply_liger_kernel`). The plan prices the whole patch: the fused
+# linear cross-entropy (costmodels/loss.py) and the RMSNorm, SwiGLU and RoPE kernels the layers are lowered with
+# (graphs/liger.py `LIGER_KERNELS`, liger-kernel 0.8.5's defaults, spelled out).
+LIGER_KERNEL_CONFIG = {"fused_linear_cross_entropy": True, **LIGER_KERNELS}
 
 
 def training_arguments(plan: Plan) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
     }
     if d.loss is Loss.FUSED_LINEAR:
         kwargs["use_liger_kernel"] = True
-        kwargs["liger_kernel_config"] = dict(LIGER_FUSED_LOSS_ONLY)
+        kwargs["liger_kernel_config"] = dict(LIGER_KERNEL_CONFIG)
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name is a deprecated
     # alias until v6). With FSDP, checkpointing goes through fsdp_config instead (the Trainer flag adds a
     # redundant all-gather: transformers #30404). Only when every layer is checkpointed: Trainer.train() (5.24)

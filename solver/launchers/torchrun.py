@@ -9,7 +9,7 @@ import re
 
 from ..plan import Plan
 from .common import LEARNING_RATE, MAX_GRAD_NORM, about
-from .hf import LIGER_FUSED_LOSS_ONLY
+from .hf import LIGER_KERNEL_CONFIG
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import launch_script, option
 from .torchrun_pipeline import PIPELINE_CODE, pipeline_spec
@@ -87,14 +87,14 @@ def build(args, device):
     return model.to(device)
 
 
-# Liger's fused linear cross-entropy alone, as the plan prices it (liger-kernel's other kernels change what the
-# layers save); the keyword arguments of `_apply_liger_kernel_to_instance`, the call transformers' use_liger_kernel
-# makes (liger-kernel 0.8.5).
+# Liger's patch as the plan prices it (its fused linear cross-entropy, and the RMSNorm, SwiGLU and RoPE kernels the
+# layers were lowered with); the keyword arguments of `_apply_liger_kernel_to_instance`, the call transformers'
+# use_liger_kernel makes (liger-kernel 0.8.5).
 LIGER_KERNELS = __LIGER__
 
 
 def apply_liger(model):
-    """Patch the model's forward to compute its loss with Liger's fused linear cross-entropy (CUDA/Triton only)."""
+    """Patch the model with Liger's kernels: fused linear cross-entropy, RMSNorm, SwiGLU, RoPE (CUDA/Triton only)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
@@ -561,7 +561,7 @@ def emit(plan: Plan) -> dict[str, str]:
     pipeline = pipeline_spec(plan)
     values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len, "pipeline": pipeline})),
               "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary(), "LR": repr(LEARNING_RATE),
-              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM), "LIGER": repr(LIGER_FUSED_LOSS_ONLY),
+              "MAX_GRAD_NORM": repr(MAX_GRAD_NORM), "LIGER": repr(LIGER_KERNEL_CONFIG),
               "PIPELINE_CODE": PIPELINE_CODE.strip() + "\n"}
     script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER|PIPELINE_CODE)__",
                     lambda match: values[match.group(1)], SCRIPT)

@@ -14,7 +14,7 @@ from costmodels import Config, Engine, InvalidConfig, Optimizer, Precision, Work
 from costmodels.activation_offload import offload_seconds, offload_terms
 from costmodels.cluster import parse_cluster
 from costmodels.config import Loss
-from costmodels.loss import loss_terms
+from costmodels.loss import liger_lowering, loss_terms
 from costmodels.memory import allocated_peak, memory_terms
 from costmodels.optimizer_in_backward import in_backward_terms
 from costmodels.paging import paged_states, paging_seconds
@@ -35,9 +35,11 @@ def folder(tmp_path_factory):
 
 
 def graph_for(folder, config: Config, arch: str = "llama"):
+    """The lowering `config` runs: with Liger's kernels in the layers for the fused linear loss."""
     dtype, autocast = lowering_for(config)
     values = {**tiny_values(arch), "vocab_size": 2048}
-    return lower(str(write_config(folder / arch, values)), dtype=dtype, autocast=autocast, attention="sdpa")
+    return lower(str(write_config(folder / arch, values)), dtype=dtype, autocast=autocast, attention="sdpa",
+                 liger=liger_lowering(config))
 
 
 LAYERS = tiny_values("llama")["num_hidden_layers"]
@@ -86,11 +88,12 @@ def test_paged_and_in_backward_together_keep_one_set_of_quantisation_maps_per_te
 @pytest.mark.parametrize("loss", [Loss.CHUNKED, Loss.FUSED_LINEAR])
 def test_loss_knob_estimate_equals_the_loss_terms(folder, loss):
     cfg = config()
-    graph = graph_for(folder, cfg)
+    graph = graph_for(folder, replace(cfg, loss=loss))
     modes = cfg.layer_modes(LAYERS)
     reference = allocated_peak(loss_terms(graph, cfg, memory_terms(graph, WORKLOAD, cfg), loss, seq_len=S), modes)[0]
     got = estimate(graph, CLUSTER, WORKLOAD, replace(cfg, loss=loss))
-    assert got.memory.allocated_peak == reference != estimate(graph, CLUSTER, WORKLOAD, cfg).memory.allocated_peak
+    hf = estimate(graph_for(folder, cfg), CLUSTER, WORKLOAD, cfg)
+    assert got.memory.allocated_peak == reference != hf.memory.allocated_peak
 
 
 def test_activation_offload_estimate_equals_the_offload_terms_and_seconds(folder):
@@ -175,5 +178,6 @@ def test_fused_loss_is_faster_where_the_vocabulary_makes_the_loss_memory_bound()
     knobs = {"micro_batch": 4, "precision": "bf16", "checkpoint": "full"}
     hf = estimate_model("Qwen/Qwen2.5-0.5B", "1xA10G", knobs, seq_len=2048)
     fused = estimate_model("Qwen/Qwen2.5-0.5B", "1xA10G", {**knobs, "loss": "fused-linear"}, seq_len=2048)
-    # 152k-entry vocabulary: HF's upcast cross-entropy moves 44 bytes per logit (the lowering's count), Liger's 6
-    assert fused.time.compute < hf.time.compute and fused.time.recompute == hf.time.recompute
+    # 152k-entry vocabulary: HF's upcast cross-entropy moves 44 bytes per logit (the lowering's count), Liger's 6;
+    # the recomputed layers run Liger's fused RMSNorm, SwiGLU and RoPE kernels (graphs/liger.py): fewer launches
+    assert fused.time.compute < hf.time.compute and fused.time.recompute < hf.time.recompute

@@ -56,17 +56,24 @@ def emitted_script(plan, folder) -> dict:
     return runpy.run_path(str(folder / "train_fitplan.py"), run_name="fitplan_emitted")
 
 
-def test_the_fused_linear_loss_is_emitted_as_liger_s_fused_loss_alone(tmp_path):
+def test_the_fused_linear_loss_is_emitted_as_liger_s_whole_patch(tmp_path):
+    """use_liger_kernel with the kernels the plan was lowered with (graphs/liger.py): Liger's fused linear
+    cross-entropy, RMSNorm, SwiGLU and RoPE."""
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
+    from graphs.liger import LIGER_KERNELS
+
     plan = solve(MODEL, GPUS, **WORKLOAD, loss="fused-linear", launcher="hf", time_limit=5)
-    assert plan.decisions.loss is Loss.FUSED_LINEAR and plan.launchers == ("torchrun", "hf")
+    assert plan.decisions.loss is Loss.FUSED_LINEAR and {"torchrun", "hf"} <= set(plan.launchers)
     assert Plan.from_json(json.loads(plan.dumps())).decisions == plan.decisions  # the knob round-trips
     args = training_arguments(emit(plan, "hf"), tmp_path)
     assert args.use_liger_kernel
     patch = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN["qwen2"]).parameters
     assert set(args.liger_kernel_config) <= set(patch)  # every key reaches Liger's qwen2 patch
-    assert [k for k, on in args.liger_kernel_config.items() if on] == ["fused_linear_cross_entropy"]
+    assert args.liger_kernel_config == {"fused_linear_cross_entropy": True, **LIGER_KERNELS}
+    assert {k for k, on in args.liger_kernel_config.items() if on} == {"fused_linear_cross_entropy", "rope",
+                                                                        "rms_norm", "swiglu"}
+    assert any("Liger's RMSNorm, SwiGLU and RoPE" in note for note in plan.estimate.notes)
     plain = solve(MODEL, GPUS, **WORKLOAD, launcher="hf", time_limit=5)
     assert plan.estimate.memory.allocated_peak < plain.estimate.memory.allocated_peak
     assert "use_liger_kernel" not in json.loads(emit(plain, "hf")["training_args.json"])
