@@ -148,7 +148,7 @@ class Config:
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
                                          pin="set", flag="optimizers",
                                          reads=("estimate", "offload", "optimizer_in_backward",
-                                                "optimizer_launches", "states"))
+                                                "optimizer_launches", "states", "timing"))
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).",

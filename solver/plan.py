@@ -15,7 +15,8 @@ from graphs import Checkpoint, FitplanError, LoraSpec
 
 from .capability import engine_label
 
-SCHEMA_VERSION = "2.1"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep)
+SCHEMA_VERSION = "2.2"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+# megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
