@@ -245,7 +245,7 @@ def _with_batching(plan: Plan, lengths: Lengths, packing: str, seq_len: int) -> 
             + (" (the step is priced at the longest micro-batch, an upper bound)" if packing == "none" else
                f" (global batch {plan.inputs.global_batch} rows hold about "
                f"{plan.inputs.global_batch * batching.sequences_per_row:,.0f} sequences)"))
-    return replace(plan, advice=(*plan.advice, line))
+    return replace(plan, inputs=replace(plan.inputs, packing=packing), advice=(*plan.advice, line))
 
 
 def _plan(resolved: ResolvedModel, cluster: Cluster, workload: Workload, *, headroom: float, time_limit: float,
@@ -255,9 +255,10 @@ def _plan(resolved: ResolvedModel, cluster: Cluster, workload: Workload, *, head
     if pins is not None and knobs:
         raise FitplanError("Give pins either as `pins=` or as knob keywords, not both.", "Use one of the two.")
     pin = pins if pins is not None else _pins(knobs)
-    if lora is not None and (lora.quantization or lora.use_dora) and \
+    if lora is not None and (lora.quantization or lora.use_dora or lora.use_rslora or lora.modules_to_save) and \
             pin.launcher not in (None, *capability.PEFT_VARIANT_RUNNERS):
-        raise FitplanError(f"The {pin.launcher} launcher cannot load QLoRA/DoRA adapters.",
+        raise FitplanError(f"The {pin.launcher} launcher cannot load QLoRA/DoRA/rsLoRA adapters or "
+                           "modules_to_save.",
                            f"Launchers that can: {', '.join(capability.PEFT_VARIANT_RUNNERS)}.")
     if pin.value("activation_offload") and pin.value("checkpoint") is None:
         pin = _pinned(pin, "checkpoint", Checkpoint.FULL)

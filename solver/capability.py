@@ -157,6 +157,40 @@ def _hf_or_accelerate(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ..
     return problems
 
 
+_AXOLOTL = "axolotl 0.19"
+
+
+def _axolotl(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
+    """What axolotl 0.19's config cannot express (utils/schemas/config.py; the weights' dtype from bf16/fp16 in
+    utils/config normalize_config; FSDP2's upcast of trained parameters in monkeypatch/accelerate/fsdp2.py)."""
+    problems = _op_selective(checkpoint)
+    if d.tp > 1 or d.sequence_parallel:
+        problems.append(f"tensor or sequence parallelism ({_AXOLOTL}'s tensor_parallel_size is DeepSpeed AutoTP, not "
+                        "the DTensor TP fitplan prices)")
+    modes = set(checkpoint)
+    if Checkpoint.SELECTIVE in modes:
+        problems.append(f"selective recompute of the attention core ({_AXOLOTL}'s gradient_checkpointing checkpoints "
+                        "whole layers)")
+    elif len(modes) > 1:
+        problems.append(f"checkpointing only some layers ({_AXOLOTL}'s gradient_checkpointing turns every layer on "
+                        "and its config takes no per-layer list)")
+    if Offload.NVME in (d.optimizer_offload, d.param_offload) and d.engine is not Engine.DEEPSPEED:
+        problems.append("NVMe offload outside DeepSpeed")
+    if _pure_bf16_zero0(d):
+        problems.append("pure bf16 without ZeRO (DeepSpeed keeps fp32 master weights at stage 0)")
+    if d.precision is Precision.FP8:
+        problems.append(f"fp8 ({_AXOLOTL}'s fp8 switch converts with torchao inside its own trainer, which fitplan "
+                        "does not price; the accelerate or torchrun files run fp8)")
+    elif d.engine is Engine.DDP and not lora and d.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+        problems.append(f"{d.precision} full fine-tuning under DDP ({_AXOLOTL} loads the weights in bf16/fp16 "
+                        "whenever bf16/fp16 is on, so DDP trains 16-bit weights without the fp32 copy fitplan prices; "
+                        "pure bf16, DeepSpeed or FSDP2 run it)")
+    elif d.engine is Engine.FSDP2 and d.precision is Precision.BF16:
+        problems.append(f"pure bf16 under FSDP2 ({_AXOLOTL} upcasts trained parameters to fp32 for FSDP2's mixed "
+                        "precision)")
+    return problems
+
+
 def _torchrun(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool) -> list[str]:
     problems = []
     if d.engine is Engine.DDP and d.tp > 1 and d.dp > 1:
@@ -261,9 +295,10 @@ def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
 # AdamW (OptimizerNames.PAGED_ADAMW_8BIT / PAGED_ADAMW) and `use_liger_kernel` with `liger_kernel_config` patches in
 # Liger's fused linear cross-entropy alone; torchtune's chunked loss and activation offload have no launcher here
 # (torchtune is not one, and torchtitan 0.3.0 has neither).
-_PAGED_RUNNERS = ("torchrun", "hf", "deepspeed", "accelerate")
+# axolotl 0.19 passes `optimizer` to TrainingArguments' optim and runs Liger through its LigerPlugin.
+_PAGED_RUNNERS = ("torchrun", "hf", "deepspeed", "accelerate", "axolotl")
 # The generated torchrun script applies the same Liger patch (train_fitplan.py `apply_liger`).
-_FUSED_LOSS_RUNNERS = ("torchrun", "hf")
+_FUSED_LOSS_RUNNERS = ("torchrun", "hf", "axolotl")
 # The generated torchrun script registers torchtune's per-parameter hooks (train_fitplan.py `InBackward`).
 _IN_BACKWARD_RUNNERS = ("torchrun",)
 
@@ -357,20 +392,23 @@ def block_recompute_layers(checkpoint: Sequence[Checkpoint], split: Sequence[int
 
 
 # The launchers whose files load a bitsandbytes-quantized base (quantization_config.json, transformers'
-# BitsAndBytesConfig) and PEFT's DoRA (adapter_config.json with use_dora): the generated torchrun script builds
-# plain LoRA, Megatron and torchtitan no PEFT adapters, and the DeepSpeed launcher emits no adapter files.
-PEFT_VARIANT_RUNNERS = ("hf", "accelerate")
+# BitsAndBytesConfig; axolotl's load_in_4bit) and PEFT's DoRA, rsLoRA and modules_to_save (adapter_config.json, a
+# whole LoraConfig; axolotl's peft_use_dora, peft_use_rslora, lora_modules_to_save): the generated torchrun script
+# builds plain LoRA, Megatron and torchtitan no PEFT adapters, and the DeepSpeed launcher emits no adapter files.
+PEFT_VARIANT_RUNNERS = ("hf", "accelerate", "axolotl")
 
 
 def _peft_variants(launcher: str, d: Config, lora: object) -> list[str]:
-    """QLoRA and DoRA where `launcher` cannot load them; `lora` is the search's `LoraSpec` (a bool says only
-    whether adapters exist) and a plan's decisions carry theirs (`Decisions.lora`)."""
+    """QLoRA, DoRA, rsLoRA and modules_to_save where `launcher` cannot load them; `lora` is the search's
+    `LoraSpec` (a bool says only whether adapters exist) and a plan's decisions carry theirs (`Decisions.lora`)."""
     adapters = [a for a in (lora, getattr(d, "lora", None)) if a is not None and not isinstance(a, bool)]
-    quantized = any(getattr(a, "quantization", None) for a in adapters)
-    dora = any(getattr(a, "use_dora", False) for a in adapters)
-    if launcher in PEFT_VARIANT_RUNNERS or not (quantized or dora):
+    found = (("a bitsandbytes-quantized base (QLoRA)", any(getattr(a, "quantization", None) for a in adapters)),
+             ("DoRA", any(getattr(a, "use_dora", False) for a in adapters)),
+             ("rsLoRA", any(getattr(a, "use_rslora", False) for a in adapters)),
+             ("modules_to_save", any(getattr(a, "modules_to_save", ()) for a in adapters)))
+    what = " and ".join(name for name, on in found if on)
+    if launcher in PEFT_VARIANT_RUNNERS or not what:
         return []
-    what = " and ".join(w for w, on in (("a bitsandbytes-quantized base (QLoRA)", quantized), ("DoRA", dora)) if on)
     return [f"{what} (launchers that load it: {', '.join(PEFT_VARIANT_RUNNERS)})"]
 
 
@@ -388,6 +426,9 @@ REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
              ("your training script, building a Trainer from training_args.json",)),
     Launcher("deepspeed", "DeepSpeed 0.19", _DEEPSPEED_STAGES, _deepspeed, "none",
              ("your training script, calling deepspeed.initialize with ds_config.json",)),
+    Launcher("axolotl", f"{_AXOLOTL} (HF Trainer; FSDP2 or DeepSpeed 0.19)", _HF_STACKS, _axolotl, "none",
+             ("your dataset under datasets: in axolotl_config.yaml (it trains on random tokens as emitted)",),
+             per_layer=False),
     Launcher("torchtitan", _TORCHTITAN, _TORCH, _torchtitan, "none",
              ("the model's tokenizer under ./assets/hf/<name> (torchtitan's scripts/download_hf_assets.py)",
               "a torchtitan dataset (c4 as emitted) or your own"), per_layer=False, op_selective="all-layers"),

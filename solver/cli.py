@@ -50,6 +50,13 @@ DoubleQuant = Annotated[bool, typer.Option("--double-quant", help="QLoRA: quanti
                                            "(bnb_4bit_use_double_quant; needs --lora-quantization).")]
 UseDora = Annotated[bool, typer.Option("--use-dora", help="DoRA: train a magnitude vector per adapted layer "
                                        "(LoraConfig(use_dora=True); needs --lora-rank).")]
+UseRslora = Annotated[bool, typer.Option("--use-rslora", help="rsLoRA: scale the adapters by alpha/sqrt(rank) "
+                                         "(LoraConfig(use_rslora=True); no memory or time change; needs "
+                                         "--lora-rank).")]
+ModulesToSave = Annotated[str | None, text(1000, "Modules trained in full beside the adapters, comma-separated, e.g. "
+                                           "lm_head,embed_tokens (LoraConfig(modules_to_save=...); their gradients "
+                                           "and optimizer states are priced; needs --lora-rank).",
+                                           "--modules-to-save")]
 Launcher = Enum("Launcher", {name: name for name in LAUNCHERS}, type=str)  # typer shows the registry's names
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 # What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
@@ -109,7 +116,8 @@ def _check_lora_flags(rank: int | None, alpha: int | None, targets: str, adapter
                       ) -> None:
     """--lora-alpha, --lora-targets and the QLoRA/DoRA flags describe adapters: without --lora-rank they would be
     dropped silently."""
-    named = {"--lora-quantization": "quantization", "--double-quant": "double_quant", "--use-dora": "use_dora"}
+    named = {"--lora-quantization": "quantization", "--double-quant": "double_quant", "--use-dora": "use_dora",
+             "--use-rslora": "use_rslora", "--modules-to-save": "modules_to_save"}
     flags = [flag for flag, key in named.items() if (adapter or {}).get(key)]
     if rank is None and (alpha is not None or targets != "all-linear" or flags):
         given = "--lora-alpha" if alpha is not None else flags[0] if flags else f"--lora-targets {targets!r}"
@@ -120,9 +128,12 @@ def _check_lora_flags(rank: int | None, alpha: int | None, targets: str, adapter
                            "Add --lora-quantization nf4, or drop --double-quant.")
 
 
-def _adapter(quantization: str | None, double_quant: bool, use_dora: bool) -> dict[str, Any]:
-    """The LoraSpec fields of the QLoRA/DoRA flags."""
-    return {"quantization": quantization, "double_quant": double_quant, "use_dora": use_dora}
+def _adapter(quantization: str | None, double_quant: bool, use_dora: bool, use_rslora: bool = False,
+             modules_to_save: str | None = None) -> dict[str, Any]:
+    """The LoraSpec fields of the QLoRA/DoRA/rsLoRA/modules_to_save flags."""
+    modules = tuple(m.strip() for m in (modules_to_save or "").split(",") if m.strip())
+    return {"quantization": quantization, "double_quant": double_quant, "use_dora": use_dora,
+            "use_rslora": use_rslora, "modules_to_save": modules}
 
 
 @app.command("solve")
@@ -141,6 +152,7 @@ def solve_command(
                             ] = "all-linear",
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
     lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
+    use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
                                         "excluded).", lo_open=True)] = 10.0,
@@ -170,7 +182,7 @@ def solve_command(
     from .outputs import Targets, launcher_names, write_outputs
 
     try:
-        adapter = _adapter(lora_quantization, double_quant, use_dora)
+        adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
         _check_lora_flags(lora_rank, lora_alpha, lora_targets, adapter)
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
                                                      targets=tuple(t.strip() for t in lora_targets.split(",")),
@@ -213,6 +225,7 @@ def estimate_command(
     seq_len: SeqLen = None,
     lora_rank: LoraRank = None,
     lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
+    use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
     as_json: AsJson = False,
     cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
     nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
@@ -223,7 +236,7 @@ def estimate_command(
 
     try:
         flags = knob_values(knobs)
-        adapter = _adapter(lora_quantization, double_quant, use_dora)
+        adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
         _check_lora_flags(lora_rank, None, "all-linear", adapter)
         report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter,
                                  headroom=headroom,

@@ -99,6 +99,9 @@ class Inputs:
     """Defaults fitplan chose, in words."""
     shape: ModelShape | None = None
     """The model's architecture (absent in plans before schema 1.2)."""
+    packing: str | None = None
+    """How --dataset-lengths were batched (none: padded to each micro-batch's longest; wrapped, bfd: packed rows);
+    None without dataset lengths, when every row is priced full at seq_len tokens, as packing fills them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,17 +117,23 @@ class LoraDecision:
     """The 4-bit block scales quantized again (`bnb_4bit_use_double_quant`)."""
     use_dora: bool = False
     """DoRA: a trained magnitude vector per adapted layer (`LoraConfig(use_dora=True)`)."""
+    use_rslora: bool = False
+    """rsLoRA: adapters scaled by alpha/sqrt(rank) instead of alpha/rank (`LoraConfig(use_rslora=True)`; no cost)."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full beside the adapters, e.g. lm_head (`LoraConfig(modules_to_save=...)`)."""
 
     def spec(self) -> LoraSpec:
         """The `graphs.LoraSpec` these adapters are lowered and emitted from."""
         return LoraSpec(rank=self.rank, alpha=self.alpha, targets=self.targets, dropout=self.dropout,
-                        quantization=self.quantization, double_quant=self.double_quant, use_dora=self.use_dora)
+                        quantization=self.quantization, double_quant=self.double_quant, use_dora=self.use_dora,
+                        use_rslora=self.use_rslora, modules_to_save=self.modules_to_save)
 
     @classmethod
     def of(cls, spec: LoraSpec) -> LoraDecision:
         return cls(rank=spec.rank, alpha=spec.alpha, targets=spec.targets, dropout=spec.dropout,
                    quantization=None if spec.quantization is None else spec.quantization.value,
-                   double_quant=spec.double_quant, use_dora=spec.use_dora)
+                   double_quant=spec.double_quant, use_dora=spec.use_dora, use_rslora=spec.use_rslora,
+                   modules_to_save=spec.modules_to_save)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,8 +176,9 @@ class Decisions(Config):
         parts += [name for name, on in savers if on]
         if self.lora:
             kind = "QLoRA" if self.lora.quantization else "LoRA"
-            parts.append(f"{kind}{'+DoRA' if self.lora.use_dora else ''} r={self.lora.rank}"
-                         + (f" {self.lora.quantization}" if self.lora.quantization else ""))
+            parts.append(f"{kind}{'+DoRA' if self.lora.use_dora else ''}{'+rsLoRA' if self.lora.use_rslora else ''}"
+                         f" r={self.lora.rank}" + (f" {self.lora.quantization}" if self.lora.quantization else "")
+                         + (f" saving {','.join(self.lora.modules_to_save)}" if self.lora.modules_to_save else ""))
         return " ".join(parts)
 
 

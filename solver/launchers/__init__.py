@@ -7,7 +7,7 @@ from collections.abc import Callable
 from graphs import FitplanError
 
 from ..plan import Plan
-from . import accelerate, deepspeed, hf, megatron, torchrun, torchtitan
+from . import accelerate, axolotl, deepspeed, hf, megatron, torchrun, torchtitan
 from .common import checkpointed_layers
 from .support import unsupported
 
@@ -36,7 +36,7 @@ def _accelerate(plan: Plan) -> dict[str, str]:
 # The emitter of each launcher in the registry (`capability.REGISTRY`, same names and order).
 EMITTERS: dict[str, Callable[[Plan], dict[str, str]]] = {
     "torchrun": torchrun.emit, "accelerate": _accelerate, "hf": _hf, "deepspeed": _deepspeed,
-    "torchtitan": torchtitan.emit, "megatron": megatron.emit,
+    "axolotl": axolotl.emit, "torchtitan": torchtitan.emit, "megatron": megatron.emit,
 }
 
 

@@ -291,3 +291,39 @@ def test_lora_spec_reads_plans_written_before_these_fields():
     old = {"rank": 16, "alpha": 32, "targets": ["all-linear"], "dropout": 0.0}
     assert LoraSpec.from_json(old) == LoraSpec()
     assert LoraSpec.from_json(QLORA.to_json()) == QLORA
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # tied and untied input/output embeddings
+@pytest.mark.parametrize("modules", [("lm_head",), ("embed_tokens", "lm_head")])
+def test_modules_to_save_states_equal_a_real_adamw_step_on_the_peft_model(tmp_path, arch, modules):
+    """modules_to_save priced as PEFT builds it: a trained copy of each module beside the frozen original (its
+    parameters, gradients and optimizer states on top of the adapters'), against the real PEFT model in fp32 and a
+    real AdamW step's exp_avg/exp_avg_sq (exact bytes; `step` counters are host scalars fitplan leaves out)."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from costmodels import Config, Engine, Optimizer, Precision, lowering_for
+    from costmodels.states import model_states
+
+    config = Config(engine=Engine.DDP, precision=Precision.FP32, optimizer=Optimizer.ADAMW)
+    dtype, autocast = lowering_for(config, lora=True)
+    spec = LoraSpec(rank=8, alpha=16, modules_to_save=modules)
+    values = tiny_values(arch)
+    graph = lower(str(write_config(tmp_path, values)), lora=spec, dtype=dtype, autocast=autocast, use_cache=False)
+    fields = dict(values)
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), spec.peft_config())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for p in trained:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(trained, lr=1e-3, foreach=True)
+    optimizer.step()
+    states = model_states(graph, config)
+    assert states.params == sum(p.numel() * p.element_size() for p in model.parameters())
+    # one micro-batch per step: the gradients live from backward to the step (none persist between steps)
+    assert (states.grads, states.accumulating_grads) == (0, sum(p.numel() * p.element_size() for p in trained))
+    assert states.optimizer == sum(optimizer.state[p][k].numel() * optimizer.state[p][k].element_size()
+                                   for p in trained for k in ("exp_avg", "exp_avg_sq"))
+    copies = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "modules_to_save" in n)
+    assert copies == values["vocab_size"] * values["hidden_size"] * len(modules)  # one full copy per module

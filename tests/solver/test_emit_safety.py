@@ -48,6 +48,9 @@ EXPECTED_ARGV = {
                              "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29500",
                              "train.py"],
     "torchrun_launch.sh": ["torchrun", *TORCHRUN_ONE_NODE, "train_fitplan.py", "--model", "{model}"],
+    "axolotl_launch.sh": ["accelerate", "launch", "--num_processes", "8", "--num_machines", "1", "--machine_rank", "0",
+                          "--main_process_ip", "127.0.0.1", "--main_process_port", "29500", "--multi_gpu", "-m",
+                          "axolotl.cli.train", "axolotl_config.yaml"],
 }
 
 

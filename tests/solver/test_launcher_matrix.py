@@ -1,9 +1,10 @@
 """Every launcher x every knob value the registry says it runs (issues 12, 13): the emitted files, read back by the
 real parsers (DeepSpeed's DeepSpeedConfig, transformers' TrainingArguments, accelerate's config loader, Megatron's
 flag list and, given Megatron-LM's source, its own parse_args/validate_args (tests/solver/megatron_args.py), the
-torchrun script's own functions), express each decided value; every combination the registry (or, for the model,
-`support.unsupported`) refuses is refused by the emitter with that reason. torchtitan has the same walk in
-test_torchtitan_launcher.py (parsed by torchtitan's ConfigManager).
+torchrun script's own functions, axolotl's YAML with DeepSpeed's parse of the ds_config.json it names), express
+each decided value; every combination the registry (or, for the model, `support.unsupported`) refuses is refused
+by the emitter with that reason. torchtitan has the same walk in test_torchtitan_launcher.py (parsed by
+torchtitan's ConfigManager).
 
 One plan is solved (Llama-3.2-1B on 8xH100); the emitters read only the plan's inputs and decisions, so each case
 replaces decisions on it, one knob at a time from a base per (engine, ZeRO stage). Expected values are written out
@@ -223,8 +224,31 @@ def torchrun_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch)
             "pipeline": namespace["PLAN"]["pipeline"]}
 
 
+def axolotl_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch) -> dict[str, Any]:
+    """axolotl's YAML as yaml reads it (axolotl's own validation of the same files: test_axolotl_launcher.py) and,
+    under DeepSpeed, the ds_config.json it names, parsed by DeepSpeed."""
+    import yaml
+
+    config = yaml.safe_load(files["axolotl_config.yaml"])
+    if "deepspeed" in config:
+        parsed = parse_deepspeed(json.loads(files[config["deepspeed"]]), WORLD, monkeypatch)
+        engine = (Engine.DEEPSPEED, parsed.zero_optimization_stage)
+    elif config.get("fsdp_version") == 2:
+        engine = (Engine.FSDP2, 3 if config["fsdp_config"]["reshard_after_forward"] else 2)
+    else:
+        engine = (Engine.DDP, 0)
+    checkpointed = bool(config.get("gradient_checkpointing")) or \
+        bool(config.get("fsdp_config", {}).get("activation_checkpointing"))
+    return {"engine": engine, "micro_batch": config["micro_batch_size"],
+            "grad_accum": config["gradient_accumulation_steps"],
+            "half": "bf16" if config["bf16"] else "fp16" if config["fp16"] else None, "tf32": config["tf32"],
+            "optim": config["optimizer"], "compile": config["torch_compile"], "checkpointed": checkpointed,
+            "liger": config.get("liger_fused_linear_cross_entropy", False) and
+            "axolotl.integrations.liger.LigerPlugin" in config.get("plugins", [])}
+
+
 READERS = {"deepspeed": deepspeed_reads, "hf": hf_reads, "accelerate": accelerate_reads,
-           "megatron": megatron_reads, "torchrun": torchrun_reads}
+           "megatron": megatron_reads, "torchrun": torchrun_reads, "axolotl": axolotl_reads}
 TORCH_OPTIMIZER = {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_FUSED: "AdamW", Optimizer.ADAFACTOR: "Adafactor",
                    Optimizer.ADAMW_8BIT: "AdamW8bit", Optimizer.SGD: "SGD",
                    Optimizer.PAGED_ADAMW_8BIT: "PagedAdamW8bit", Optimizer.PAGED_ADAMW_32BIT: "PagedAdamW32bit"}
@@ -246,6 +270,13 @@ def check_expressed(launcher: str, plan: Plan, got: dict[str, Any]) -> None:
         assert got["half"] == half and got["optim"] == HF_OPTIM[d.optimizer]
         assert got["compile"] == d.compile and got["checkpointed"] == checkpointed
         assert bool(got["tf32"]) == (d.precision is Precision.TF32)
+        assert got["liger"] == (d.loss is Loss.FUSED_LINEAR)
+    elif launcher == "axolotl":
+        assert got["engine"] == (d.engine, d.zero)
+        assert (got["micro_batch"], got["grad_accum"]) == (d.micro_batch, d.grad_accum)
+        assert got["half"] == half and got["optim"] == HF_OPTIM[d.optimizer]
+        assert got["compile"] == d.compile and got["checkpointed"] == checkpointed
+        assert got["tf32"] == (d.precision is Precision.TF32)
         assert got["liger"] == (d.loss is Loss.FUSED_LINEAR)
     elif launcher == "accelerate":
         assert got["engine"] == (d.engine, d.zero) and got["tp"] == d.tp and got["processes"] == WORLD

@@ -34,7 +34,7 @@ def test_the_plan_records_the_quantized_dora_adapters_and_prices_the_packed_base
     assert lora.spec() == QDORA
     assert Plan.from_json(json.loads(plan.dumps())).decisions.lora == lora  # written and read back whole
     assert (plan.decisions.engine, plan.decisions.tp) == (Engine.DDP, 1)
-    assert set(plan.launchers) == {"hf", "accelerate"}
+    assert set(plan.launchers) == {"hf", "accelerate", "axolotl"}
     config = Config(**{name: getattr(plan.decisions, name) for name in Config.__dataclass_fields__})
     again = estimate(MODEL, GPUS, config, seq_len=WORKLOAD["seq_len"], global_batch=WORKLOAD["global_batch"],
                      lora=QDORA)
