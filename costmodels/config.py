@@ -208,6 +208,9 @@ class Config:
             # (costmodels/engines/deepspeed.py).
             raise ValueError(f"optimizer={self.optimizer} cannot run under DeepSpeed optimizer offload "
                              f"({self.optimizer_offload}): the offloaded step is DeepSpeed's fp32 CPU Adam")
+        if self.optimizer in BNB_OPTIMIZERS and not rules.bnb_optimizers:
+            raise ValueError(f"optimizer={self.optimizer} cannot step {rules.runtime}'s sharded (DTensor) parameters: "
+                             "bitsandbytes' kernels take plain tensors; use DeepSpeed or DDP, or adamw")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         if self.optimizer is Optimizer.ADAMW_BF16 and (self.zero not in rules.bf16_state_optimizer_stages or

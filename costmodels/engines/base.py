@@ -140,6 +140,9 @@ class EngineRules:
     bf16_state_optimizer_stages: tuple[int, ...] = ()
     """Stages that run an Adam with bf16 moments and main gradients under bf16 mixed precision (Megatron's
     precision-aware optimizer: `Optimizer.ADAMW_BF16`)."""
+    bnb_optimizers: bool = True
+    """Steps bitsandbytes' optimizers, whose kernels take plain tensors (FSDP2's DTensor parameters make them
+    fail)."""
     quantized_base: bool = False
     """Runs a bitsandbytes-quantized (packed) base as fitplan prices it (whole on every rank)."""
 

@@ -38,6 +38,10 @@ RULES = EngineRules(
     # FSDP2 reduce-scatters a unit's gradients before its post-accumulate-grad hooks run (torchtune's
     # optimizer-in-backward steps on the sharded, reduced gradient).
     reduces_before_grad_hooks=True,
+    # bitsandbytes 0.50's optimizers on FSDP2's DTensor parameters: "optimizer_update_8bit_blockwise got mixed
+    # torch.Tensor and DTensor" (8-bit, paged 8-bit), "optimizer_update_32bit does not have a sharding strategy
+    # registered" (paged 32-bit): tests/costmodels/test_engine_rules.py runs them.
+    bnb_optimizers=False,
     # torchtitan 0.3.0 keeps FSDP2 parameters gathered through forward and backward under PP
     # (fsdp_reshard_after_forward "default" = False with pipeline parallelism: parallelize.py).
     pipeline_stages=(2,),

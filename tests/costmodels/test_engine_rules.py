@@ -103,3 +103,49 @@ def test_cost_modules_ask_the_engines_rules_instead_of_naming_an_engine():
 def _default_line(path: Path) -> int:
     return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if line.rstrip().endswith(
         "= Engine.DDP"))
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit", "PagedAdamW32bit"])
+def test_bitsandbytes_optimizers_step_only_where_the_engine_says(name, tmp_path):
+    """bitsandbytes 0.50's optimizers (its CPU kernels here) step plain parameters and fail on FSDP2's DTensor
+    shards; every engine's `bnb_optimizers` agrees, and Config refuses the ones that fail."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    bnb = pytest.importorskip("bitsandbytes")
+    from costmodels import Optimizer
+
+    def steps(model: torch.nn.Module) -> bool:
+        optimizer = getattr(bnb.optim, name)(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 64)).sum().backward()
+        try:
+            optimizer.step()
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
+
+    def model() -> torch.nn.Module:  # one tensor above bitsandbytes' 4096-element minimum for 8-bit states
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = model()
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        runs = {Engine.FSDP2: steps(sharded), Engine.DDP: steps(model())}
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    optimizer = {"AdamW8bit": Optimizer.ADAMW_8BIT, "PagedAdamW8bit": Optimizer.PAGED_ADAMW_8BIT,
+                 "PagedAdamW32bit": Optimizer.PAGED_ADAMW_32BIT}[name]
+    assert runs == {Engine.FSDP2: False, Engine.DDP: True}
+    for engine, ran in runs.items():
+        assert rules_of(engine).bnb_optimizers is ran
+        zero = rules_of(engine).stages[-1]
+        if ran:
+            Config(engine=engine, zero=zero, optimizer=optimizer)
+        else:
+            with pytest.raises(ValueError, match="bitsandbytes"):
+                Config(engine=engine, zero=zero, optimizer=optimizer)

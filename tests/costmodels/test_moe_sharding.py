@@ -45,7 +45,7 @@ def test_mixtral_fsdp2_parameters_shrink_with_more_ranks():
         cluster = parse_cluster(gpus)
         config = Config(engine=Engine.FSDP2, zero=3, dp=cluster.world_size, micro_batch=2,
                         checkpoint=(Checkpoint.FULL,) * graph.dims.layers, precision=Precision.BF16_MIXED,
-                        optimizer=Optimizer.ADAMW_8BIT)
+                        optimizer=Optimizer.ADAMW)
         result = estimate(graph, cluster, Workload(seq_len=2048, global_batch=2 * cluster.world_size), config)
         per_gpu[gpus] = result.memory.parameters
     assert per_gpu["4x8xH100"] < 20 * GIB  # 141B parameters in fp32 over 32 ranks: about 16.4 GiB

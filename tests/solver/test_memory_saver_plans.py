@@ -34,7 +34,8 @@ def training_arguments(files: dict[str, str], tmp_path):
 @pytest.mark.parametrize(("optimizer", "optim"), [(Optimizer.PAGED_ADAMW_8BIT, "paged_adamw_8bit"),
                                                   (Optimizer.PAGED_ADAMW_32BIT, "paged_adamw_32bit")])
 def test_a_pinned_paged_optimizer_is_planned_priced_and_emitted(optimizer, optim, tmp_path):
-    plan = solve(MODEL, GPUS, **WORKLOAD, optimizers=optimizer.value, launcher="hf", time_limit=5)
+    # DDP: both the HF Trainer and the torchrun script run it (bitsandbytes cannot step FSDP2's DTensors)
+    plan = solve(MODEL, GPUS, **WORKLOAD, optimizers=optimizer.value, launcher="hf", engine="ddp", time_limit=5)
     assert plan.decisions.optimizer is optimizer and {"hf", "torchrun"} <= set(plan.launchers)
     config = Config(**{name: getattr(plan.decisions, name) for name in Config.__dataclass_fields__})
     again = estimate(MODEL, GPUS, config, seq_len=WORKLOAD["seq_len"], global_batch=WORKLOAD["global_batch"])

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from costmodels import Config, Engine, Offload, Optimizer, Workload, parse_cluster
+from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, parse_cluster
 from graphs import Checkpoint, FitplanError, resolve
 from graphs.lower import lower_resolved
 from solver import api
@@ -93,14 +95,16 @@ GPT2 = {"seq_len": 512, "global_batch": 64, "time_limit": 5}
 def test_fp8_is_planned_only_with_a_launcher_that_runs_it():
     from solver.capability import unsupported
 
-    # DeepSpeed has no fp8 config field: its fp8 plans are Megatron's (Transformer Engine) or nobody's.
-    plan = api.solve("gpt2", "8xH100", engine="deepspeed", precision=("fp8",), **GPT2)
-    assert plan.launchers == ("megatron",), plan.launchers
+    # DeepSpeed has no fp8 config field: no launcher runs its fp8 plans; Megatron's (Transformer Engine) run fp8.
+    plan = api.solve("gpt2", "8xH100", launcher="megatron", precision=("fp8",), **GPT2)
+    assert plan.launchers == ("megatron",) and plan.decisions.precision is Precision.FP8, plan.launchers
+    deepspeed = dataclasses.replace(plan.decisions, engine=Engine.DEEPSPEED, zero=1)
     for launcher in ("deepspeed", "hf", "accelerate"):
         assert any("fp8 with DeepSpeed" in p or "fp8 (TrainingArguments" in p
-                   for p in unsupported(launcher, plan.decisions)), launcher
-    with pytest.raises(FitplanError):
-        api.solve("gpt2", "8xH100", launcher="deepspeed", precision=("fp8",), **GPT2)
+                   for p in unsupported(launcher, deepspeed)), launcher
+    for pins in ({"launcher": "deepspeed"}, {"engine": "deepspeed"}):
+        with pytest.raises(FitplanError):
+            api.solve("gpt2", "8xH100", precision=("fp8",), **pins, **GPT2)
     # FSDP2 runs fp8 through torchao float8 under torchrun and accelerate (not through TrainingArguments).
     fsdp = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precision=("fp8",), **GPT2)
     assert set(fsdp.launchers) == {"torchrun", "accelerate"}, fsdp.launchers
