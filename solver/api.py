@@ -267,14 +267,16 @@ def _plan(resolved: ResolvedModel, cluster: Cluster, workload: Workload, *, head
         raise FitplanError(f"--activation-offload on needs full checkpointing on every layer, not "
                            f"--checkpoint {pin.value('checkpoint')} (torchtune refuses it otherwise).",
                            "Use --checkpoint full (or leave it to the solver).")
+
+    def search(adapters: LoraSpec | None, notes: list[str]) -> Plan:
+        # a launcher that applies one checkpoint mode to every layer (torchtitan, axolotl) compares whole modes
+        run = _fastest_uniform if _uniform_modes(pin) else _solve
+        return run(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=adapters,
+                   attention=attention, assumed=notes, started=started, alternatives_count=alternatives_count,
+                   gpus=gpus, input_rate=input_tokens_per_s)
+
     try:
-        if _uniform_modes(pin):
-            return _fastest_uniform(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit,
-                                    lora=lora, attention=attention, assumed=assumed, started=started,
-                                    alternatives_count=alternatives_count, gpus=gpus, input_rate=input_tokens_per_s)
-        return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=lora,
-                      attention=attention, assumed=assumed, started=started, alternatives_count=alternatives_count,
-                      gpus=gpus, input_rate=input_tokens_per_s)
+        return search(lora, assumed)
     except Infeasible:
         if not allow_lora or lora is not None:
             raise
@@ -285,9 +287,7 @@ def _plan(resolved: ResolvedModel, cluster: Cluster, workload: Workload, *, head
                   "QLoRA fallback r=16 on all linear layers over a 4-bit NF4 base (double quantisation)"))
     for index, (fallback, why) in enumerate(fallbacks):
         try:
-            return _solve(resolved, cluster, workload, pin, headroom=headroom, time_limit=time_limit, lora=fallback,
-                          attention=attention, assumed=[*assumed, why], started=started,
-                          alternatives_count=alternatives_count, gpus=gpus, input_rate=input_tokens_per_s)
+            return search(fallback, [*assumed, why])
         except Infeasible:
             if index == len(fallbacks) - 1:
                 raise

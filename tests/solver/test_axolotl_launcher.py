@@ -215,8 +215,8 @@ def test_axolotls_own_validation_accepts_every_emitted_config_and_keeps_its_valu
     python = axolotl_python()
     if python is None:
         pytest.skip("axolotl is not installed (set AXOLOTL_PYTHON to an interpreter that has it)")
-    chosen = dict(list(emitted.items())[::6])  # one in six of the walk, and every LoRA case
-    chosen.update({name: case for name, case in emitted.items() if name.split("-", 1)[1] in LORAS})
+    chosen = dict(list(emitted.items())[::6])  # one in six of the walk, every loss and every LoRA case
+    chosen.update({name: case for name, case in emitted.items() if name.split("-", 1)[1] in LORAS or "loss=" in name})
     for name, (_, files) in chosen.items():
         folder = tmp_path / "cases" / name.replace("/", "-")
         folder.mkdir(parents=True)
@@ -245,22 +245,34 @@ def test_axolotls_own_validation_accepts_every_emitted_config_and_keeps_its_valu
 # --- the issue's case -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_qwen_7b_on_one_rtx4090_emits_an_axolotl_qlora_config(tmp_path):
-    """`solve --model Qwen/Qwen2.5-7B --gpus 1xRTX4090 --allow-lora --launcher axolotl --emit axolotl`: full
-    fine-tuning cannot fit a 24 GB card, the QLoRA fallback does, and axolotl's files load it."""
+def _solve_and_emit(out: Path, *flags: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from solver.cli import app
 
-    out = tmp_path / "out"
-    run = CliRunner().invoke(app, ["solve", "--model", "Qwen/Qwen2.5-7B", "--gpus", "1xRTX4090", "--allow-lora",
-                                   "--launcher", "axolotl", "--emit", "axolotl", "--emit-dir", str(out),
-                                   "--time-limit", "60", "--json"])
+    run = CliRunner().invoke(app, ["solve", "--model", "Qwen/Qwen2.5-7B", "--gpus", "1xRTX4090", "--launcher",
+                                   "axolotl", "--emit", "axolotl", "--emit-dir", str(out), "--time-limit", "60",
+                                   "--json", *flags])
     assert run.exit_code == 0, run.output
     plan = json.loads(run.stdout)
-    lora = plan["decisions"]["lora"]
-    assert lora["quantization"] == "nf4" and "axolotl" in plan["launchers"]
+    assert "axolotl" in plan["launchers"]
     config = yaml.safe_load((out / CONFIG).read_text())
-    assert (config["adapter"], config["load_in_4bit"], config["lora_r"]) == ("qlora", True, lora["rank"])
-    assert config["optimizer"] == HF_OPTIM[Optimizer(plan["decisions"]["optimizer"])]
-    assert config["micro_batch_size"] == plan["decisions"]["micro_batch"] and config["sample_packing"] is True
     assert undocumented(config) == []
+    assert config["micro_batch_size"] == plan["decisions"]["micro_batch"] and config["sample_packing"] is True
+    assert config["optimizer"] == HF_OPTIM[Optimizer(plan["decisions"]["optimizer"])]
+    return plan, config
+
+
+@pytest.mark.slow
+def test_qwen_7b_on_one_rtx4090_emits_axolotl_configs_for_lora_and_qlora(tmp_path):
+    """`solve --model Qwen/Qwen2.5-7B --gpus 1xRTX4090 --allow-lora --launcher axolotl --emit axolotl`: full
+    fine-tuning cannot fit a 24 GB card, and the adapters that do (16-bit LoRA, the fallback tried first) come out
+    as axolotl's YAML; asked for QLoRA with paged 8-bit AdamW, the same card gets a qlora config."""
+    plan, config = _solve_and_emit(tmp_path / "allow", "--allow-lora")
+    lora = plan["decisions"]["lora"]
+    assert lora is not None and any("fallback" in line for line in plan["inputs"]["assumed"])
+    assert config["adapter"] == ("qlora" if lora["quantization"] else "lora") and config["lora_r"] == lora["rank"]
+    plan, config = _solve_and_emit(tmp_path / "qlora", "--lora-rank", "16", "--lora-quantization", "nf4",
+                                   "--double-quant", "--optimizers", "paged-adamw-8bit")
+    assert (plan["decisions"]["lora"]["quantization"], plan["decisions"]["optimizer"]) == ("nf4", "paged-adamw-8bit")
+    assert (config["adapter"], config["load_in_4bit"], config["lora_r"]) == ("qlora", True, 16)
+    assert config["bnb_config_kwargs"] == {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    assert config["optimizer"] == "paged_adamw_8bit"
