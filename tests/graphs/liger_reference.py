@@ -42,9 +42,11 @@ def _interpreter_shims() -> None:
     geglu.tanh = lambda x: 2 * tl.sigmoid(2 * x) - 1
 
 
-def run(values: dict[str, Any], *, b: int, s: int, dtype: str, attention: str,
-        kernels: dict[str, bool]) -> dict[str, Any]:
-    """Per-layer saved bytes and FLOPs of one real training pass of the patched model (`reference._measure`)."""
+def run(values: dict[str, Any], *, b: int, s: int, dtype: str, attention: str, kernels: dict[str, bool],
+        lora: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per-layer saved bytes and FLOPs of one real training pass of the patched model (`reference._measure`);
+    `lora`: PEFT `LoraConfig` arguments, the adapters added first and Liger applied to the base model under them,
+    as transformers' `apply_liger_kernel` does (`unwrap_peft_model`)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("set TRITON_INTERPRET=1 before starting this script")
     import torch
@@ -62,7 +64,12 @@ def run(values: dict[str, Any], *, b: int, s: int, dtype: str, attention: str,
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=getattr(torch, dtype),
                                              attn_implementation=attention)
     model.train()
-    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False, **kernels)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora, task_type="CAUSAL_LM"), autocast_adapter_dtype=False)
+    base = model.get_base_model() if lora is not None else model
+    _apply_liger_kernel_to_instance(model=base, fused_linear_cross_entropy=False, **kernels)
     return dataclasses.asdict(_measure(model, config.num_hidden_layers, b=b, s=s, vocab=config.vocab_size))
 
 
@@ -70,4 +77,4 @@ if __name__ == "__main__":
     request = json.loads(sys.argv[1])
     print(json.dumps(run(request["values"], b=request["b"], s=request["s"], dtype=request["dtype"],
                          attention=request["attention"],
-                         kernels=request["kernels"])))
+                         kernels=request["kernels"], lora=request.get("lora"))))
