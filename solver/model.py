@@ -73,12 +73,23 @@ def build_model(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, 
         add_step_time(pm, k, table)
         add_memory_limit(pm, k, table)
     add_bound_cuts(pm)
-    rank_terms = [use[k] * (table.rank * rank_step(len(kinds))) for k, table in enumerate(tables)]
-    recomputed = [recompute_weight(mode) * sum(count[mode].values()) for mode in CHECKPOINTED]
-    m.minimize(step * weight + sum(rank_terms) + sum(recomputed))
+    m.minimize(_objective(pm))
     if hint is not None:
         _add_hint(pm, *hint)
     return pm
+
+
+def _objective(pm: PlanModel) -> cp_model.LinearExpr:
+    """Step ticks times the tie weight, then the configuration's rank, then the recomputed layers."""
+    rank_terms = [pm.use_config[k] * (table.rank * rank_step(len(pm.kinds))) for k, table in enumerate(pm.tables)]
+    recomputed = [recompute_weight(mode) * sum(pm.count[mode].values()) for mode in CHECKPOINTED]
+    return pm.step_time * pm.weight + sum(rank_terms) + sum(recomputed)
+
+
+def add_objective_cutoff(pm: PlanModel, below: int) -> None:
+    """Only plans whose objective is below `below` (the best found in another model) are wanted: a model that
+    cannot beat it is proved infeasible, mostly by its linear relaxation, without being solved to its optimum."""
+    pm.model.add(_objective(pm) <= below - 1)
 
 
 def _check_range(horizon: int, weight: int) -> None:

@@ -20,7 +20,7 @@ from costmodels import Cluster, Offload, Workload, precision
 from costmodels.activations import NodeMemory
 from graphs import Checkpoint, LayerGraph
 
-from .model import SolveResult, build_model, solve
+from .model import SolveResult, add_objective_cutoff, build_model, solve
 from .space import CHECKPOINTED, Outer, Space, canonical_modes
 from .tables import Table, build_table, objective, table_modes, tie_weight
 
@@ -177,6 +177,33 @@ def peak_lower_bound(table: Table, modes: tuple[Checkpoint, ...]) -> int:
     return terms.states.gpu_total + best
 
 
+def dominates(a: Table, b: Table, modes: tuple[Checkpoint, ...]) -> bool:
+    """Whether every assignment of `b` is one of `a` that fits as well and scores better: `a` comes first among
+    equal times (lower rank), runs every mode `b` runs, takes no more ticks in any of them, and has the same
+    activation timeline with at least as much room for it (budget less persistent states) and an optimizer step
+    that fits whatever the modes. Such a `b` (the fp16 twin of a bf16 configuration, the foreach twin of a fused
+    optimizer) never holds the optimum."""
+    if a.rank >= b.rank or not a.host_ok or a.buffers != b.buffers or a.fixed_ticks > b.fixed_ticks:
+        return False
+    runs = table_modes(b, modes)
+    if any(not a.outer.runs(m) for m in runs):
+        return False
+    for ours, theirs in zip(a.layer_ticks, b.layer_ticks, strict=True):
+        if ours is not theirs and ours != theirs:
+            mine = dict(ours)
+            if any(m in runs and (m not in mine or mine[m] > value) for m, value in theirs):
+                return False
+    sa, sb = a.memory.states, b.memory.states
+    return (a.budget - sa.gpu_total >= b.budget - sb.gpu_total
+            and sa.gpu_total + sa.accumulating_grads + sa.step_temp + a.buffers <= a.budget
+            and replace(a.memory, states=sb) == b.memory)
+
+
+def undominated(tables: list[Table], candidates: list[int], modes: tuple[Checkpoint, ...]) -> list[int]:
+    """`candidates` less those another candidate `dominates` (a strict order: what remains holds the optimum)."""
+    return [k for k in candidates if not any(j != k and dominates(tables[j], tables[k], modes) for j in candidates)]
+
+
 def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...], *, time_limit: float,
            configurations: int) -> SearchResult:
     """The best plan among `tables` within `time_limit` seconds (model building included). The status is
@@ -205,6 +232,7 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
     candidates = viable if incumbent is None else [k for k in viable if lower[k] <= incumbent[0]]
     candidates = [k for k in candidates if k in quick or peak_lower_bound(tables[k], table_modes(tables[k], modes))
                   <= tables[k].budget]
+    candidates = undominated(tables, candidates, modes)
     if incumbent is not None and candidates == [incumbent[1]] and lower[incumbent[1]] == incumbent[0]:
         # the quick plan is the fastest assignment of the only configuration that could beat it: optimal
         status = "OPTIMAL" if complete else "FEASIBLE"
@@ -215,16 +243,45 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
         status = "INFEASIBLE" if complete else "UNKNOWN"  # unbuilt configurations might fit
         empty = SolveResult(status, None, None, time.perf_counter() - start, None, ())
         return SearchResult(empty, tables, [], configurations, weight, quick)
-    chosen = [tables[k] for k in candidates]
-    hint = None if incumbent is None else (candidates.index(incumbent[1]), incumbent[2])
-    pm = build_model(chosen, kinds, modes, weight=weight, hint=hint)
-    result = solve(pm, time_limit=max(0.01, deadline - time.perf_counter()))
+    result = solve_each(tables, sorted(candidates, key=lambda k: (lower[k], k)), kinds, modes, weight=weight,
+                        incumbent=incumbent, quick=quick, deadline=deadline)
     if result.table is not None:
         status = result.status if complete else "FEASIBLE"  # part of the space unexplored
-        result = SolveResult(status, result.objective, result.bound, result.wall_seconds,
-                             candidates[result.table], result.modes)
-    elif incumbent is not None:  # time limit hit before CP-SAT found anything: keep the quick plan
-        result = SolveResult("FEASIBLE", incumbent[0], None, result.wall_seconds, incumbent[1], incumbent[2])
+        result = replace(result, status=status, wall_seconds=time.perf_counter() - start)
     elif result.status == "INFEASIBLE" and not complete:
         result = SolveResult("UNKNOWN", None, None, result.wall_seconds, None, ())
     return SearchResult(result, tables, candidates, configurations, weight, quick)
+
+
+def solve_each(tables: list[Table], order: list[int], kinds: list[int], modes: tuple[Checkpoint, ...], *,
+               weight: int, incumbent: tuple[int, int, tuple[Checkpoint, ...]] | None,
+               quick: dict[int, tuple[Checkpoint, ...]], deadline: float) -> SolveResult:
+    """The best assignment over the tables in `order` (by their fastest objective): one CP-SAT model per table,
+    each asked only for objectives below the best so far (`model.add_objective_cutoff`), so a table that cannot
+    beat it is proved so without its optimum; the visit stops once the tables' fastest objectives reach the
+    best. An exact decomposition of the joint model: the minimum over tables of each table's minimum. OPTIMAL
+    when every model finished, INFEASIBLE when none has a plan, FEASIBLE or UNKNOWN when the limit cut it."""
+    begin = time.perf_counter()
+    best = incumbent
+    finished = True
+    for k in order:
+        table = tables[k]
+        if best is not None and objective(table, fastest_modes(table, kinds, table_modes(table, modes)),
+                                          tie_weight=weight) > best[0]:
+            break
+        if time.perf_counter() > deadline:
+            finished = False
+            break
+        plan = best[2] if best is not None and best[1] == k else quick.get(k)
+        pm = build_model([table], kinds, modes, weight=weight, hint=None if plan is None else (0, plan))
+        if best is not None:
+            add_objective_cutoff(pm, best[0])
+        found = solve(pm, time_limit=max(0.01, deadline - time.perf_counter()))
+        if found.table is not None:
+            best = (found.objective, k, found.modes)
+        finished = finished and found.status in ("OPTIMAL", "INFEASIBLE")
+    seconds = time.perf_counter() - begin
+    if best is None:
+        return SolveResult("INFEASIBLE" if finished else "UNKNOWN", None, None, seconds, None, ())
+    status = "OPTIMAL" if finished else "FEASIBLE"
+    return SolveResult(status, best[0], best[0] if finished else None, seconds, best[1], best[2])

@@ -4,10 +4,14 @@ pruned search returns what the unpruned one does (random small instances, the br
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 
+from costmodels import Engine, Precision, parse_cluster
+from solver.model import build_model, solve
+from solver.pins import Pins
 from solver.pipeline_search import (
     candidate,
     compute_bound,
@@ -16,6 +20,11 @@ from solver.pipeline_search import (
     pipeline_search,
     stage_bound,
 )
+from solver.search import dominates, search, undominated
+from solver.space import all_counts, canonical_modes
+from solver.tables import objective, table_modes, tie_weight
+from tests.solver.test_model import instance as model_instance
+from tests.solver.test_model import tables_for
 from tests.solver.test_pipeline_search import instance, space_of
 
 
@@ -56,3 +65,56 @@ def test_pipeline_search_with_an_incumbent_prunes_to_the_same_plan(seed):
     assert same.status == "OPTIMAL" and same.outer is None
     above = pipeline_search(*args, incumbent=free.step_ticks + 1, deadline=time.perf_counter() + 120, **kwargs)
     assert above.status == "OPTIMAL" and above.step_ticks == free.step_ticks
+
+
+def _assignments(kinds: list[int], modes, seed: int) -> list[tuple]:
+    """A few canonical assignments: every layer in each mode, and random per-kind counts."""
+    rng = random.Random(seed)
+    counts = all_counts(kinds, modes)
+    picked = [tuple(m for _ in kinds) for m in modes] + [canonical_modes(kinds, c) for c in
+                                                         rng.sample(counts, min(20, len(counts)))]
+    return picked
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 4))
+def test_a_dominated_table_never_fits_or_scores_better_than_its_dominator(seed):
+    case = model_instance(seed)
+    tables, kinds, modes = tables_for(case, seed)
+    weight = tie_weight(tables, len(kinds))
+    viable = [t for t in tables if t.states_fit]
+    for a in viable:
+        for b in viable:
+            if a is b or not dominates(a, b, modes):
+                continue
+            for x in _assignments(kinds, table_modes(b, modes), seed):
+                if b.peak_of(x) <= b.budget:
+                    assert a.peak_of(x) <= a.budget
+                    assert objective(a, x, tie_weight=weight) < objective(b, x, tie_weight=weight)
+
+
+@pytest.mark.parametrize("seed", range(1, 40, 4))
+def test_search_equals_one_joint_model_over_every_table_that_fits(seed):
+    """The search (quick plans, bound and dominance pruning, one cut-off model per table) against the joint CP-SAT
+    model over every table whose states fit, nothing pruned."""
+    case = model_instance(seed)
+    tables, kinds, modes = tables_for(case, seed)
+    found = search(tables, kinds, modes, time_limit=60, configurations=len(tables))
+    viable = [t for t in tables if t.states_fit]
+    if not viable:
+        assert found.result.status == "INFEASIBLE"
+        return
+    joint = solve(build_model(viable, kinds, modes, weight=found.weight), time_limit=60)
+    assert joint.status in ("OPTIMAL", "INFEASIBLE")
+    assert found.result.status == joint.status
+    assert found.result.objective == joint.objective
+
+
+def test_dominance_prunes_twin_configurations():
+    """bf16 and fp16 mixed precision (same bytes, same kernels on an A100), and the fused and foreach AdamW, give
+    twin tables: the later one of each pair is dominated."""
+    case = model_instance(0)
+    case.update(cluster=parse_cluster("8xA100-40GB"),
+                pins=Pins.of(engine=Engine.FSDP2, precision=(Precision.BF16_MIXED, Precision.FP16_MIXED)))
+    tables, _, modes = tables_for(case)
+    viable = [k for k, t in enumerate(tables) if t.states_fit]
+    assert len(undominated(tables, viable, modes)) < len(viable)
