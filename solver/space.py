@@ -39,8 +39,9 @@ class Outer(Config):
         return {Checkpoint.SELECTIVE: self.selective, Checkpoint.OP_SELECTIVE: self.op_selective}.get(mode, True)
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
-        """The `Config` of these knobs with per-layer `checkpoint` modes."""
-        return Config(**{name: getattr(self, name) for name in KNOBS if name != "checkpoint"}, checkpoint=checkpoint)
+        """The `Config` of these knobs with per-layer `checkpoint` modes (one validated instance per outer: the
+        search asks for it many times)."""
+        return _config(self, tuple(checkpoint))
 
     @property
     def family(self) -> tuple[object, ...]:
@@ -48,6 +49,11 @@ class Outer(Config):
         (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
         return (self.tp, self.cp, self.pp, self.ep, self.engine, self.zero, self.optimizer_offload,
                 self.param_offload)
+
+
+@functools.lru_cache(maxsize=2**16)
+def _config(outer: Outer, checkpoint: tuple[Checkpoint, ...]) -> Config:
+    return Config(**{name: getattr(outer, name) for name in KNOBS if name != "checkpoint"}, checkpoint=checkpoint)
 
 
 DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32, Precision.FP32)
