@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from costmodels import Cluster, Config, Offload, Optimizer, Workload
 from costmodels.pipeline import DEFAULT_WEIGHT_SHARE, StageTimes, step_lower_bound
@@ -184,12 +184,23 @@ def compute_key(outer: Outer) -> Outer:
                    dp=outer.ep, optimizer_offload=Offload.NONE, param_offload=Offload.NONE, optimizer=Optimizer.ADAMW)
 
 
+# The fields `compute_key` keeps: their values name the compute setting (with ep, which stands for dp there).
+_COMPUTE_FIELDS = tuple(f.name for f in fields(Outer) if f.name not in (
+    "pp", "pp_schedule", "pp_virtual", "pp_split", "grad_accum", "dp", "optimizer_offload", "param_offload",
+    "optimizer"))
+
+
+def compute_signature(outer: Outer) -> tuple[object, ...]:
+    """`compute_key(outer)` as a plain tuple: a memo key that costs no validated dataclass per configuration."""
+    return tuple(getattr(outer, name) for name in _COMPUTE_FIELDS)
+
+
 def fastest_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
-                    modes: tuple[Checkpoint, ...], memo: dict[Outer, FastestCompute]) -> FastestCompute:
+                    modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], FastestCompute]) -> FastestCompute:
     """`FastestCompute` of `outer`'s compute setting, timed once per setting (`memo`)."""
-    key = compute_key(outer)
+    key = compute_signature(outer)
     if key not in memo:
-        terms = time_terms(graph, cluster, workload, key.config())
+        terms = time_terms(graph, cluster, workload, compute_key(outer).config())
         layers = tuple(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
                        for options in terms.layers)
         memo[key] = FastestCompute(total=terms.fixed.step_time - terms.outside + sum(layers), layers=layers)
@@ -197,11 +208,11 @@ def fastest_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload:
 
 
 def edge_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
-                 memo: dict[Outer, EdgeCompute]) -> EdgeCompute:
+                 memo: dict[tuple[object, ...], EdgeCompute]) -> EdgeCompute:
     """`EdgeCompute` of `outer`'s compute setting, timed once per setting (`memo`)."""
-    key = compute_key(outer)
+    key = compute_signature(outer)
     if key not in memo:
-        config, last = key.config(), len(graph.decoder_layers()) - 1
+        config, last = compute_key(outer).config(), len(graph.decoder_layers()) - 1
         terms = [time_terms(sub_graph(graph, (layer,), first=first, last=final), cluster, workload, config)
                  for layer, first, final in ((0, True, False), (0, False, False), (last, False, True))]
         layer = terms[1].forward
@@ -212,13 +223,17 @@ def edge_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Wo
     return memo[key]
 
 
-def compute_bound(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
-                  modes: tuple[Checkpoint, ...], memo: dict[Outer, FastestCompute]) -> int:
+def mean_bound(outer: Outer, fastest: FastestCompute) -> int:
     """Step ticks no split or schedule of `outer` beats: its micro-batches' compute in the fastest modes spread
     evenly over the pipeline ranks (the busiest rank has at least the mean, and the schedule lasts at least as
-    long as its busiest rank). One time evaluation per compute setting, shared by every pipeline degree."""
-    fastest = fastest_compute(outer, graph, cluster, workload, modes, memo)
+    long as its busiest rank)."""
     return ticks(outer.grad_accum * fastest.total / outer.pp)
+
+
+def compute_bound(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
+                  modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], FastestCompute]) -> int:
+    """`mean_bound` of `outer`: one time evaluation per compute setting, shared by every pipeline degree."""
+    return mean_bound(outer, fastest_compute(outer, graph, cluster, workload, modes, memo))
 
 
 # Bounds are summed in another order than the step they bound: a relative margin far above float rounding.
@@ -314,13 +329,15 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
     """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any): configurations
     in the order of `compute_bound`, each built (`candidate`) and its ranks solved only while its bounds are below
     the best step so far."""
-    memo: dict[Outer, FastestCompute] = {}
-    edges: dict[Outer, EdgeCompute] = {}
+    memo: dict[tuple[object, ...], FastestCompute] = {}
+    edges: dict[tuple[object, ...], EdgeCompute] = {}
     bounds = []
     for outer in outers:
         if time.perf_counter() > deadline:  # no bound for the rest: none of them is searched
             return PipelineResult("UNKNOWN", None, (), None, 0, 0)
-        bounds.append(compute_bound(outer, graph_of(outer), cluster, workload, modes, memo))
+        fastest = memo.get(compute_signature(outer))  # the lowering too is the setting's: looked up once
+        bounds.append(mean_bound(outer, fastest) if fastest is not None else
+                      compute_bound(outer, graph_of(outer), cluster, workload, modes, memo))
     best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
     explored = searched = 0
     complete = True
@@ -332,14 +349,15 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
             complete = False
             break
         outer = outers[k]
-        if bound is not None and stage_bound(outer, graph_of(outer), workload, memo[compute_key(outer)],
-                                             edge_compute(outer, graph_of(outer), cluster, workload, edges)) >= bound:
+        graph = graph_of(outer)
+        if bound is not None and stage_bound(outer, graph, workload, memo[compute_signature(outer)],
+                                             edge_compute(outer, graph, cluster, workload, edges)) >= bound:
             continue  # its split and bubble alone keep it from beating the best: no tables built
-        found = candidate(outer, graph_of(outer), cluster, workload, headroom=headroom, modes=modes)
+        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=modes)
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
             continue
-        rank_modes, proved = best_recompute(found, modes, runs or registry_runs(graph_of(outer)),
+        rank_modes, proved = best_recompute(found, modes, runs or registry_runs(graph),
                                             deadline=deadline)
         searched += 1
         complete = complete and proved

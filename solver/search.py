@@ -55,14 +55,14 @@ def build_tables(space: Space, graphs: Callable[[Outer], LayerGraph], cluster: C
                  headroom: float, deadline: float | None = None) -> list[Table]:
     """Tables built leanest first (`build_order`), stopping at `deadline` (perf_counter seconds) so the time
     limit holds; returned in tie-break order with `rank` set (see `tie_break_ranks`)."""
-    tables = []
+    tables, memo = [], {}
     for index in build_order(space.outers):
         if deadline is not None and tables and time.perf_counter() > deadline:
             break
         outer = space.outers[index]
         eager = graphs(replace(outer, compile=False)) if space.compile_auto and outer.compile else None
         tables.append(build_table(graphs(outer), cluster, workload, outer, rank=index, headroom=headroom,
-                                  compile_auto=space.compile_auto, eager_graph=eager))
+                                  compile_auto=space.compile_auto, eager_graph=eager, memo=memo))
     return tie_break_ranks(tables)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from costmodels import Cluster, Workload, check
+from costmodels import Cluster, Config, Workload, check
 from costmodels.compilation import COMPILE_MIN_SAVING
 from costmodels.memory import MemoryTerms, allocated_peak, memory_terms, offload_bytes
 from costmodels.states import ModelStates, model_states
@@ -72,23 +72,28 @@ class Table:
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
                 headroom: float, compile_auto: bool = False, eager_graph: LayerGraph | None = None,
-                in_flight: int = 1, buffers: int = 0, terms: TimeTerms | None = None) -> Table:
+                in_flight: int = 1, buffers: int = 0, terms: TimeTerms | None = None,
+                memo: dict[tuple[LayerGraph, Config], TimeTerms] | None = None) -> Table:
     """One configuration's table. With `compile_auto` a compiled configuration keeps torch.compile only where
     it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs;
     `eager_graph` is its lowering without compile (what it then saves). `in_flight` and `buffers` make it a
     pipeline rank's table (`graph` its slice: `costmodels.pipeline_stages`); `terms` its time terms when the caller
-    has them."""
+    has them, `memo` the time terms already computed for other tables (a compiled configuration's eager twin)."""
     config = outer.config()
     check(graph, cluster, workload, config)
-    terms = terms or time_terms(graph, cluster, workload, config)
+    terms = terms or timed(graph, cluster, workload, config, memo)
     if compile_auto and outer.compile:
         eager_config = replace(config, compile=False)
         graph_eager = eager_graph or graph
-        eager = time_terms(graph_eager, cluster, workload, eager_config)
+        eager = timed(graph_eager, cluster, workload, eager_config, memo)
         if 1 - fastest_step(terms) / fastest_step(eager) < COMPILE_MIN_SAVING:
             outer, config, terms, graph = replace(outer, compile=False), eager_config, eager, graph_eager
     fixed = ticks(terms.fixed.step_time)
-    layers = tuple(tuple((mode, ticks(t.total)) for mode, t in options if outer.runs(mode)) for options in terms.layers)
+    per_kind: dict[int, tuple[tuple[Checkpoint, int], ...]] = {}  # layers of one kind share their options
+    for options in terms.layers:
+        if id(options) not in per_kind:
+            per_kind[id(options)] = tuple((mode, ticks(t.total)) for mode, t in options if outer.runs(mode))
+    layers = tuple(per_kind[id(options)] for options in terms.layers)
     states = model_states(graph, config)
     budget = memory_budget(cluster, config, headroom)
     cpu, nvme = offload_bytes(cluster, config, states)
@@ -99,9 +104,23 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
                                               buffers=buffers))
 
 
+def timed(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config,
+          memo: dict[tuple[LayerGraph, Config], TimeTerms] | None) -> TimeTerms:
+    """`time_terms`, looked up in `memo` first (one cluster and workload per memo; graphs compare by identity)."""
+    if memo is None:
+        return time_terms(graph, cluster, workload, config)
+    if (graph, config) not in memo:
+        memo[graph, config] = time_terms(graph, cluster, workload, config)
+    return memo[graph, config]
+
+
 def fastest_step(terms: TimeTerms) -> float:
     """Seconds of the step with every layer in its fastest mode."""
-    return terms.fixed.step_time + sum(min(t.total for _, t in options) for options in terms.layers)
+    fastest: dict[int, float] = {}
+    for options in terms.layers:
+        if id(options) not in fastest:
+            fastest[id(options)] = min(t.total for _, t in options)
+    return terms.fixed.step_time + sum(fastest[id(options)] for options in terms.layers)
 
 
 def table_modes(table: Table, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
