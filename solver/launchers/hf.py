@@ -120,6 +120,9 @@ def quantization_config(plan: Plan) -> str | None:
 def emit(plan: Plan) -> dict[str, str]:
     files = {"training_args.yaml": yaml.safe_dump(training_arguments(plan), sort_keys=False),
              "training_args.json": json.dumps(training_arguments(plan), indent=2) + "\n"}
+    from .trl import sft_config  # it extends these arguments
+
+    files["sft_config.json"] = json.dumps(sft_config(plan), indent=2) + "\n"  # trl.SFTConfig(**kwargs)
     if plan.decisions.lora:  # load with peft.LoraConfig.from_pretrained(folder) and get_peft_model
         files["adapter_config.json"] = adapter_config(plan)
     quantized = quantization_config(plan)

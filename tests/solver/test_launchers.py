@@ -51,6 +51,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                             "launcher": "megatron", "checkpoint": "selective"}),
     "megatron-fp8-zero1": ("gpt2", "8xH100", {**GPT2, "launcher": "megatron", "zero": 1, "precision": ("fp8",),
                                               "checkpoint": "full"}),
+    "megatron-t4-fp16": ("gpt2", "1xT4", {"seq_len": 512, "global_batch": 8, "time_limit": 5,
+                                          "precision": ("fp16-mixed",), "launcher": "megatron", "zero": 0}),
 }
 
 
@@ -71,7 +73,7 @@ DEEPSPEED = ["zero3-accum", "zero2-offload", "zero3-offload-all", "t4-fp16", "pa
 HF = ["zero3-accum", "zero2-offload", "fsdp2-reshard", "fsdp2-keep", "fsdp2-offload", "ddp-full-ckpt", "t4-fp16",
       "lora", "partial-ckpt"]
 ACCELERATE = [*HF, "tp2"]
-MEGATRON = ["t4-fp16", "megatron-selective", "megatron-fp8-zero1"]
+MEGATRON = ["megatron-t4-fp16", "megatron-selective", "megatron-fp8-zero1"]
 # accelerate's `mixed_precision` for each fitplan precision ("no" for fp32 and tf32).
 ACCELERATE_PRECISION = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp8": "fp8"}
 
@@ -404,7 +406,7 @@ def test_megatron_flags_are_known_and_match_plan(name, plans):
     plan = plans[name]
     d = plan.decisions
     arguments = megatron.arguments(plan)
-    assert "megatron" in plan.launchers
+    assert "megatron" in plan.launchers and d.engine is Engine.MEGATRON
     assert unknown_flags(arguments) == []
     assert emit(plan, "megatron")["megatron_args.txt"].split() == arguments
     values = flag_values(arguments)
