@@ -88,8 +88,10 @@ class PipelineResult:
 
 
 def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload, *, headroom: float,
-              modes: tuple[Checkpoint, ...]) -> PipelineCandidate | None:
-    """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit."""
+              modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], TimeTerms] | None = None
+              ) -> PipelineCandidate | None:
+    """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit. `memo`
+    keeps time terms across configurations (`slice_terms`)."""
     config = outer.config()
     slices = rank_slices(graph, workload, config)
     budget = memory_budget(cluster, config, headroom)
@@ -97,11 +99,16 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
         states = model_states(slice_.graph, config)
         if states.gpu_total + states.step_temp + slice_.buffers > budget:
             return None
+    memo = {} if memo is None else memo
+    last = len(stage_layers(graph, workload, config)) - 1
     ranks = []
     for slice_ in slices:
-        terms = tuple(time_terms(g, cluster, workload, config) for g in slice_.stage_graphs)
-        whole = terms[0] if len(terms) == 1 else time_terms(slice_.graph, cluster, workload, config)  # one stage:
-        table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,  # the same nodes
+        terms = tuple(slice_terms(graph, g, cluster, workload, config, first=s == 0, last=s == last, memo=memo)
+                      for s, g in zip(slice_.stages, slice_.stage_graphs, strict=True))
+        whole = terms[0] if len(terms) == 1 else slice_terms(  # one stage: the same nodes
+            graph, slice_.graph, cluster, workload, config, first=0 in slice_.stages, last=last in slice_.stages,
+            memo=memo)
+        table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
                             in_flight=slice_.in_flight, buffers=slice_.buffers, terms=whole)
         if not table.states_fit:
             return None
@@ -112,6 +119,22 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
     fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in ranks]
     return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest),
                              stage_layers(graph, workload, config))
+
+
+# The configuration fields time terms read: all but the schedule, its stages per rank and the split.
+_TIMED_FIELDS = tuple(f.name for f in fields(Config) if f.name not in ("pp_schedule", "pp_virtual", "pp_split"))
+
+
+def slice_terms(model: LayerGraph, graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
+                first: bool, last: bool, memo: dict[tuple[object, ...], TimeTerms]) -> TimeTerms:
+    """`time_terms` of a slice of `model` (a stage's or a rank's), timed once per slice shape and setting: slices
+    of the same decoder-layer kinds, with or without the model's first and last nodes, are the same nodes but for
+    their names (layers of one kind cost the same), and no time term reads the schedule or the split."""
+    key = (model, tuple(layer.kind for layer in graph.decoder_layers()), first, last,
+           *(getattr(config, name) for name in _TIMED_FIELDS))
+    if key not in memo:
+        memo[key] = time_terms(graph, cluster, workload, config)
+    return memo[key]
 
 
 def step_ticks(found: PipelineCandidate, rank_modes: list[tuple[Checkpoint, ...]]) -> int:
@@ -331,6 +354,7 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
     the best step so far."""
     memo: dict[tuple[object, ...], FastestCompute] = {}
     edges: dict[tuple[object, ...], EdgeCompute] = {}
+    sliced: dict[tuple[object, ...], TimeTerms] = {}
     bounds = []
     for outer in outers:
         if time.perf_counter() > deadline:  # no bound for the rest: none of them is searched
@@ -353,7 +377,7 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         if bound is not None and stage_bound(outer, graph, workload, memo[compute_signature(outer)],
                                              edge_compute(outer, graph, cluster, workload, edges)) >= bound:
             continue  # its split and bubble alone keep it from beating the best: no tables built
-        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=modes)
+        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=modes, memo=sliced)
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
             continue

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from costmodels import Engine, Precision, parse_cluster
+from costmodels import Engine, Precision, Workload, parse_cluster
+from costmodels.timing import time_terms
 from solver.model import build_model, solve
 from solver.pins import Pins
 from solver.pipeline_search import (
@@ -118,3 +119,45 @@ def test_dominance_prunes_twin_configurations():
     tables, _, modes = tables_for(case)
     viable = [k for k, t in enumerate(tables) if t.states_fit]
     assert len(undominated(tables, viable, modes)) < len(viable)
+
+
+@pytest.mark.parametrize("seed", range(0, 30, 3))
+def test_slice_time_terms_shared_across_configurations_equal_fresh_ones(seed):
+    """Every stage's and rank's time terms from the memo shared by all of an instance's pipeline configurations
+    (keyed by slice shape, `slice_terms`) equal `time_terms` of that very slice and configuration."""
+    case = instance(seed)
+    graph_of, space = space_of(case)
+    memo: dict = {}
+    compared = 0
+    for outer in space.pipelines:
+        found = candidate(outer, graph_of(outer), case["cluster"], case["workload"], headroom=0.0, modes=space.modes,
+                          memo=memo)
+        if found is None:
+            continue
+        config = outer.config()
+        for rank in found.ranks:
+            for graph, terms in zip(rank.slice.stage_graphs, rank.stage_terms, strict=True):
+                assert terms == time_terms(graph, case["cluster"], case["workload"], config)
+            assert rank.outside == time_terms(rank.slice.graph, case["cluster"], case["workload"], config).outside
+            compared += 1
+    assert compared
+
+
+def test_slice_time_terms_of_a_model_with_alternating_layer_kinds_equal_fresh_ones():
+    """gemma-2 alternates sliding-window and global attention layers: slices of different kind sequences never
+    share terms."""
+    cluster = parse_cluster("8xA100-40GB")
+    case = {"model": "google/gemma-2-2b", "cluster": cluster, "workload": Workload(seq_len=1024, global_batch=64),
+            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.DDP, zero=0, precision=(Precision.BF16_MIXED,),
+                            micro_batch=1, optimizers=("adamw",), offload="none")}
+    graph_of, space = space_of(case)
+    memo: dict = {}
+    compared = 0
+    for outer in space.pipelines:
+        found = candidate(outer, graph_of(outer), cluster, case["workload"], headroom=0.0, modes=space.modes,
+                          memo=memo)
+        for rank in found.ranks if found else ():
+            for graph, terms in zip(rank.slice.stage_graphs, rank.stage_terms, strict=True):
+                assert terms == time_terms(graph, cluster, case["workload"], outer.config())
+                compared += 1
+    assert compared
