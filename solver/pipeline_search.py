@@ -160,18 +160,24 @@ def whole_model_modes(found: PipelineCandidate, rank_modes: list[tuple[Checkpoin
     return tuple(modes[i] for i in range(len(modes)))
 
 
-def solve_ranks(found: PipelineCandidate, modes: tuple[Checkpoint, ...], *,
-                deadline: float) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
+def solve_ranks(found: PipelineCandidate, modes: tuple[Checkpoint, ...], *, deadline: float,
+                beat: int | None = None) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
     """Each rank's fastest modes that fit (CP-SAT on its table), or None when some rank has none; and whether
-    every rank's search finished (proved its optimum or its infeasibility)."""
+    every rank's search finished (proved its optimum or its infeasibility). None too, proved, once the ranks
+    solved so far, with the rest in their fastest modes, already take `beat` step ticks or more (the simulated
+    step never decreases when a stage slows down)."""
     chosen, proved = [], True
-    for rank in found.ranks:
+    fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in found.ranks]
+    for index, rank in enumerate(found.ranks):
         limit = max(0.01, deadline - time.perf_counter())
         result = search([rank.table], rank.kinds, modes, time_limit=limit, configurations=1).result
         if result.table is None:
             return None, result.status == "INFEASIBLE"
         chosen.append(result.modes)
         proved = proved and result.status == "OPTIMAL"
+        rest = index + 1 < len(found.ranks)
+        if rest and proved and beat is not None and step_ticks(found, chosen + fastest[index + 1:]) >= beat:
+            return None, True
     return chosen, proved
 
 
@@ -337,12 +343,12 @@ def block_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...],
 
 
 def best_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs: Runs, *,
-                   deadline: float) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
+                   deadline: float, beat: int | None = None) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
     """The ranks' fastest fitting modes that a launcher runs: per rank by CP-SAT where some launcher takes any
     per-layer modes (`free_recompute`), else the best per-stage block (Megatron's block recompute, torchtitan's
     one policy), exhaustively; and whether the search finished."""
     if free_recompute(found, modes, runs):
-        return solve_ranks(found, modes, deadline=deadline)
+        return solve_ranks(found, modes, deadline=deadline, beat=beat)
     return block_recompute(found, modes, runs), True
 
 
@@ -381,8 +387,8 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
             continue
-        rank_modes, proved = best_recompute(found, modes, runs or registry_runs(graph),
-                                            deadline=deadline)
+        rank_modes, proved = best_recompute(found, modes, runs or registry_runs(graph), deadline=deadline,
+                                            beat=bound)
         searched += 1
         complete = complete and proved
         if rank_modes is None:
