@@ -43,6 +43,21 @@ def compile_credited(config: Config) -> bool:
     return config.compile and rules_of(config.engine).compiles(config.zero) and not liger_lowering(config)
 
 
+def uncredited_reason(config: Config) -> str | None:
+    """Why a compiled `config` gets no speed-up (None when it does): the engine's rule or the Liger lowering."""
+    from .loss import liger_lowering
+
+    rules = rules_of(config.engine)
+    if not rules.compiles(config.zero):
+        if not rules.compile_stages:
+            return f"{rules.runtime} does not torch.compile the model"
+        return (f"{rules.runtime} runs a compiled model only at ZeRO stage(s) "
+                f"{', '.join(map(str, rules.compile_stages))} (zero={config.zero}: its parameter hooks break graphs)")
+    if liger_lowering(config):
+        return "Liger's kernels are fused already and fitplan prices a compiled Liger run as eager"
+    return None
+
+
 def memory_bound_speedup(config: Config) -> float:
     """Speed-up of memory-bound kernels (activation memory is taken as unchanged: a conservative choice,
     since AOTAutograd's recompute-aware partitioner can also save activations)."""

@@ -11,10 +11,12 @@ from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Config, Estimate, Optimizer, Precision, Workload, estimate, fits
 from costmodels.alignment import padded, preferred_multiple
-from costmodels.compilation import COMPILE_MIN_SAVING, compile_credited
+from costmodels.compilation import COMPILE_MIN_SAVING, compile_credited, uncredited_reason
 from costmodels.precision import matmul_dtype_on
 from costmodels.verdict import DEFAULT_HEADROOM
 from graphs import Checkpoint, LayerGraph
+
+from .capability import engine_label
 
 GIB = 2**30
 # A fast tokenizer (HF tokenizers, Rust) turns text into ~1M tokens/s per core; reading pre-tokenized shards
@@ -122,7 +124,9 @@ def _optimizer(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
 
 def _zero(config: Config, chosen: Estimate) -> str:
     where = f"optimizer states {config.optimizer_offload}, parameters {config.param_offload}"
-    return (f"DeepSpeed ZeRO / FSDP: {config.engine} stage {config.zero}, offload: {where}; device peak "
+    stage = engine_label(config.engine, config.zero) if config.engine.value != "fsdp2" else \
+        f"fsdp2 reshard_after_forward={config.zero == 3}"
+    return (f"DeepSpeed ZeRO / FSDP: {stage}, offload: {where}; device peak "
             f"{chosen.memory.device_peak / GIB:.1f} GiB")
 
 
@@ -132,7 +136,7 @@ def _compile(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
     if pin is False:
         return False, "torch.compile: off (pinned)"
     if not compile_credited(replace(config, compile=True)):
-        reason = "DeepSpeed ZeRO-3's torch.compile support is experimental, so no speed-up is credited"
+        reason = f"{uncredited_reason(replace(config, compile=True))}, so no speed-up is credited"
         return (True, f"torch.compile: on (pinned); {reason}") if pin else \
             (False, f"torch.compile: off ({reason})")
     if cluster.gpu.vendor == "cpu" and pin is None:
