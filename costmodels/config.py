@@ -62,7 +62,9 @@ class Loss(_Choice):
 
     HF = "hf"  # transformers ForCausalLMLoss: 16-bit logits, fp32 upcast, log-softmax saved
     CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head and upcast per chunk of the sequence
-    FUSED_LINEAR = "fused-linear"  # Liger LigerFusedLinearCrossEntropyLoss: no full logits, gradients in forward
+    # Liger's whole patch (use_liger_kernel): LigerFusedLinearCrossEntropyLoss (no full logits, gradients in
+    # forward) with its RMSNorm, SwiGLU and RoPE kernels in the layers (graphs/liger.py)
+    FUSED_LINEAR = "fused-linear"
 
 
 class Engine(_Choice):
@@ -160,7 +162,7 @@ class Config:
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
         "no gradient accumulation or clipping).", reads=("estimate", "memory", "states"))] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
-                               "or fused-linear (Liger, no full logits).",
+                               "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE).",
                                reads=("estimate", "loss", "memory"))] = Loss.HF
     activation_offload: Annotated[bool, Knob(
         "Offload saved activations to host memory between forward and backward (torchtune's "
