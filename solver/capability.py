@@ -293,14 +293,18 @@ def _op_selective(checkpoint: tuple[Checkpoint, ...]) -> list[str]:
 
 # Where each memory saver runs as emitted. transformers 5.24 TrainingArguments: `optim` names bitsandbytes' paged
 # AdamW (OptimizerNames.PAGED_ADAMW_8BIT / PAGED_ADAMW) and `use_liger_kernel` with `liger_kernel_config` patches in
-# Liger's fused linear cross-entropy alone; torchtune's chunked loss and activation offload have no launcher here
-# (torchtune is not one, and torchtitan 0.3.0 has neither).
+# Liger's fused linear cross-entropy alone; neither runs torchtune's chunked loss or activation offload.
 # axolotl 0.19 passes `optimizer` to TrainingArguments' optim and runs Liger through its LigerPlugin.
 _PAGED_RUNNERS = ("torchrun", "hf", "deepspeed", "accelerate", "axolotl")
 # The generated torchrun script applies the same Liger patch (train_fitplan.py `apply_liger`).
 _FUSED_LOSS_RUNNERS = ("torchrun", "hf", "axolotl")
 # The generated torchrun script registers torchtune's per-parameter hooks (train_fitplan.py `InBackward`).
 _IN_BACKWARD_RUNNERS = ("torchrun",)
+# torchtune is no launcher here, and torchtitan 0.3.0 has neither saver; the generated torchrun script runs torchtune
+# 0.6.1's chunked cross-entropy (train_fitplan.py `apply_chunked_output`, `chunked_cross_entropy`) and its activation
+# offloading hooks (`OffloadActivations`, the head under `DeviceSaved`, the loss outside), without a pipeline: its
+# stages compute transformers' loss on the last one and run no offloading hooks.
+_TORCHTUNE_RUNNERS = ("torchrun",)
 
 
 def _memory_savers(launcher: str, d: Config) -> list[str]:
@@ -313,14 +317,19 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
     if d.optimizer_in_backward and launcher not in _IN_BACKWARD_RUNNERS:
         problems.append("optimizer-in-backward (torchtune's optimizer_in_bwd: steps one optimizer after backward; "
                         f"launchers that run it: {', '.join(_IN_BACKWARD_RUNNERS)})")
-    if d.loss is Loss.CHUNKED:
-        problems.append("torchtune's chunked cross-entropy (no registered launcher runs torchtune's loss)")
+    if d.loss is Loss.CHUNKED and (launcher not in _TORCHTUNE_RUNNERS or d.pp > 1):
+        problems.append("torchtune's chunked cross-entropy (launchers that run it: "
+                        f"{', '.join(_TORCHTUNE_RUNNERS)}, without pipeline parallelism)")
     elif d.loss is Loss.FUSED_LINEAR and launcher not in _FUSED_LOSS_RUNNERS:
         problems.append("Liger's fused linear cross-entropy (TrainingArguments' use_liger_kernel; launchers that "
                         f"run it: {', '.join(_FUSED_LOSS_RUNNERS)})")
-    if d.activation_offload:
-        problems.append("activation offloading (torchtune's enable_activation_offloading: no registered launcher "
-                        "runs it)")
+    if d.activation_offload and (launcher not in _TORCHTUNE_RUNNERS or d.pp > 1):
+        problems.append("activation offloading (torchtune's enable_activation_offloading; launchers that run it: "
+                        f"{', '.join(_TORCHTUNE_RUNNERS)}, without pipeline parallelism)")
+    elif d.activation_offload and d.loss is Loss.FUSED_LINEAR:
+        problems.append("activation offloading with Liger's fused linear cross-entropy (the fused loss runs inside "
+                        "the model's forward, where the offloading hooks would move the gradients it saves, which "
+                        "fitplan prices as staying on the device with the head)")
     return problems
 
 

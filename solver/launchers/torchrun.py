@@ -1,5 +1,6 @@
 """torchrun: a launch line and a training script that applies the plan with plain PyTorch (FSDP2, DTensor TP,
-DDP, per-layer checkpointing, torch.distributed.pipelining stages: `torchrun_pipeline`). It runs as emitted;
+DDP, per-layer checkpointing, torch.distributed.pipelining stages: `torchrun_pipeline`, torchtune's chunked loss and
+activation offloading: `torchrun_savers`). It runs as emitted;
 replace `batches()` (or `pipeline_batches()`) with your data."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from .hf import LIGER_KERNEL_CONFIG
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import launch_script, option
 from .torchrun_pipeline import PIPELINE_CODE, pipeline_spec
+from .torchrun_savers import SAVER_VALUES, SAVERS_CODE
 
 SCRIPT = r'''"""Training script emitted by fitplan for: __SUMMARY__
 
@@ -427,11 +429,13 @@ def saved_bytes(model, batch, found):
                 pack(tensor)
 
     SAC_WATCHERS.append(keep_output)
+    DEVICE_WATCHERS.append(pack)  # under activation offload: what stays on the device
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
     finally:
         SAC_WATCHERS.remove(keep_output)
+        DEVICE_WATCHERS.remove(pack)
 
 
 def clip_gradients(model, max_norm):
@@ -448,6 +452,8 @@ def clip_gradients(model, max_norm):
             g.mul_(factor)
     return total
 
+
+__SAVERS_CODE__
 
 __PIPELINE_CODE__
 
@@ -476,6 +482,11 @@ def main():
     vocab = model.config.vocab_size  # read before DDP wraps the model (the wrapper has no .config)
     if d.get("loss") == "fused-linear":
         apply_liger(model)
+    if d.get("loss") == "chunked":
+        apply_chunked_output(model)
+    offload = OffloadActivations(device) if d.get("activation_offload") else None
+    if offload is not None:
+        keep_head_on_device(model)
     apply_checkpointing(model)
     if d["precision"] == "fp8":
         apply_float8(model)
@@ -497,7 +508,7 @@ def main():
     half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
     data = batches(vocab, args, device)
-    saved, seconds, norms, lrs = [0], [], [], []
+    saved, offloaded, seconds, norms, lrs = [0], None, [], [], []
     params = grads = 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -510,7 +521,9 @@ def main():
                 contextlib.nullcontext()
             with sync_gradients(model, micro == d["grad_accum"] - 1):
                 with context, watch:
-                    loss = model(input_ids=ids, labels=labels, use_cache=False).loss / d["grad_accum"]
+                    loss = forward_loss(model, ids, labels, offload) / d["grad_accum"]
+                if offload is not None and offloaded is None:
+                    offloaded = offload.moved  # one micro-batch's bytes sent to the host
                 (scaler.scale(loss) if scaler else loss).backward()
         params = sum(local_bytes(p) for p in model.parameters())
         grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -540,7 +553,8 @@ def main():
         os.makedirs(args.report, exist_ok=True)
         with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
             json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
-                       "saved_activation_bytes": saved[0], "step_seconds": seconds, "grad_norms": norms,
+                       "saved_activation_bytes": saved[0], "offloaded_activation_bytes": offloaded,
+                       "step_seconds": seconds, "grad_norms": norms,
                        "learning_rates": lrs, "loss_scale": scaler.get_scale() if scaler else None,
                        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
@@ -562,8 +576,10 @@ def emit(plan: Plan) -> dict[str, str]:
     values = {"PLAN": repr(json.dumps({"decisions": decisions, "seq_len": plan.inputs.seq_len, "pipeline": pipeline})),
               "MODEL": repr(plan.inputs.model), "SUMMARY": plan.decisions.summary(), "LR": repr(LEARNING_RATE),
               "MAX_GRAD_NORM": repr(MAX_GRAD_NORM), "LIGER": repr(LIGER_KERNEL_CONFIG),
-              "PIPELINE_CODE": PIPELINE_CODE.strip() + "\n"}
-    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER|PIPELINE_CODE)__",
+              "PIPELINE_CODE": PIPELINE_CODE.strip() + "\n",
+              "SAVERS_CODE": re.sub(r"__(CHUNKS|MIN_OFFLOAD_BYTES|FORWARD_STASH)__",
+                                    lambda match: SAVER_VALUES[match.group(1)], SAVERS_CODE).strip() + "\n"}
+    script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER|PIPELINE_CODE|SAVERS_CODE)__",
                     lambda match: values[match.group(1)], SCRIPT)
     program = ["train_fitplan.py", *option("--model", plan.inputs.model)]
     launch = launch_script([*torchrun_argv(plan), *program], about=about(plan), forward=True, notes=nodes_note(plan))
