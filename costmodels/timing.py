@@ -134,6 +134,29 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
                                                           s_local=s)[0])
 
 
+# The configuration fields `node_time` reads (a test checks it): its results are cached on them, with the graph,
+# cluster and layer by identity (held in the entry, so an id is not reused while cached). The solver prices the same
+# layers under many configurations that differ only in what node times do not read (sharding, offload, optimizer).
+NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum")
+_NODE_TIMES: dict[tuple[object, ...], tuple[LayerGraph, Cluster, Layer, NodeTime]] = {}
+_NODE_TIMES_LIMIT = 2**16
+
+
+def cached_node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
+                     speed: KernelSpeed, *, b: int, s: int, memory_speedup: float = 1.0) -> NodeTime:
+    """`node_time`, looked up by what it reads first."""
+    key = (id(graph), id(cluster), id(layer), mode, speed, b, s, memory_speedup,
+           *(getattr(config, name) for name in NODE_TIME_FIELDS))
+    hit = _NODE_TIMES.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is cluster and hit[2] is layer:
+        return hit[3]
+    value = node_time(graph, cluster, config, layer, mode, speed, b=b, s=s, memory_speedup=memory_speedup)
+    if len(_NODE_TIMES) >= _NODE_TIMES_LIMIT:
+        _NODE_TIMES.clear()
+    _NODE_TIMES[key] = (graph, cluster, layer, value)
+    return value
+
+
 def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,
                      memory_speedup: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of the fp8 casts of a decoder layer's matmul operands per micro-batch
@@ -166,8 +189,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     for layer in graph.nodes():
         if layer.role is Role.DECODER:
             if layer.kind not in by_kind:  # layers of one kind cost the same
-                options = tuple((mode, node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
-                                                 memory_speedup=memory_speedup)) for mode in layer.checkpoint_modes)
+                options = tuple((mode, cached_node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
+                                                        memory_speedup=memory_speedup))
+                                for mode in layer.checkpoint_modes)
                 cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
                 by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs) + cast_fwd,
                                        work_seconds(layer.cost().backward, speed, **kwargs) + cast_bwd)
@@ -179,8 +203,8 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
             node_speed = head_speed if layer.role is Role.HEAD else speed
             fwd += work_seconds(layer.cost().forward, node_speed, **kwargs)
             bwd += work_seconds(layer.cost().backward, node_speed, **kwargs)
-            t = node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
-                          memory_speedup=memory_speedup)
+            t = cached_node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
+                                 memory_speedup=memory_speedup)
             fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
     dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
     partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=shard_ranks(config),

@@ -1,0 +1,70 @@
+"""The node-time cache of `timing.time_terms` is exact: `node_time` reads only the configuration fields the cache
+keys on, and time terms with the cache warm equal those computed with it empty, over configurations that differ in
+every knob."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import costmodels.timing as timing
+from costmodels import Config, Engine, Offload, Precision, Workload, parse_cluster
+from costmodels.config import ContextParallel
+from graphs import resolve
+from solver.api import _graph_for
+from solver.space import Outer
+from tests.solver.test_pipeline_search import _tiny_moe
+
+WORKLOAD = Workload(seq_len=2048, global_batch=64)
+# Configurations over tp, sequence parallelism, cp (ring and all-to-all), fp8, ep, sharding, offload and optimizer.
+DENSE = [dict(tp=2, dp=8, sequence_parallel=True), dict(tp=1, dp=8, cp=2),
+         dict(tp=1, dp=4, cp=4, cp_mode=ContextParallel.ALL_TO_ALL), dict(tp=2, dp=8, precision=Precision.FP8),
+         dict(tp=1, dp=16, engine=Engine.FSDP2, zero=3, micro_batch=2, grad_accum=2),
+         dict(tp=1, dp=16, engine=Engine.DEEPSPEED, zero=3, optimizer_offload=Offload.CPU),
+         dict(tp=4, dp=4, engine=Engine.MEGATRON, zero=1, compile=True)]
+MOE = [dict(tp=1, dp=16, ep=8, engine=Engine.MEGATRON), dict(tp=1, dp=16, ep=4, engine=Engine.MEGATRON, zero=1)]
+
+
+class _Recorder:
+    """A configuration that records which fields are read."""
+
+    def __init__(self, config: Config, read: set[str]) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_read", read)
+
+    def __getattr__(self, name: str) -> object:
+        self._read.add(name)
+        return getattr(self._config, name)
+
+
+def _cases(tmp_path_factory) -> list[tuple[object, Config]]:
+    dense = _graph_for(resolve("meta-llama/Llama-3.2-1B"), None, None, {})
+    moe = _graph_for(resolve(_tiny_moe(tmp_path_factory.mktemp("moe"))), None, None, {})
+    return [(dense(Outer(**c)), Config(**c)) for c in DENSE] + [(moe(Outer(**c)), Config(**c)) for c in MOE]
+
+
+def test_node_time_reads_only_the_fields_its_cache_keys_on(tmp_path_factory, monkeypatch):
+    read: set[str] = set()
+    original = timing.node_time
+    monkeypatch.setattr(timing, "node_time", lambda graph, cluster, config, *args, **kwargs: original(
+        graph, cluster, _Recorder(config, read), *args, **kwargs))
+    timing._NODE_TIMES.clear()
+    for graph, config in _cases(tmp_path_factory):
+        timing.time_terms(graph, parse_cluster("2x8xH100"), WORKLOAD, config)
+    assert read and read <= set(timing.NODE_TIME_FIELDS)
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_time_terms_with_a_warm_cache_equal_those_with_an_empty_one(tmp_path_factory, order):
+    cluster = parse_cluster("2x8xH100")
+    cases = _cases(tmp_path_factory)
+    fresh = []
+    for graph, config in cases:
+        timing._NODE_TIMES.clear()
+        fresh.append(timing.time_terms(graph, cluster, WORKLOAD, config))
+    timing._NODE_TIMES.clear()
+    indices = list(range(len(cases)))
+    for k in itertools.chain(indices[::-1] if order else indices, indices):  # every case with the cache warmed
+        graph, config = cases[k]
+        assert timing.time_terms(graph, cluster, WORKLOAD, config) == fresh[k]
