@@ -2,7 +2,10 @@
 
 Pruning is exact: a configuration is dropped only when it cannot fit (its persistent states or its smallest
 possible timeline exceed the budget) or when even its fastest possible step is slower than a plan already
-found. Everything left goes into one CP-SAT model.
+found, or when another configuration dominates it (`dominates`). Everything left is solved by CP-SAT, one model
+per configuration in the order of its fastest step, each asked only to beat the best plan so far (`solve_each`):
+the minimum over configurations of each one's minimum, as the joint model would find it, with most configurations
+proved unable to win by their linear relaxation alone.
 
 Under a time limit, tables are built leanest first (smallest micro-batch, most sharded and offloaded), so a
 plan that fits is found before the limit whenever one exists among the leanest configurations. The search
@@ -33,7 +36,7 @@ class SearchResult:
     tables: list[Table]
     """Every table built (before pruning), in space order."""
     candidates: list[int]
-    """Indices into `tables` that went into the CP-SAT model."""
+    """Indices into `tables` that went to CP-SAT."""
     configurations: int
     """Outer configurations in the space."""
     weight: int
