@@ -30,7 +30,7 @@ from costmodels.activations import evaluate
 from costmodels.config import Loss
 from costmodels.loss import TORCHTUNE_CHUNKS, HeadShape, chunk_tokens, chunked_loss, net, peak
 from costmodels.memory import memory_terms
-from graphs import Checkpoint, FitplanError, Role
+from graphs import Checkpoint, FitplanError, LoraSpec, Role
 from solver import solve
 from solver.capability import REGISTRY
 from solver.check import plan_config, plan_graph
@@ -95,7 +95,7 @@ def run_script(namespace: dict, model_dir: Path, b: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (b, S), generator=torch.Generator().manual_seed(1))
     reference = model(input_ids=ids, labels=ids, use_cache=False).loss
     reference.backward()
-    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     if d["loss"] == "chunked":
         namespace["apply_chunked_output"](model)
@@ -107,7 +107,7 @@ def run_script(namespace: dict, model_dir: Path, b: int) -> dict:
         loss = namespace["forward_loss"](model, ids, ids, offload)
     loss.backward()
     return {"loss": loss, "reference": reference, "found": found[0], "offload": offload,
-            "grads": {name: p.grad for name, p in model.named_parameters()}, "expected": expected}
+            "grads": {name: p.grad for name, p in model.named_parameters() if p.grad is not None}, "expected": expected}
 
 
 def assert_same_training(run: dict, dtype: torch.dtype) -> None:
@@ -128,6 +128,28 @@ def test_chunked_loss_equals_transformers_and_saves_what_is_priced(precision, b,
     run = run_script(namespace, model_dir, b)
     assert_same_training(run, torch.float32 if precision == "fp32" else torch.bfloat16)
     assert run["found"] == priced_device_bytes(plan) + loss_scalars(plan)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_chunked_loss_under_lora_saves_less_than_priced_by_the_heads_input(offload, model_dir, tmp_path):
+    """LoRA leaves the head frozen: its matmuls need only the weight for the input's gradient and save no input,
+    while `chunked_loss` prices the head's input (`t * hidden * itemsize`) as saved whatever the head's weight. The
+    chunked plan's estimate is that much above its run, beside the same plan with transformers' loss (whose lowered
+    head saves nothing then; what that plan's own estimate misses, its final norm's input and reciprocal root
+    without offload, is the same in both)."""
+    lora = LoraSpec(rank=4, alpha=8, targets=("all-linear",), dropout=0.0)
+    gaps = {}
+    for loss in ("hf", "chunked"):
+        plan, namespace = plan_and_script(model_dir, tmp_path / loss, micro_batch=2, precision=("fp32",), loss=loss,
+                                          activation_offload=offload, lora=lora)
+        assert plan.decisions.lora is not None and plan.decisions.activation_offload is offload
+        run = run_script(namespace, model_dir, 2)
+        assert_same_training(run, torch.float32)
+        gaps[loss] = run["found"] - priced_device_bytes(plan) - loss_scalars(plan)
+    head_input = 2 * S * tiny_values("llama")["hidden_size"] * 4
+    assert gaps["chunked"] == gaps["hf"] - head_input
+    if offload:  # the final norm's tensors go to the host: transformers' loss is then exact
+        assert gaps["hf"] == 0
 
 
 class StandIn(torch.nn.Module):
