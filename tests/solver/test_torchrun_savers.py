@@ -260,12 +260,12 @@ def test_only_torchrun_runs_torchtune_savers_and_not_in_a_pipeline(model_dir, tm
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_emitted_script_trains_with_both_savers_on_two_ranks(engine, model_dir, tmp_path):
+@pytest.mark.parametrize(("engine", "precision"), [("ddp", "fp32"), ("fsdp2", "bf16-mixed")])
+def test_emitted_script_trains_with_both_savers_on_two_ranks(engine, precision, model_dir, tmp_path):
     """The whole script under torchrun (2 gloo ranks): chunked loss and activation offload together train, and each
     rank's report holds the device-side saved bytes priced for it and the bytes it sent to the host."""
     plan = solve(str(model_dir), "2xCPU", seq_len=S, global_batch=4, time_limit=5, offload="none",
-                 param_offload="none", engine=engine, tp=1, micro_batch=2, grad_accum=1, precision=("fp32",),
+                 param_offload="none", engine=engine, tp=1, micro_batch=2, grad_accum=1, precision=(precision,),
                  loss="chunked", activation_offload=True)
     folder = tmp_path / "out"
     folder.mkdir()
