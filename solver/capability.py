@@ -303,7 +303,8 @@ _IN_BACKWARD_RUNNERS = ("torchrun",)
 # torchtune is no launcher here, and torchtitan 0.3.0 has neither saver; the generated torchrun script runs torchtune
 # 0.6.1's chunked cross-entropy (train_fitplan.py `apply_chunked_output`, `chunked_cross_entropy`) and its activation
 # offloading hooks (`OffloadActivations`, the head under `DeviceSaved`, the loss outside), without a pipeline: its
-# stages compute transformers' loss on the last one and run no offloading hooks.
+# stages compute transformers' loss on the last one and run no offloading hooks. The hooks copy plain tensors, so
+# not under tensor parallelism (its saved tensors are DTensors); the chunked loss's tp > 1 is refused by its pricing.
 _TORCHTUNE_RUNNERS = ("torchrun",)
 
 
@@ -326,6 +327,9 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
     if d.activation_offload and (launcher not in _TORCHTUNE_RUNNERS or d.pp > 1):
         problems.append("activation offloading (torchtune's enable_activation_offloading; launchers that run it: "
                         f"{', '.join(_TORCHTUNE_RUNNERS)}, without pipeline parallelism)")
+    elif d.activation_offload and d.tp > 1:
+        problems.append(f"activation offloading with tp={d.tp} (the script's offloading hooks copy plain tensors; "
+                        "tensor parallelism saves DTensors)")
     elif d.activation_offload and d.loss is Loss.FUSED_LINEAR:
         problems.append("activation offloading with Liger's fused linear cross-entropy (the fused loss runs inside "
                         "the model's forward, where the offloading hooks would move the gradients it saves, which "

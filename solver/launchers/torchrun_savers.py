@@ -81,8 +81,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     fitplan prices). On the CPU the device is the host: the copy is made all the same, so a run counts what would
     move.
 
-    `moved` and `kept` count the bytes sent to the host and the bytes of non-parameter saved tensors left on the
-    device (each saved tensor, as torchtune copies each one)."""
+    `moved` and `kept` count the bytes sent to the host and the bytes of non-parameter saved tensors left where they
+    are (each saved tensor, as torchtune copies each one)."""
 
     def __init__(self, device):
         self.device, self.cuda = device, device.type == "cuda"
@@ -97,7 +97,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.count += 1
         key = self.count
         size = tensor.numel() * tensor.element_size()
-        if size < MIN_OFFLOAD_BYTES or isinstance(tensor, (torch.nn.Parameter, torch.nn.Buffer)):
+        on_host = self.cuda and not tensor.is_cuda  # already on the host (torchtune offloads device tensors only)
+        if size < MIN_OFFLOAD_BYTES or on_host or isinstance(tensor, (torch.nn.Parameter, torch.nn.Buffer)):
             if not isinstance(tensor, torch.nn.Parameter):
                 self.kept += size
                 if DEVICE_WATCHERS:
@@ -125,7 +126,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self.backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
         if not moved or not self.cuda:
-            return tensor.to(self.device)  # the CPU's host copy is already where the device would be
+            return tensor  # kept as saved; on the CPU the host copy is already where the device would be
         if key in self.stash:  # its device tensor is still here
             return self.stash.pop(key)[0]
         with torch.cuda.stream(self.side):

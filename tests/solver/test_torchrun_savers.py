@@ -253,6 +253,8 @@ def test_only_torchrun_runs_torchtune_savers_and_not_in_a_pipeline(model_dir, tm
     staged = dataclasses.replace(plan.decisions, pp=2, dp=1, grad_accum=2, pp_split=(2, 1))
     problems = unsupported("torchrun", staged, plan.inputs)
     assert any("chunked cross-entropy" in p for p in problems) and any("activation offloading" in p for p in problems)
+    sharded = dataclasses.replace(plan.decisions, tp=2, loss=Loss.HF)
+    assert any("activation offloading with tp=2" in p for p in unsupported("torchrun", sharded, plan.inputs))
     fused = dataclasses.replace(plan.decisions, loss=Loss.FUSED_LINEAR)
     with pytest.raises(FitplanError, match="Liger's fused linear cross-entropy"):
         emit(dataclasses.replace(plan, decisions=fused), "torchrun")
