@@ -15,10 +15,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from costmodels import Config, Workload, shared_lowering
+from costmodels import Config, Workload, activation_offload, shared_lowering
 from costmodels.activations import evaluate
+from costmodels.config import Loss
 from costmodels.knobs import declared
 from costmodels.loss import liger_lowering
+from costmodels.memory import memory_terms
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
@@ -175,6 +177,20 @@ def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -
     return total + (evaluate(graph.shared, **shape) if any_plain else 0)
 
 
+def device_saved_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -> int:
+    """`saved_activation_bytes` as the configured loss and activation offload keep them on the device: each node's
+    saved bytes from `memory_terms`, which replaces the loss's and the offloaded nodes' own."""
+    terms = memory_terms(graph, Workload(seq_len=seq_len, global_batch=config.micro_batch), config)
+    modes = iter(config.layer_modes(len(graph.decoder_layers())))
+    shape = {"b": config.micro_batch, "s": seq_len, "tp": config.tp, "sequence_parallel": config.sequence_parallel}
+    total, any_plain = 0, False
+    for node, options in zip(graph.nodes(), terms.nodes, strict=True):
+        mode = next(modes) if node.role is Role.DECODER else Checkpoint.NONE
+        any_plain |= node.role is Role.DECODER and mode in (Checkpoint.NONE, Checkpoint.SELECTIVE)
+        total += dict(options)[mode].saved
+    return total + (evaluate(graph.shared, **shape) if any_plain else 0)
+
+
 def pipeline_held_bytes(plan: Plan, config: Config, graph: LayerGraph) -> tuple[int, ...]:
     """Per pipeline rank, the peak bytes autograd holds over one step of the plan's schedule, as saved-tensor hooks
     see them: `held_activation_bytes` in torch's action order, fed per global stage with its slice's saved bytes of
@@ -218,14 +234,25 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
     if plan.decisions.pp > 1:
         return [*_pipeline_rows(plan, reports, cpu=cpu), _step_row(plan, reports)]
     config = plan_config(plan)
-    saved = saved_activation_bytes(plan_graph(plan, config), config, seq_len=plan.inputs.seq_len)
+    graph = plan_graph(plan, config)
+    saved = saved_activation_bytes(graph, config, seq_len=plan.inputs.seq_len)
+    savers = config.loss is Loss.CHUNKED or config.activation_offload
+    if savers:  # the chunked loss's and offload's own saved bytes (memory_terms), not the plain lowering's
+        saved = device_saved_bytes(graph, config, seq_len=plan.inputs.seq_len)
     rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
                 exact=cpu),
             Row(name="gradients", measured=first["grad_bytes"], estimated=memory.gradients, unit="bytes", exact=cpu),
             Row(name="optimizer states", measured=first["optimizer_bytes"], estimated=memory.optimizer_states,
                 unit="bytes", exact=cpu),
+            # the chunked loss also saves 0-dim scalars (each chunk's total_weight, the token count) fitplan omits
             Row(name="saved activations (one micro-batch)", measured=first["saved_activation_bytes"],
-                estimated=saved, unit="bytes", exact=cpu)]
+                estimated=saved, unit="bytes", exact=cpu and config.loss is not Loss.CHUNKED)]
+    if config.activation_offload and first.get("offloaded_activation_bytes") is not None:
+        # the hooks copy each saved tensor: a tensor saved twice (the final norm's input) moves twice, and the
+        # token ids move too, which the priced transfer leaves out
+        moved = sum(activation_offload.moved_bytes(graph, config, b=config.micro_batch, s=plan.inputs.seq_len))
+        rows.append(Row(name="activations offloaded to the host (one micro-batch)",
+                        measured=first["offloaded_activation_bytes"], estimated=moved, unit="bytes", exact=False))
     if first.get("peak_allocated_bytes") is not None:
         rows += [Row(name="peak allocated", measured=max(r["peak_allocated_bytes"] for r in reports),
                      estimated=memory.allocated_peak, unit="bytes", exact=False),

@@ -33,7 +33,7 @@ from costmodels.memory import memory_terms
 from graphs import Checkpoint, FitplanError, LoraSpec, Role
 from solver import solve
 from solver.capability import REGISTRY
-from solver.check import plan_config, plan_graph
+from solver.check import compare, plan_config, plan_graph
 from solver.launchers import emit
 from solver.launchers.support import unsupported
 from tests.costmodels.test_loss import LiveBytes
@@ -285,7 +285,15 @@ def test_emitted_script_trains_with_both_savers_on_two_ranks(engine, precision, 
     config = plan_config(plan)
     moved = sum(moved_bytes(plan_graph(plan, config), config, b=2, s=S))
     hidden, tokens = tiny_values("llama")["hidden_size"], 2 * S
+    reports = []
     for rank in range(2):
         got = json.loads((report / f"rank{rank}.json").read_text())
         assert got["saved_activation_bytes"] == priced_device_bytes(plan) + loss_scalars(plan)
         assert got["offloaded_activation_bytes"] == moved + tokens * hidden * 4 + tokens * 4 + tokens * 8
+        reports.append(got)
+    # `fitplan check` compares the same numbers: the device-side bytes as priced, the host transfer beside them
+    rows = {row.name: row for row in compare(plan, reports, device="cpu")}
+    device = rows["saved activations (one micro-batch)"]  # on the device, as priced
+    assert (device.estimated, device.measured - device.estimated) == (priced_device_bytes(plan), loss_scalars(plan))
+    host = rows["activations offloaded to the host (one micro-batch)"]
+    assert (host.estimated, host.measured) == (moved, reports[0]["offloaded_activation_bytes"])
