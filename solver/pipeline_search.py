@@ -88,10 +88,11 @@ class PipelineResult:
 
 
 def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload, *, headroom: float,
-              modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], TimeTerms] | None = None
-              ) -> PipelineCandidate | None:
-    """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit. `memo`
-    keeps time terms across configurations (`slice_terms`)."""
+              modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], TimeTerms] | None = None,
+              beat: int | None = None) -> PipelineCandidate | None:
+    """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit, or when
+    its stages' time terms already bound its step at `beat` ticks or more (`timed_bound`). `memo` keeps time terms
+    across configurations (`slice_terms`)."""
     config = outer.config()
     slices = rank_slices(graph, workload, config)
     budget = memory_budget(cluster, config, headroom)
@@ -101,24 +102,47 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
             return None
     memo = {} if memo is None else memo
     last = len(stage_layers(graph, workload, config)) - 1
-    ranks = []
+    timed = []
     for slice_ in slices:
         terms = tuple(slice_terms(graph, g, cluster, workload, config, first=s == 0, last=s == last, memo=memo)
                       for s, g in zip(slice_.stages, slice_.stage_graphs, strict=True))
         whole = terms[0] if len(terms) == 1 else slice_terms(  # one stage: the same nodes
             graph, slice_.graph, cluster, workload, config, first=0 in slice_.stages, last=last in slice_.stages,
             memo=memo)
+        timed.append((slice_, terms, whole))
+    p2p = stage_p2p_seconds(graph, cluster, workload, config)
+    if beat is not None and timed_bound(outer, timed, p2p, modes) >= beat:
+        return None
+    ranks = []
+    for slice_, terms, whole in timed:
         table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
                             in_flight=slice_.in_flight, buffers=slice_.buffers, terms=whole)
         if not table.states_fit:
             return None
-        outside = whole.outside
         ranks.append(RankTable(slice_, table, [layer.kind for layer in slice_.graph.decoder_layers()], terms,
-                               outside))
-    found = PipelineCandidate(outer, tuple(ranks), stage_p2p_seconds(graph, cluster, workload, config), 0)
+                               whole.outside))
+    found = PipelineCandidate(outer, tuple(ranks), p2p, 0)
     fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in ranks]
     return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest),
                              stage_layers(graph, workload, config))
+
+
+def timed_bound(outer: Outer, timed: list[tuple[RankSlice, tuple[TimeTerms, ...], TimeTerms]],
+                p2p: tuple[float, ...], modes: tuple[Checkpoint, ...]) -> int:
+    """Step ticks no assignment beats, from each rank's stage and whole-slice time terms: `pipeline.step_lower_bound`
+    over the stages in their fastest modes, p2p hops included, plus the slowest rank's work outside the schedule
+    (what `step_ticks` adds to the simulated schedule, which never beats the bound)."""
+    stages: dict[int, tuple[float, float]] = {}
+    for slice_, terms, _ in timed:
+        for stage, own in zip(slice_.stages, terms, strict=True):
+            fastest = sum(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
+                          for options in own.layers)
+            in_schedule = own.fixed.step_time - own.outside + fastest
+            stages[stage] = (own.forward, max(0.0, in_schedule / outer.grad_accum - own.forward))
+    order = [stages[s] for s in range(len(stages))]
+    times = StageTimes(forward=tuple(f for f, _ in order), backward=tuple(b for _, b in order), p2p=p2p)
+    bound = step_lower_bound(outer.pp_schedule, outer.pp, outer.grad_accum, v=outer.pp_virtual, times=times)
+    return max(0, ticks((bound + max(whole.outside for _, _, whole in timed)) * (1 - _BOUND_MARGIN)) - 1)
 
 
 # The configuration fields time terms read: all but the schedule, its stages per rank and the split.
@@ -383,7 +407,7 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         if bound is not None and stage_bound(outer, graph, workload, memo[compute_signature(outer)],
                                              edge_compute(outer, graph, cluster, workload, edges)) >= bound:
             continue  # its split and bubble alone keep it from beating the best: no tables built
-        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=modes, memo=sliced)
+        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=modes, memo=sliced, beat=bound)
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
             continue

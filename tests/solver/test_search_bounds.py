@@ -45,6 +45,9 @@ def test_stage_bound_is_never_above_the_fastest_simulated_step(seed):
                             edge_compute(outer, graph, case["cluster"], case["workload"], edges))
         # `found.lower` simulates every rank in its fastest modes: the least step of any assignment
         assert 0 < bound <= found.lower
+        # the bound from the stages' own time terms, p2p and work outside the schedule, prunes only above it
+        assert candidate(outer, graph, case["cluster"], case["workload"], headroom=0.0, modes=space.modes,
+                         beat=found.lower + 1) is not None
         mean = compute_bound(outer, graph, case["cluster"], case["workload"], space.modes, memo)
         assert mean <= found.lower
         checked, tighter = checked + 1, tighter + (bound > mean)
