@@ -126,16 +126,20 @@ def chunked_loss(x: HeadShape, chunks: int = TORCHTUNE_CHUNKS) -> LossMemory:
     """torchtune 0.6.1: `TransformerDecoder.chunked_output` runs the head on `h.chunk(n, dim=1)` (for b > 1 the
     chunks are not contiguous and the matmul saves a contiguous copy of each), the recipe shifts the labels
     with `torch.hstack`, and `CEWithChunkedOutputLoss` upcasts one chunk at a time (`logits.float()` inside
-    `compute_cross_entropy`), keeping each chunk's log-softmax. `del logits` precedes backward."""
+    `compute_cross_entropy`), keeping each chunk's log-softmax. `del logits` precedes backward. A frozen head
+    (LoRA) saves no input: its matmuls keep only the weight, for the input's gradient, so the copies go as each
+    matmul returns and `h` when the model's forward does."""
     if chunks < 1:
         raise ValueError(f"chunks={chunks} must be at least 1")
     t, v, h, c = x.tokens, x.vocab, x.hidden, x.itemsize
-    copies = x.b > 1
+    copies, frozen = x.b > 1, x.weight_grad == 0
     sizes = chunk_tokens(x.b, x.s, chunks)
     forward: Events = []
     for n in sizes:
         forward += [("input copy", n * h * c if copies else 0), ("logits chunk", n * v * c)]
-    forward += [("h", -t * h * c if copies else 0)]  # the model's forward returns: only the copies keep h's values
+        forward += [("input copy", -n * h * c if copies and frozen else 0)]
+    # the model's forward returns: only what the matmuls saved (copies, or views of h) keeps h's values
+    forward += [("h", -t * h * c if copies or frozen else 0)]
     forward += [("hstack labels", LABEL_ITEMSIZE * t), ("mask", t), ("mask", -t),
                 ("label copies", LABEL_ITEMSIZE * t if copies else 0)]
     for n in sizes:
@@ -151,14 +155,14 @@ def chunked_loss(x: HeadShape, chunks: int = TORCHTUNE_CHUNKS) -> LossMemory:
             backward += [("logits grad", n * v * c), ("fp32 grad", -4 * n * v)]
     backward += [("labels", 0 if copies else -LABEL_ITEMSIZE * t)]
     for i, n in enumerate(reversed(sizes)):
-        saved_input = n * h * c if copies else 0
+        saved_input = n * h * c if copies and not frozen else 0
         backward += _linear_backward(x, tokens=n, logits_grad=n * v * c, saved_input=saved_input)
         if i:  # autograd's input buffer adds the new weight gradient to the earlier ones out of place
             backward += [("weight grad sum", x.weight_grad), ("weight grads", -2 * x.weight_grad)]
     backward += [("input grad cat", t * h * c), ("input grad chunks", -t * h * c),
-                 ("h", 0 if copies else -t * h * c)]
+                 ("h", 0 if copies or frozen else -t * h * c)]
     return LossMemory(forward=forward, released=released,
-                      saved=4 * t * v + t * h * c + LABEL_ITEMSIZE * t, backward=backward)
+                      saved=4 * t * v + (0 if frozen else t * h * c) + LABEL_ITEMSIZE * t, backward=backward)
 
 
 def liger_chunk_size(tokens: int, hidden: int, vocab: int, chunk_mem_const: int = 1) -> int:
