@@ -290,19 +290,21 @@ def _fastest_adapters(search: Callable[[LoraSpec | None, list[str]], Plan], assu
     one would have cost."""
     why = "full fine-tuning does not fit"
     lora = qlora = None
-    failure: Infeasible | None = None
+    failures: list[Infeasible] = []
     try:
         lora = search(LoraSpec(), [*assumed, f"{why}; LoRA r=16 on all linear layers"])
     except Infeasible as err:
-        failure = err
+        failures.append(err)
     try:
         qlora = search(LoraSpec(quantization="nf4", double_quant=True),
                        [*assumed, f"{why}; QLoRA r=16 on all linear layers over a 4-bit NF4 base (double "
                         "quantisation)"])
     except Infeasible as err:
-        failure = failure or err
-    if lora is None and qlora is None:
-        raise failure or Infeasible("Nothing fits.", "Relax the pins.")
+        failures.append(err)
+    if lora is None and qlora is None:  # QLoRA's diagnosis is the leanest; say that 16-bit LoRA was tried too
+        last = failures[-1]
+        raise Infeasible(f"Neither full fine-tuning nor 16-bit LoRA nor QLoRA fits. With QLoRA: {last.message}",
+                         last.hint, last.diagnosis)
     if qlora is None or (lora is not None and lora.estimate.time.step_time <= qlora.estimate.time.step_time):
         other = "QLoRA does not fit either" if qlora is None else \
             f"QLoRA would take {qlora.estimate.time.step_time:.3g} s per step"

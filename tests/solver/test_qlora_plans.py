@@ -15,6 +15,7 @@ from costmodels import Config, Engine, InvalidConfig, Precision
 from graphs import FitplanError, LoraSpec
 from solver.api import estimate, solve
 from solver.cli import app
+from solver.diagnose import Infeasible
 from solver.launchers import emit
 from solver.plan import Plan
 
@@ -149,3 +150,13 @@ def test_allow_lora_takes_the_faster_of_lora_and_qlora_when_full_fine_tuning_can
     assert any(f"{alone[other].estimate.time.step_time:.3g} s per step" in line for line in chosen.inputs.assumed)
     roomy = solve("Qwen/Qwen2.5-0.5B", "1xT4", seq_len=512, global_batch=4, allow_lora=True, time_limit=5)
     assert roomy.decisions.lora is None  # no fallback where full fine-tuning fits
+
+
+@pytest.mark.slow
+def test_allow_lora_says_when_neither_lora_nor_qlora_fits():
+    """Qwen2.5-7B at 32,768 tokens on a T4: the activations alone outgrow the card, so no adapter helps; the error
+    says that all three were tried and gives QLoRA's (the leanest) numbers."""
+    with pytest.raises(Infeasible, match=r"Neither full fine-tuning nor 16-bit LoRA nor QLoRA fits\. With QLoRA: "
+                                          r"Nothing fits") as refusal:
+        solve("Qwen/Qwen2.5-7B", "1xT4", seq_len=32768, global_batch=1, allow_lora=True, time_limit=60)
+    assert refusal.value.diagnosis and "--seq-len" in refusal.value.hint
