@@ -11,7 +11,7 @@ from graphs import Checkpoint, FitplanError
 from .pins import KNOBS, Pins
 from .plan import Inputs
 from .search import SearchResult
-from .space import DEFAULT_PRECISIONS, Space, leanest_modes
+from .space import DEFAULT_PRECISIONS, LONG_CONTEXT, Space, leanest_modes
 
 GIB = 2**30
 
@@ -124,13 +124,20 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
         ways.append(f"more GPUs: model states shard with ZeRO-3/FSDP; try about {max(2 * gpus, int(gpus * ratio) + 1)}"
                     " GPUs of this kind")
     else:  # activations and temporaries alone exceed a GPU: data parallelism cannot divide them
-        ways.append(f"not more GPUs: even with the model states sharded away, activations and temporaries need "
-                    f"{floor / GIB:.1f} GiB per GPU (context parallelism is not modelled yet)")
+        ways.append(f"not more GPUs for data parallelism: even with the model states sharded away, activations and "
+                    f"temporaries need {floor / GIB:.1f} GiB per GPU; context parallelism (--cp N, searched from "
+                    f"{LONG_CONTEXT:,} tokens) splits each sequence over N GPUs")
     if Offload.NONE in (pins.value("optimizer_offload"), pins.value("param_offload")):
         ways.append("offload: --offload cpu / --offload-params cpu (ZeRO-3) were pinned off")
     if not lora and sharding_helps:  # adapters drop states, not activations
         ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
                     "optimizer memory")
+    savers = [way for name, way in (
+        ("loss", "--loss fused-linear (Liger's fused cross-entropy: no full logits; HF Trainer, axolotl, torchrun)"),
+        ("activation_offload", "--activation-offload on (saved activations to host memory; the torchrun script)"))
+        if pins.value(name) is None]
+    if savers:  # the same training, less memory: pinned by the user, never chosen silently
+        ways.append("memory savers that keep the training: " + ", ".join(savers))
     if not pins.allows("checkpoint", Checkpoint.FULL):
         ways.append(f"activation checkpointing: --checkpoint auto or full (pinned to {pins.value('checkpoint')})")
     ways.append(f"shorter sequences: --seq-len {max(128, inputs.seq_len // 2)} halves activation memory")
