@@ -279,9 +279,7 @@ def solve_each(tables: list[Table], order: list[int], kinds: list[int], modes: t
         pm = build_model([table], kinds, modes, weight=weight, hint=None if plan is None else (0, plan))
         if best is not None:
             add_objective_cutoff(pm, best[0])
-        # One worker: a one-table model is small, and a second portfolio worker costs more than it finds on the
-        # two cores the benchmarks run on (benchmarks/solve_time.py: 20-25% less CP-SAT time with one).
-        found = solve(pm, time_limit=max(0.01, deadline - time.perf_counter()), workers=1)
+        found = solve(pm, time_limit=max(0.01, deadline - time.perf_counter()))
         if found.table is not None:
             best = (found.objective, k, found.modes)
         finished = finished and found.status in ("OPTIMAL", "INFEASIBLE")
