@@ -19,8 +19,9 @@ BUCKET_ELEMENTS_PER_RANK = 1_000_000
 
 
 def gradients(stage: int, sizes: GradientSizes) -> tuple[int, int]:
-    """The whole gradient buffer, at both stages, in the reduce dtype: fp32 under bf16 (arguments.py sets
-    `accumulate_allreduce_grads_in_fp32` for --bf16) and fp16 under --fp16. The distributed optimizer
+    """The whole gradient buffer, at both stages, in the reduce dtype: fp32 under mixed precision. arguments.py sets
+    `accumulate_allreduce_grads_in_fp32` for --bf16; under --fp16 the buffer is fp16 and the optimizer copies its
+    (shard of the) gradients to fp32 at the step, 2 + 4/dp bytes, which these 4 bytes bound. The distributed optimizer
     reduce-scatters into its shard of the same buffer (param_and_grad_buffer.py), so the buffer stays whole; the
     16-bit `param.grad` of each parameter is added into it and freed in backward (or never made, with gradient
     accumulation fusion), so nothing accumulates beside it."""
