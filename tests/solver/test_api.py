@@ -66,7 +66,8 @@ def test_lora_fallback_only_when_allowed_and_needed():
         solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none")
     plan = solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none", allow_lora=True)
     assert plan.decisions.lora is not None
-    assert any("LoRA fallback" in line for line in plan.inputs.assumed)
+    assert any("full fine-tuning does not fit" in line for line in plan.inputs.assumed)
+    assert any(line.startswith(("16-bit LoRA chosen", "QLoRA chosen")) for line in plan.inputs.assumed)
 
 
 def test_optimizer_never_changes_unless_allowed():
