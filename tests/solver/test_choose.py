@@ -30,8 +30,10 @@ from solver.prices import GpuPrice, InvalidPrices, bundled_prices, load_prices
 
 MODEL = "meta-llama/Llama-3.2-1B"
 TOKENS = 2e9
-# offload pinned off so that one T4 cannot hold the 1B model's states: the sweep has an infeasible point too.
-OPTIONS = {"seq_len": 2048, "global_batch": 16, "offload": "none"}
+# offload pinned off so that one T4 cannot hold the 1B model's states: the sweep has an infeasible point too. A
+# generous time limit: each point must be proven OPTIMAL on a loaded machine, or the sweep and the lone solve may
+# stop at different incumbents (a clean-clone CI beside other work once did, 4xT4 with pipelines open).
+OPTIONS = {"seq_len": 2048, "global_batch": 16, "offload": "none", "time_limit": 120}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
