@@ -148,14 +148,11 @@ def test_emitted_script_steps_in_backward_and_keeps_no_gradient(tmp_path):
     left after backward (the estimate's gradients are 0), and the per-parameter optimizers hold exactly the states
     the plan's estimate counts."""
     import math
-    import os
-    import re
-    import subprocess
-    import sys
 
     from solver.commands import emit_files
     from tests.graphs.reference import write_config
     from tests.graphs.tiny_configs import tiny_values
+    from tests.solver.test_train_script import run
 
     model_dir = write_config(tmp_path / "tiny", tiny_values("llama"))
     plan = solve(str(model_dir), "2xCPU", seq_len=32, global_batch=4, engine="fsdp2", zero=3, tp=1,
@@ -163,15 +160,7 @@ def test_emitted_script_steps_in_backward_and_keeps_no_gradient(tmp_path):
     assert plan.decisions.optimizer_in_backward and plan.decisions.grad_accum == 1
     assert plan.launchers == ("torchrun",) and plan.estimate.memory.gradients == 0
     emit_files(plan, "torchrun", tmp_path / "out")
-    report = tmp_path / "report"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "out" / "train_fitplan.py"), "--model", str(model_dir), "--from-config", "--steps", "2",
-               "--report", str(report)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    losses = [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
-    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    ranks = [json.loads((report / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks, losses = run(tmp_path / "out" / "train_fitplan.py", model_dir, tmp_path / "report")
+    assert len(ranks) == 2 and len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert all(r["grad_bytes"] == 0 and r["grad_norms"] == [] for r in ranks)
     assert max(r["optimizer_bytes"] for r in ranks) == plan.estimate.memory.optimizer_states

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
-import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,11 +29,13 @@ from graphs import Checkpoint, FitplanError, LoraSpec, Role
 from solver import solve
 from solver.capability import REGISTRY
 from solver.check import compare, plan_config, plan_graph
+from solver.commands import emit_files
 from solver.launchers import emit
 from solver.launchers.support import unsupported
 from tests.costmodels.test_loss import LiveBytes
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
+from tests.solver.test_train_script import run
 
 S = 128  # b * s * 4 >= MIN_OFFLOAD_BYTES: the final norm's reciprocal root is offloaded, as at training shapes
 
@@ -267,28 +264,15 @@ def test_emitted_script_trains_with_both_savers_on_two_ranks(engine, precision, 
     plan = solve(str(model_dir), "2xCPU", seq_len=S, global_batch=4, time_limit=5, offload="none",
                  param_offload="none", engine=engine, tp=1, micro_batch=2, grad_accum=1, precision=(precision,),
                  loss="chunked", activation_offload=True)
-    folder = tmp_path / "out"
-    folder.mkdir()
-    for name, text in emit(plan, "torchrun").items():
-        (folder / name).write_text(text)
-    report = tmp_path / "report"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(folder / "train_fitplan.py"), "--model", str(model_dir), "--from-config", "--steps", "2",
-               "--report", str(report)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    losses = [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
-    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    emit_files(plan, "torchrun", tmp_path / "out")
+    reports, losses = run(tmp_path / "out" / "train_fitplan.py", model_dir, tmp_path / "report", timeout=300)
+    assert len(reports) == 2 and len(losses) == 2 and all(math.isfinite(x) for x in losses)
     config = plan_config(plan)
     moved = sum(moved_bytes(plan_graph(plan, config), config, b=2, s=S))
     hidden, tokens = tiny_values("llama")["hidden_size"], 2 * S
-    reports = []
-    for rank in range(2):
-        got = json.loads((report / f"rank{rank}.json").read_text())
+    for got in reports:
         assert got["saved_activation_bytes"] == priced_device_bytes(plan) + loss_scalars(plan)
         assert got["offloaded_activation_bytes"] == moved + tokens * hidden * 4 + tokens * 4 + tokens * 8
-        reports.append(got)
     # `fitplan check` compares the same numbers: the device-side bytes as priced, the host transfer beside them
     rows = {row.name: row for row in compare(plan, reports, device="cpu")}
     device = rows["saved activations (one micro-batch)"]  # on the device, as priced

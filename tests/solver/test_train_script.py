@@ -36,12 +36,15 @@ def emitted_script(model_dir: Path, folder: Path, **pins) -> tuple[object, Path]
     return plan, folder / "train_fitplan.py"
 
 
-def run(script: Path, model_dir: Path, report: Path, *extra: str) -> tuple[list[dict], list[float]]:
+def run(script: Path, model_dir: Path, report: Path, *extra: str, timeout: float = 240) -> tuple[list[dict],
+                                                                                               list[float]]:
+    """The emitted script under torchrun on RANKS gloo processes for two steps: each rank's report and the losses
+    it printed."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
                str(script), "--model", str(model_dir), "--from-config", "--steps", "2", "--report", str(report),
                *extra]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240, check=False)
+                          timeout=timeout, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     reports = [json.loads((report / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     return reports, [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
