@@ -16,7 +16,7 @@ from costmodels.precision import matmul_dtype_on
 from costmodels.verdict import DEFAULT_HEADROOM
 from graphs import Checkpoint, LayerGraph
 
-from .capability import engine_label
+from .capability import engine_setting
 
 GIB = 2**30
 # A fast tokenizer (HF tokenizers, Rust) turns text into ~1M tokens/s per core; reading pre-tokenized shards
@@ -124,9 +124,7 @@ def _optimizer(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
 
 def _zero(config: Config, chosen: Estimate) -> str:
     where = f"optimizer states {config.optimizer_offload}, parameters {config.param_offload}"
-    stage = engine_label(config.engine, config.zero) if config.engine.value != "fsdp2" else \
-        f"fsdp2 reshard_after_forward={config.zero == 3}"
-    return (f"DeepSpeed ZeRO / FSDP: {stage}, offload: {where}; device peak "
+    return (f"DeepSpeed ZeRO / FSDP: {engine_setting(config.engine, config.zero)}, offload: {where}; device peak "
             f"{chosen.memory.device_peak / GIB:.1f} GiB")
 
 

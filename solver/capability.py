@@ -99,6 +99,13 @@ def engine_label(engine: Engine, zero: int) -> str:
     return f"{engine}" + (f" (zero={zero})" if engine is Engine.FSDP2 else "")
 
 
+def engine_setting(engine: Engine, zero: int) -> str:
+    """`engine_label` with FSDP2's stage as the setting it is (reshard_after_forward), for the plan's own lines."""
+    if engine is Engine.FSDP2:
+        return f"{engine} reshard_after_forward={zero == 3}"
+    return engine_label(engine, zero)
+
+
 # DeepSpeed 0.19's config (docs/_pages/config-json.md) has fp16 and bf16 blocks and no fp8 one; fp8 under DeepSpeed
 # needs Transformer Engine modules in the model, which Megatron's launcher provides (--fp8-format hybrid).
 _FP8_DEEPSPEED = "fp8 with DeepSpeed (ds_config.json has no fp8 field; the Megatron launcher runs it)"

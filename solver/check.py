@@ -162,32 +162,22 @@ def plan_graph(plan: Plan, config: Config) -> LayerGraph:
                           liger=liger_lowering(config))
 
 
-def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -> int:
+def saved_activation_bytes(graph: LayerGraph, config: Config, *, seq_len: int, savers: bool = False) -> int:
     """Bytes autograd saves in one micro-batch's forward, as saved-tensor hooks see them: every node's saved
     tensors in its mode, plus the tensors layers share (rotary tables), seen once when some layer is not
     checkpointed whole (a whole checkpointed layer keeps them in its recompute closure, outside the hooks; selective
-    recompute checkpoints only the attention core, after the rotary multiplications)."""
+    recompute checkpoints only the attention core, after the rotary multiplications). With `savers`, each node's
+    bytes come from `memory_terms`, which replaces the configured loss's and the offloaded nodes' own (what stays on
+    the device)."""
     modes = iter(config.layer_modes(len(graph.decoder_layers())))
     shape = {"b": config.micro_batch, "s": seq_len, "tp": config.tp, "sequence_parallel": config.sequence_parallel}
+    priced = iter(memory_terms(graph, Workload(seq_len=seq_len, global_batch=config.micro_batch), config).nodes) \
+        if savers else None
     total, any_plain = 0, False
     for node in graph.nodes():
         mode = next(modes) if node.role is Role.DECODER else Checkpoint.NONE
         any_plain |= node.role is Role.DECODER and mode in (Checkpoint.NONE, Checkpoint.SELECTIVE)
-        total += evaluate(node.cost(mode).saved, **shape)
-    return total + (evaluate(graph.shared, **shape) if any_plain else 0)
-
-
-def device_saved_bytes(graph: LayerGraph, config: Config, *, seq_len: int) -> int:
-    """`saved_activation_bytes` as the configured loss and activation offload keep them on the device: each node's
-    saved bytes from `memory_terms`, which replaces the loss's and the offloaded nodes' own."""
-    terms = memory_terms(graph, Workload(seq_len=seq_len, global_batch=config.micro_batch), config)
-    modes = iter(config.layer_modes(len(graph.decoder_layers())))
-    shape = {"b": config.micro_batch, "s": seq_len, "tp": config.tp, "sequence_parallel": config.sequence_parallel}
-    total, any_plain = 0, False
-    for node, options in zip(graph.nodes(), terms.nodes, strict=True):
-        mode = next(modes) if node.role is Role.DECODER else Checkpoint.NONE
-        any_plain |= node.role is Role.DECODER and mode in (Checkpoint.NONE, Checkpoint.SELECTIVE)
-        total += dict(options)[mode].saved
+        total += dict(next(priced))[mode].saved if priced else evaluate(node.cost(mode).saved, **shape)
     return total + (evaluate(graph.shared, **shape) if any_plain else 0)
 
 
@@ -235,10 +225,9 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
         return [*_pipeline_rows(plan, reports, cpu=cpu), _step_row(plan, reports)]
     config = plan_config(plan)
     graph = plan_graph(plan, config)
-    saved = saved_activation_bytes(graph, config, seq_len=plan.inputs.seq_len)
-    savers = config.loss is Loss.CHUNKED or config.activation_offload
-    if savers:  # the chunked loss's and offload's own saved bytes (memory_terms), not the plain lowering's
-        saved = device_saved_bytes(graph, config, seq_len=plan.inputs.seq_len)
+    # the chunked loss's and offload's own saved bytes (memory_terms), not the plain lowering's
+    saved = saved_activation_bytes(graph, config, seq_len=plan.inputs.seq_len,
+                                   savers=config.loss is Loss.CHUNKED or config.activation_offload)
     rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
                 exact=cpu),
             Row(name="gradients", measured=first["grad_bytes"], estimated=memory.gradients, unit="bytes", exact=cpu),

@@ -13,7 +13,7 @@ from rich.text import Text
 from costmodels import Estimate
 from costmodels.verdict import Verdict, fits
 
-from .capability import engine_label
+from .capability import engine_setting
 from .plan import Plan
 
 GIB = 2**30
@@ -97,8 +97,7 @@ def decisions_table(plan: Plan) -> Table:
         ("workload", f"seq {plan.inputs.seq_len}, {plan.inputs.global_batch} sequences/step "
                      f"({plan.inputs.tokens_per_step:,} tokens)"),
         ("parallelism", d.layout() + (" +sequence-parallel" if d.sequence_parallel else "")),
-        ("engine", f"{d.engine}" + (f" reshard_after_forward={d.zero == 3}" if d.engine.value == "fsdp2" else
-                                    engine_label(d.engine, d.zero).removeprefix(str(d.engine)))),
+        ("engine", engine_setting(d.engine, d.zero)),
         ("offload", f"optimizer={d.optimizer_offload} params={d.param_offload}"),
         ("batch", f"micro-batch {d.micro_batch} x grad-accum {d.grad_accum} x dp {d.dp}"),
         ("checkpointing", f"full {modes['full']}, selective {modes['selective']}{op_level}, none {modes['none']} "
