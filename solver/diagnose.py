@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from costmodels import Offload, load_gpus, precision
+from costmodels.memory import allocated_peak
 from graphs import Checkpoint, FitplanError
 
 from .pins import KNOBS, Pins
@@ -72,8 +73,9 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     node = catalog_gpu.typical_node if catalog_gpu else None
     node_gpus = max(cluster.gpus_per_node, node.gpus_per_node if node else 1)
     more_tp = max((t for t in tp_degrees if t <= node_gpus), default=1) > max(t.outer.tp for t in found.tables)
+    activations = allocated_peak(need.memory, lean)[1].activations
     ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds,
-                     sharding_helps=floor <= budget or more_tp, floor=floor)
+                     sharding_helps=floor <= budget or more_tp, floor=floor, activations=activations)
     checkpointed = "every layer checkpointed" if lean[0] is Checkpoint.FULL else f"checkpointing pinned to {lean[0]}"
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "
                f"the host can hold ({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
@@ -106,7 +108,7 @@ def blocking_pins(pins: Pins, rebuild: Callable[[Pins], Space]) -> Iterator[tupl
 
 
 def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool,
-              sharding_helps: bool, floor: int) -> list[str]:
+              sharding_helps: bool, floor: int, activations: int) -> list[str]:
     ways = []
     cluster = inputs.cluster
     if host_binds:
@@ -132,15 +134,19 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
     if not lora and sharding_helps:  # adapters drop states, not activations
         ways.append("LoRA: --lora-rank 16 (or --allow-lora) trains adapters only and drops most gradient and "
                     "optimizer memory")
+    # Activation-side ways out only where the leanest configuration's activations (at its peak) are a material
+    # share of a GPU: when model states are thousands of GiB, halving a few GiB of activations is noise.
+    activations_matter = 4 * activations >= budget
     savers = [way for name, way in (
         ("loss", "--loss fused-linear (Liger's fused cross-entropy: no full logits; HF Trainer, axolotl, torchrun)"),
         ("activation_offload", "--activation-offload on (saved activations to host memory; the torchrun script)"))
-        if pins.value(name) is None]
+        if pins.value(name) is None and activations_matter]
     if savers:  # the same training, less memory: pinned by the user, never chosen silently
         ways.append("memory savers that keep the training: " + ", ".join(savers))
     if not pins.allows("checkpoint", Checkpoint.FULL):
         ways.append(f"activation checkpointing: --checkpoint auto or full (pinned to {pins.value('checkpoint')})")
-    ways.append(f"shorter sequences: --seq-len {max(128, inputs.seq_len // 2)} halves activation memory")
+    if activations_matter:
+        ways.append(f"shorter sequences: --seq-len {max(128, inputs.seq_len // 2)} halves activation memory")
     if (pins.value("micro_batch") or 1) > 1:
         ways.append(f"a smaller micro-batch: --micro-batch {pins.value('micro_batch') // 2}")
     return ways

@@ -50,6 +50,9 @@ class Recorder(TorchDispatchMode):
             tensor, splits = args[0], args[2]  # (input, output_split_sizes, input_split_sizes, group)
             rows = sum(n for dst, n in enumerate(splits) if dst != self.rank)
             self.sent += rows * tensor[0:1].numel() * tensor.element_size()
+            # Wait here: gloo's work object holds the buffers until its background thread finishes, so an async
+            # permute would free them at a time that varies run to run (the peak moved by up to 20%).
+            torch.ops._c10d_functional.wait_tensor.default(out)
         for tensor in torch.utils._pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._track(tensor)

@@ -61,6 +61,20 @@ def test_infeasible_request_explains_the_least_memory_and_ways_out():
     assert any("LoRA" in way for way in diagnosis["ways_out"])
 
 
+def test_infeasible_request_names_activation_savers_only_where_activations_matter():
+    """8B at 4096 tokens on a T4 holds several GiB of activations at its leanest: memory savers and shorter
+    sequences are named; 70B at 512 tokens is all model states: they are not."""
+    ways = {}
+    for model, seq_len in (("meta-llama/Llama-3.1-8B", 4096), ("meta-llama/Llama-3.1-70B", 512)):
+        with pytest.raises(Infeasible) as error:
+            solve(model, "1xT4", seq_len=seq_len, global_batch=8, offload="none")
+        ways[model] = " ".join(error.value.diagnosis["ways_out"])
+    assert "--activation-offload on" in ways["meta-llama/Llama-3.1-8B"]
+    assert "--seq-len 2048" in ways["meta-llama/Llama-3.1-8B"]
+    assert "--activation-offload" not in ways["meta-llama/Llama-3.1-70B"]
+    assert "--seq-len" not in ways["meta-llama/Llama-3.1-70B"]
+
+
 def test_lora_fallback_only_when_allowed_and_needed():
     with pytest.raises(Infeasible):
         solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none")
