@@ -162,12 +162,14 @@ class Config:
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
         "no gradient accumulation or clipping).", reads=("estimate", "memory", "states"))] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
-                               "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE).",
-                               reads=("estimate", "loss", "memory"))] = Loss.HF
+                               "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
+                               "liger-kernel); a pin lists the allowed ones.",
+                               pin="set", reads=("estimate", "loss", "memory"))] = Loss.HF
     activation_offload: Annotated[bool, Knob(
         "Offload saved activations to host memory between forward and backward (torchtune's "
-        "enable_activation_offloading; needs full checkpointing on every layer).",
-        reads=("activation_offload", "estimate", "memory"))] = False
+        "enable_activation_offloading; needs full checkpointing on every layer); a pin lists the allowed "
+        "settings (off,on lets the search choose).",
+        pin="set", reads=("activation_offload", "estimate", "memory"))] = False
 
     pp: Annotated[int, Knob("Pipeline-parallel degree: ranks the decoder layers are split across (the outermost "
                             "dimension, so stages sit on different nodes first).",

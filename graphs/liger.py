@@ -83,9 +83,13 @@ def liger_kernels(model: Any) -> Iterator[None]:
     """Apply Liger's patch to `model` (the base model under PEFT's wrapper, as transformers unwraps it) and trace
     with its Triton kernels recorded; the modeling modules' globals the patch rebinds and the kernels are restored
     on exit, so other lowerings in the process run unpatched code."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
     from .errors import UnsupportedModel
+
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as err:  # fitplan's `dev` extra has it; users planning Liger need it anyway to run it
+        raise UnsupportedModel(f"Liger's kernels cannot be traced: liger-kernel is not installed ({err}).",
+                               "pip install liger-kernel (the run needs it too), or plan another --loss.") from err
 
     modules = {name: dict(vars(module)) for name, module in list(sys.modules.items())
                if module is not None and name.startswith("transformers.")}

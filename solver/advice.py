@@ -49,9 +49,28 @@ def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
     lines.append(_data(cluster, chosen, workers, input_tokens_per_s))
     lines.append("PEFT/LoRA: adapters only (base frozen)" if lora else
                  "PEFT/LoRA: not needed, full fine-tuning fits (--lora-rank or --allow-lora to use it)")
+    lines.append(_savers(config))
     lines.extend(_shapes(graph, cluster, workload, config))
     lines.append(_fp8(cluster, config))
     return GuideDecisions(use_compile, workers, tuple(line for line in lines if line))
+
+
+# What each memory saver runs on: liger-kernel installed, or the generated torchrun script (which writes
+# torchtune's savers anew in plain PyTorch, `launchers/torchrun_savers.py`).
+SAVER_PACKAGES = {"loss chunked": "the generated torchrun script", "loss fused-linear": "liger-kernel",
+                  "activation offload": "the generated torchrun script",
+                  "optimizer in backward": "the generated torchrun script"}
+
+
+def _savers(config: Config) -> str:
+    """The memory savers the plan runs and what each needs installed, or how to let the search choose them."""
+    used = [name for name, on in ((f"loss {config.loss}", config.loss.value != "hf"),
+                                  ("activation offload", config.activation_offload),
+                                  ("optimizer in backward", config.optimizer_in_backward)) if on]
+    if not used:
+        return "memory savers: none (--allow-savers lets the search choose chunked/fused losses and activation " \
+               "offload)"
+    return "memory savers: " + ", ".join(f"{name} ({SAVER_PACKAGES[name]})" for name in used)
 
 
 def _try(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> Estimate | None:

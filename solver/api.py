@@ -21,6 +21,7 @@ from costmodels import (
 from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
+from costmodels.config import Loss
 from costmodels.estimate import model_refusals
 from costmodels.loss import liger_lowering
 from costmodels.packing import Lengths, packed, padded
@@ -29,6 +30,7 @@ from costmodels.pipeline_stages import stage_layers
 from costmodels.profile import load_profile
 from costmodels.verdict import fits
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
+from graphs.liger import liger_version
 from graphs.lower import lower_resolved
 from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel
@@ -184,9 +186,10 @@ def _runtime_lowering(pins: Pins, launchers: tuple[str, ...]) -> dict[str, Any]:
 def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global_batch: int | None = None,
           tokens_per_step: int | None = None, headroom: float = DEFAULT_HEADROOM,
           time_limit: float = DEFAULT_TIME_LIMIT, lora: LoraSpec | None = None, allow_lora: bool = False,
-          attention: str | None = None, alternatives_count: int = 3, input_tokens_per_s: float | None = None,
-          cluster_options: dict[str, Any] | None = None, pins: Pins | None = None,
-          dataset_lengths: Lengths | None = None, packing: str = "none", **knobs: Any) -> Plan:
+          allow_savers: bool = False, attention: str | None = None, alternatives_count: int = 3,
+          input_tokens_per_s: float | None = None, cluster_options: dict[str, Any] | None = None,
+          pins: Pins | None = None, dataset_lengths: Lengths | None = None, packing: str = "none",
+          **knobs: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: `pins`, or knob values by name (`costmodels.knobs`: tp=2, engine="fsdp2", precision=("bf16-mixed",
@@ -195,7 +198,9 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     string assumes (cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps, inter_node_gbps; see `parse_cluster`).
     `dataset_lengths` (`costmodels.packing.read_lengths`) with `packing` ("none": each micro-batch padded to its
     longest sequence; "wrapped" or "bfd": TRL's packing into rows of seq_len) plans memory on the longest
-    micro-batch the data can make, and the plan says how many of the computed tokens are real.
+    micro-batch the data can make, and the plan says how many of the computed tokens are real. `allow_savers`
+    lets the search choose the memory savers that keep the training where they are not pinned: the loss
+    computation (hf, torchtune's chunked, Liger's fused-linear) and activation offload (`SAVER_CHOICES`).
     """
     started = time.perf_counter()
     if not 0 <= headroom < 1:
@@ -213,7 +218,8 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
             assumed = [*assumed, f"sequence length {workload.seq_len:,}: the longest in the dataset lengths "
                                  f"(padding to the longest in each micro-batch; --seq-len {cap:,} caps it)"]
     plan = _plan(resolved, cluster, workload, headroom=headroom, time_limit=time_limit, lora=lora,
-                 allow_lora=allow_lora, attention=attention, alternatives_count=alternatives_count,
+                 allow_lora=allow_lora, allow_savers=allow_savers, attention=attention,
+                 alternatives_count=alternatives_count,
                  input_tokens_per_s=input_tokens_per_s, pins=pins, knobs=knobs, assumed=assumed, started=started,
                  gpus=gpus)
     return plan if dataset_lengths is None else _with_batching(plan, dataset_lengths, packing, cap)
@@ -251,10 +257,13 @@ def _with_batching(plan: Plan, lengths: Lengths, packing: str, seq_len: int) -> 
 def _plan(resolved: ResolvedModel, cluster: Cluster, workload: Workload, *, headroom: float, time_limit: float,
           lora: LoraSpec | None, allow_lora: bool, attention: str | None, alternatives_count: int,
           input_tokens_per_s: float | None, pins: Pins | None, knobs: dict[str, Any], assumed: list[str],
-          started: float, gpus: str | Cluster) -> Plan:
+          started: float, gpus: str | Cluster, allow_savers: bool = False) -> Plan:
     if pins is not None and knobs:
         raise FitplanError("Give pins either as `pins=` or as knob keywords, not both.", "Use one of the two.")
     pin = pins if pins is not None else _pins(knobs)
+    if allow_savers:
+        pin, assumed = _with_savers(pin, assumed)
+    pin, assumed = _installed_losses(pin, assumed)
     if lora is not None and (lora.quantization or lora.use_dora or lora.use_rslora or lora.modules_to_save) and \
             pin.launcher not in (None, *capability.PEFT_VARIANT_RUNNERS):
         raise FitplanError(f"The {pin.launcher} launcher cannot load QLoRA/DoRA/rsLoRA adapters or "
@@ -352,6 +361,42 @@ def _fastest_uniform(resolved: ResolvedModel, cluster: Cluster, workload: Worklo
     return replace(best, inputs=replace(best.inputs, pins=pins.shown()))
 
 
+# What `allow_savers` opens where the user pinned nothing: the savers that keep the training (same math, other
+# kernels or memory placement), chosen by the search jointly with every other knob.
+SAVER_CHOICES: dict[str, tuple[Any, ...]] = {"loss": tuple(Loss), "activation_offload": (False, True)}
+
+
+def _with_savers(pins: Pins, assumed: list[str]) -> tuple[Pins, list[str]]:
+    """`pins` with the unpinned `SAVER_CHOICES` knobs allowed all their values, and the note that says so."""
+    opened = [name for name in SAVER_CHOICES if pins.allowed(name) is None]
+    for name in opened:
+        pins = _pinned_set(pins, name, SAVER_CHOICES[name])
+    if opened:
+        assumed = [*assumed, "memory savers searched (--allow-savers): " + ", ".join(
+            f"{KNOBS[name].option} {','.join(_shown(v) for v in SAVER_CHOICES[name])}" for name in opened)
+            + " (the guide line says what each chosen one runs on)"]
+    return pins, assumed
+
+
+def _installed_losses(pins: Pins, assumed: list[str]) -> tuple[Pins, list[str]]:
+    """Liger's fused-linear loss is priced by tracing liger-kernel's own patch, so it needs the package here:
+    without it, dropped from a list of allowed losses (said in the plan), an error when it is the only one."""
+    allowed = pins.allowed("loss")
+    if allowed is None or Loss.FUSED_LINEAR not in allowed or liger_version() is not None:
+        return pins, assumed
+    install = ("pip install liger-kernel (fitplan traces its patch to price it; the run needs it too), or plan "
+               "another --loss.")
+    kept = tuple(loss for loss in allowed if loss is not Loss.FUSED_LINEAR)
+    if not kept:
+        raise FitplanError("--loss fused-linear needs liger-kernel, which is not installed here.", install)
+    return _pinned_set(pins, "loss", kept), [*assumed, "--loss fused-linear left out: liger-kernel is not "
+                                                       "installed here (" + install + ")"]
+
+
+def _shown(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 # The knobs that save memory without changing the training (besides the optimizer): pinned, they can leave no
 # configuration for a reason of their own (the model, or no launcher), which is said instead of a pin search.
 _SAVERS = ("optimizer_in_backward", "loss", "activation_offload")
@@ -375,7 +420,12 @@ def _check_memory_savers(pins: Pins, graph: LayerGraph, launchers: tuple[str, ..
 
 def _pinned(pins: Pins, name: str, value: Any) -> Pins:
     """`pins` with knob `name` pinned to `value` as well."""
-    fixed = {**pins.as_dict, name: (value,)}
+    return _pinned_set(pins, name, (value,))
+
+
+def _pinned_set(pins: Pins, name: str, values: tuple[Any, ...]) -> Pins:
+    """`pins` with knob `name` allowed exactly `values`."""
+    fixed = {**pins.as_dict, name: values}
     return Pins(tuple((n, fixed[n]) for n in KNOBS if n in fixed), pins.launcher)
 
 

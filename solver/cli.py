@@ -151,6 +151,9 @@ def solve_command(
     lora_targets: Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")
                             ] = "all-linear",
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
+    allow_savers: Annotated[bool, typer.Option(help="Let the search choose the memory savers that keep the "
+                                               "training (--loss, --activation-offload) where not pinned (Liger's "
+                                               "loss needs liger-kernel).")] = False,
     lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
     use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
@@ -198,6 +201,7 @@ def solve_command(
             err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
         plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
                      headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
+                     allow_savers=allow_savers,
                      attention=attention, input_tokens_per_s=input_tokens_per_s,
                      cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
                                                       inter_node_gbps, profile), pins=pins,

@@ -140,9 +140,10 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
     savers = [way for name, way in (
         ("loss", "--loss fused-linear (Liger's fused cross-entropy: no full logits; HF Trainer, axolotl, torchrun)"),
         ("activation_offload", "--activation-offload on (saved activations to host memory; the torchrun script)"))
-        if pins.value(name) is None and activations_matter]
-    if savers:  # the same training, less memory: pinned by the user, never chosen silently
-        ways.append("memory savers that keep the training: " + ", ".join(savers))
+        if pins.allowed(name) is None and activations_matter]
+    if savers:  # the same training, less memory: allowed by the user (each needs its package), never silently
+        ways.append("memory savers that keep the training (--allow-savers lets the search choose them): "
+                    + ", ".join(savers))
     if not pins.allows("checkpoint", Checkpoint.FULL):
         ways.append(f"activation checkpointing: --checkpoint auto or full (pinned to {pins.value('checkpoint')})")
     if activations_matter:

@@ -34,7 +34,8 @@ def estimate_parameters() -> list[inspect.Parameter]:
 
 def pins_from_options(values: dict[str, Any], *, launcher: str | None) -> Pins:
     """`Pins` from `solve`'s knob options (a set knob's comma-separated values split)."""
-    given = {name: _split(value) if KNOBS[name].knob.pin == "set" and isinstance(value, str) else value
+    given = {name: _split(value) if KNOBS[name].knob.pin == "set" and isinstance(value, str) and value != "auto"
+             else value
              for name, value in values.items()}
     return Pins.of(launcher=launcher, **given)
 

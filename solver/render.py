@@ -103,6 +103,9 @@ def decisions_table(plan: Plan) -> Table:
         ("checkpointing", f"full {modes['full']}, selective {modes['selective']}{op_level}, none {modes['none']} "
                           f"of {len(d.checkpoint)} layers (first layers first)"),
         ("precision / optimizer", f"{d.precision} / {d.optimizer}"),
+        ("memory savers", ", ".join(name for name, on in (
+            (f"loss {d.loss}", d.loss != "hf"), ("activation offload", d.activation_offload),
+            ("optimizer in backward", d.optimizer_in_backward)) if on) or "none"),
         ("LoRA", f"r={d.lora.rank} alpha={d.lora.alpha} targets={','.join(d.lora.targets)}" if d.lora else "no"),
         ("launchers", ", ".join(plan.launchers) or "none as emitted"),
         ("solver", plan.solver.summary()),

@@ -6,6 +6,7 @@ Pure Python, no CP-SAT. The per-layer checkpoint modes are the inner decision (s
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -35,7 +36,10 @@ class Outer(Config):
     """The same for op-level selective checkpointing (`capability.op_selective_runners`, OP_SELECTIVE)."""
 
     def runs(self, mode: Checkpoint) -> bool:
-        """Whether a launcher that runs this configuration can put layers in checkpoint `mode`."""
+        """Whether a launcher that runs this configuration can put layers in checkpoint `mode` (activation
+        offload runs only with every layer fully checkpointed: torchtune refuses it otherwise)."""
+        if self.activation_offload:
+            return mode is Checkpoint.FULL
         return {Checkpoint.SELECTIVE: self.selective, Checkpoint.OP_SELECTIVE: self.op_selective}.get(mode, True)
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
@@ -266,6 +270,10 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     runnable = _Runnable(pins, modes, lora=graph.lora, launchers=launchers)  # QLoRA/DoRA: its launchers
+    # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (each
+    # needs its package), the default alone when unpinned; `Outer.runs` keeps offloading outers fully checkpointed.
+    savers = list(itertools.product(pins.allowed("loss") or (KNOBS["loss"].default,),
+                                    pins.allowed("activation_offload") or (KNOBS["activation_offload"].default,)))
     outers = []
     for engine, zero in engine_stages(pins, launchers):
         compiles = compiled and _compiles(engine, zero, pins)
@@ -278,11 +286,13 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(layout, engine, pins):
                                 for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
-                                    outers += runnable(_valid(graph, {**pinned, **layout, **dict(
-                                        engine=engine, zero=zero, optimizer_offload=opt_off, param_offload=param_off,
-                                        micro_batch=mb, grad_accum=ga, precision=prec, optimizer=optimizer,
-                                        sequence_parallel=sp, compile=compiles, pp_schedule=schedule,
-                                        pp_virtual=v)}))
+                                    for loss, acts in savers:
+                                        outers += runnable(_valid(graph, {**pinned, **layout, **dict(
+                                            engine=engine, zero=zero, optimizer_offload=opt_off,
+                                            param_offload=param_off, micro_batch=mb, grad_accum=ga,
+                                            precision=prec, optimizer=optimizer, sequence_parallel=sp,
+                                            compile=compiles, pp_schedule=schedule, pp_virtual=v, loss=loss,
+                                            activation_offload=acts)}))
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
     if pins.launcher is not None:

@@ -164,3 +164,58 @@ def test_emitted_script_steps_in_backward_and_keeps_no_gradient(tmp_path):
     assert len(ranks) == 2 and len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert all(r["grad_bytes"] == 0 and r["grad_norms"] == [] for r in ranks)
     assert max(r["optimizer_bytes"] for r in ranks) == plan.estimate.memory.optimizer_states
+
+
+# --- the search choosing them (--allow-savers) ------------------------------------------------------------------
+
+SAVER_CASE = {"model": MODEL, "gpus": "1xT4", "seq_len": 4096, "global_batch": 16, "time_limit": 120}
+"""A 152k-token vocabulary at 4096 tokens on a 16 GB card: the logits alone are GiBs, so the savers matter."""
+
+
+@pytest.mark.slow
+def test_allowed_savers_give_the_best_plan_of_each_saver_setting_pinned_alone():
+    """An exact decomposition as the reference: the search over every loss and activation-offload setting
+    equals the fastest of the solves with each setting pinned (those some launcher runs), and beats the plan
+    without savers here (Liger's kernels and no full logits: a larger micro-batch)."""
+    chosen = solve(**SAVER_CASE, allow_savers=True)
+    assert chosen.solver.status == "OPTIMAL"
+    assert any("--allow-savers" in note for note in chosen.inputs.assumed)
+    steps = {}
+    for loss in Loss:
+        for offload in (False, True):
+            try:
+                plan = solve(**SAVER_CASE, loss=loss.value, activation_offload=offload)
+            except FitplanError:  # nothing fits, or no launcher runs the setting
+                continue
+            assert plan.solver.status == "OPTIMAL"
+            steps[loss, offload] = plan.estimate.time.step_time
+    assert chosen.estimate.time.step_time == pytest.approx(min(steps.values()), rel=1e-9)
+    assert (chosen.decisions.loss, chosen.decisions.activation_offload) in steps
+    assert chosen.estimate.time.step_time < steps[Loss.HF, False]
+    assert chosen.decisions.loss is not Loss.HF
+
+
+def test_offloading_configurations_keep_every_layer_fully_checkpointed():
+    from graphs import Checkpoint
+    from solver.space import Outer
+
+    offloading, keeping = Outer(activation_offload=True), Outer()
+    assert [m for m in Checkpoint if offloading.runs(m)] == [Checkpoint.FULL]
+    assert all(keeping.runs(m) for m in Checkpoint)
+
+
+def test_liger_s_loss_without_liger_kernel_is_left_out_of_a_list_and_refused_alone(monkeypatch):
+    monkeypatch.setattr("solver.api.liger_version", lambda: None)
+    plan = solve(MODEL, GPUS, **WORKLOAD, loss=("hf", "fused-linear"), time_limit=5)
+    assert plan.decisions.loss is Loss.HF
+    assert any("liger-kernel is not installed" in note for note in plan.inputs.assumed)
+    with pytest.raises(FitplanError, match="needs liger-kernel"):
+        solve(MODEL, GPUS, **WORKLOAD, loss="fused-linear", time_limit=5)
+
+
+def test_solve_cli_allow_savers_shows_the_chosen_savers():
+    result = invoke(["solve", "--model", MODEL, "--gpus", "1xT4", "--seq-len", "4096", "--global-batch", "16",
+                     "--allow-savers", "--time-limit", "60"])
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.stdout.split())
+    assert "memory savers │ loss fused-linear" in shown

@@ -134,6 +134,37 @@ def test_cpsat_equals_enumeration_where_op_level_sac_mixes_with_other_modes():
     assert mixed >= 2  # the reference covers op-level SAC beside no recompute and beside full recompute
 
 
+@pytest.mark.slow
+def test_cpsat_equals_enumeration_with_memory_savers_in_the_space():
+    """Savers allowed (--allow-savers): every loss and activation-offload setting is an outer configuration, the
+    offloading ones fully checkpointed only (`Outer.runs`); CP-SAT's optimum equals the enumeration's as the
+    budget tightens, and the savers win: Liger's fused loss where allowed, torchtune's chunked loss without it."""
+    from costmodels.config import Loss
+
+    winners = set()
+    for losses, headroom in ((tuple(Loss), 0.0), (tuple(Loss), 0.5), (tuple(Loss), 0.7), (tuple(Loss), 0.8),
+                             ((Loss.HF, Loss.CHUNKED), 0.3), ((Loss.HF, Loss.CHUNKED), 0.6)):
+        # pure bf16 beside bf16-mixed: torchtune's chunked loss runs in one dtype (`loss.refusals`)
+        pins = Pins.of(engine=Engine.DDP, precision=(Precision.BF16_MIXED, Precision.BF16), loss=losses,
+                       activation_offload=(False, True))
+        case = {"model": "Qwen/Qwen2.5-0.5B", "cluster": parse_cluster("1xL4"),
+                "workload": Workload(seq_len=2048, global_batch=4), "pins": pins, "headroom": headroom}
+        tables, kinds, modes = tables_for(case, seed=1)
+        settings = {(t.outer.loss, t.outer.activation_offload) for t in tables}
+        assert settings >= {(Loss.HF, False), (Loss.CHUNKED, True)}
+        assert all(t.outer.runs(Checkpoint.FULL) and not t.outer.runs(Checkpoint.NONE)
+                   for t in tables if t.outer.activation_offload)
+        best = enumerate_best(tables, kinds, modes)
+        found = search(tables, kinds, modes, time_limit=30, configurations=len(tables))
+        if best is None:
+            assert found.result.table is None and found.result.status == "INFEASIBLE"
+            continue
+        assert found.result.status == "OPTIMAL" and found.result.objective == best.objective
+        assert (found.result.table, found.result.modes) == (best.table, best.modes)
+        winners.add(tables[best.table].outer.loss)
+    assert {Loss.FUSED_LINEAR, Loss.CHUNKED} <= winners
+
+
 def test_canonical_modes_place_the_leanest_mode_first_within_each_kind():
     modes = canonical_modes([0, 1, 0, 0, 1, 0], {0: (1, 2, 1), 1: (0, 1)})
     # kind 0 (layers 0, 2, 3, 5): full, op-selective twice, selective; kind 1 (layers 1, 4): op-selective, none
