@@ -39,7 +39,7 @@ def dataloader_workers(cluster: Cluster) -> int:
 
 def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate, *,
            compile_pin: bool | None, input_tokens_per_s: float | None, allowed_optimizers: tuple[Optimizer, ...],
-           lora: bool, headroom: float = DEFAULT_HEADROOM) -> GuideDecisions:
+           lora: bool, savers_allowed: bool = False, headroom: float = DEFAULT_HEADROOM) -> GuideDecisions:
     lines = [_batch(graph, cluster, workload, config, chosen, headroom), _checkpointing(config),
              _precision(cluster, config), _optimizer(graph, cluster, workload, config, chosen, allowed_optimizers),
              _zero(config, chosen)]
@@ -49,7 +49,7 @@ def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
     lines.append(_data(cluster, chosen, workers, input_tokens_per_s))
     lines.append("PEFT/LoRA: adapters only (base frozen)" if lora else
                  "PEFT/LoRA: not needed, full fine-tuning fits (--lora-rank or --allow-lora to use it)")
-    lines.append(_savers(config))
+    lines.append(_savers(config, savers_allowed))
     lines.extend(_shapes(graph, cluster, workload, config))
     lines.append(_fp8(cluster, config))
     return GuideDecisions(use_compile, workers, tuple(line for line in lines if line))
@@ -62,11 +62,13 @@ SAVER_PACKAGES = {"loss chunked": "the generated torchrun script", "loss fused-l
                   "optimizer in backward": "the generated torchrun script"}
 
 
-def _savers(config: Config) -> str:
-    """The memory savers the plan runs and what each needs installed, or how to let the search choose them."""
+def _savers(config: Config, allowed: bool) -> str:
+    """The memory savers the plan runs and what each runs on, or how to let the search choose them."""
     used = [name for name, on in ((f"loss {config.loss}", config.loss.value != "hf"),
                                   ("activation offload", config.activation_offload),
                                   ("optimizer in backward", config.optimizer_in_backward)) if on]
+    if not used and allowed:
+        return "memory savers: none chosen (allowed; none makes this plan faster)"
     if not used:
         return "memory savers: none (--allow-savers lets the search choose chunked/fused losses and activation " \
                "offload)"

@@ -505,7 +505,8 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     guide = advise(graph, cluster, workload, config, estimate, compile_pin=pins.value("compile"),
                    input_tokens_per_s=input_rate, allowed_optimizers=pins.allowed("optimizer") or
                    (Config().optimizer,), lora=lora is not None,
-                   headroom=headroom)
+                   savers_allowed=len(pins.allowed("loss") or ()) > 1
+                   or len(pins.allowed("activation_offload") or ()) > 1, headroom=headroom)
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         config = replace(config, compile=guide.compile)
         estimate = estimate_config(graph, cluster, workload, config)

@@ -192,7 +192,8 @@ def test_allowed_savers_give_the_best_plan_of_each_saver_setting_pinned_alone():
     assert chosen.estimate.time.step_time == pytest.approx(min(steps.values()), rel=1e-9)
     assert (chosen.decisions.loss, chosen.decisions.activation_offload) in steps
     assert chosen.estimate.time.step_time < steps[Loss.HF, False]
-    assert chosen.decisions.loss is not Loss.HF
+    assert chosen.decisions.loss is Loss.FUSED_LINEAR  # chunked runs in one dtype: not under fp16-mixed
+    assert "memory savers: loss fused-linear (liger-kernel)" in chosen.advice  # the guide line: what it runs on
 
 
 def test_offloading_configurations_keep_every_layer_fully_checkpointed():
