@@ -236,8 +236,8 @@ def search(tables: list[Table], kinds: list[int], modes: tuple[Checkpoint, ...],
     candidates = [k for k in candidates if k in quick or peak_lower_bound(tables[k], table_modes(tables[k], modes))
                   <= tables[k].budget]
     candidates = undominated(tables, candidates, modes)
-    if incumbent is not None and candidates == [incumbent[1]] and lower[incumbent[1]] == incumbent[0]:
-        # the quick plan is the fastest assignment of the only configuration that could beat it: optimal
+    if incumbent is not None and all(lower[k] >= incumbent[0] for k in candidates):
+        # no candidate's fastest assignment is below the quick plan (the incumbent's own included): optimal
         status = "OPTIMAL" if complete else "FEASIBLE"
         result = SolveResult(status, incumbent[0], incumbent[0], time.perf_counter() - start, incumbent[1],
                              incumbent[2])
@@ -270,8 +270,8 @@ def solve_each(tables: list[Table], order: list[int], kinds: list[int], modes: t
     for k in order:
         table = tables[k]
         if best is not None and objective(table, fastest_modes(table, kinds, table_modes(table, modes)),
-                                          tie_weight=weight) > best[0]:
-            break
+                                          tie_weight=weight) >= best[0]:
+            break  # nothing in this table (nor in the later ones) goes below the cut-off
         if time.perf_counter() > deadline:
             finished = False
             break
