@@ -213,7 +213,8 @@ def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_
            progress: Callable[[Point], None] | None = None, **solve_options: Any) -> Choice:
     """Solve every (GPU type, count) of the sweep and pick the front, the cheapest in time, the fastest in budget.
 
-    `solve_options` go to `solve()` unchanged (seq_len, global_batch, time_limit, lora, allow_lora, pins).
+    `solve_options` go to `solve()` unchanged (seq_len, global_batch, time_limit, lora, allow_lora, allow_savers,
+    pins).
     """
     started = time.perf_counter()
     _check_request(tokens, deadline_hours, budget_usd)

@@ -331,6 +331,8 @@ def choose_command(
     optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated.")] = "adamw",
     lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA where full fine-tuning cannot fit.")] = False,
+    allow_savers: Annotated[bool, typer.Option(help="Let each solve choose the memory savers that keep the "
+                                               "training (--loss, --activation-offload).")] = False,
     time_limit: Annotated[float, typer.Option(help="Solver time limit per cluster, seconds.")] = 10.0,
     as_json: AsJson = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
@@ -346,7 +348,7 @@ def choose_command(
         choice = choose(model, tokens, gpu_types=gpu_types.split(","), max_gpus=max_gpus, prices=prices, spot=spot,
                         deadline_hours=None if deadline is None else parse_duration(deadline), budget_usd=budget,
                         progress=shown, seq_len=seq_len, global_batch=global_batch, allow_lora=allow_lora,
-                        time_limit=time_limit, **pins)
+                        allow_savers=allow_savers, time_limit=time_limit, **pins)
         if plot:
             plot_choice(choice, plot)
             err.print(f"wrote {plot}")
