@@ -485,6 +485,7 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     if (piped is None or piped.outer is None) and result.table is None and result.status == "INFEASIBLE" \
             and pipeline_status in ("INFEASIBLE", None):  # proven over the whole space
         message, hint, diagnosis = diagnose(found, inputs, pins, space, lora=lora is not None,
+                                            quantized=lora is not None and lora.quantization is not None,
                                             tp_degrees=any_graph.tp_degrees)
         raise Infeasible(message, hint, {**diagnosis, "explored": len(tables), "configurations": configurations})
     if (piped is None or piped.outer is None) and result.table is None:

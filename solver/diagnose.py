@@ -38,7 +38,7 @@ class NoPlanInTime(FitplanError):
 
 
 def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Space, *, lora: bool = False,
-             rebuild: Callable[[Pins], Space] | None = None, tp_degrees: tuple[int, ...] = (1,)
+             quantized: bool = False, rebuild: Callable[[Pins], Space] | None = None, tp_degrees: tuple[int, ...] = (1,)
              ) -> tuple[str, str, dict[str, Any]]:
     """(message, hint, diagnosis) for a request with no feasible configuration (the whole space searched);
     `rebuild` makes the space for other pins, to name the pins that leave nothing; `tp_degrees` are the model's
@@ -75,7 +75,8 @@ def diagnose(found: SearchResult | None, inputs: Inputs, pins: Pins, space: Spac
     more_tp = max((t for t in tp_degrees if t <= node_gpus), default=1) > max(t.outer.tp for t in found.tables)
     activations = allocated_peak(need.memory, lean)[1].activations
     ways = _ways_out(inputs, pins, least, budget, lora=lora, host_binds=host_binds,
-                     sharding_helps=floor <= budget or more_tp, floor=floor, activations=activations)
+                     sharding_helps=floor <= budget or more_tp, floor=floor, activations=activations,
+                     quantized=quantized)
     checkpointed = "every layer checkpointed" if lean[0] is Checkpoint.FULL else f"checkpointing pinned to {lean[0]}"
     message = (f"Nothing fits {inputs.model} on {cluster.spec} ({cluster.gpu_name}): the leanest configuration "
                f"the host can hold ({need.outer.engine}, zero={need.outer.zero}, tp={need.outer.tp}, micro-batch "
@@ -108,7 +109,7 @@ def blocking_pins(pins: Pins, rebuild: Callable[[Pins], Space]) -> Iterator[tupl
 
 
 def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool, host_binds: bool,
-              sharding_helps: bool, floor: int, activations: int) -> list[str]:
+              sharding_helps: bool, floor: int, activations: int, quantized: bool = False) -> list[str]:
     ways = []
     cluster = inputs.cluster
     if host_binds:
@@ -122,7 +123,9 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
         ways.append(f"larger GPUs: {', '.join(enough[:3])} would hold {least / GIB:.1f} GiB")
     ratio = least / max(1, budget)
     gpus = cluster.nodes * cluster.gpus_per_node
-    if sharding_helps:
+    if quantized:  # `EngineRules.quantized_base`: bitsandbytes' 4-bit layers run under DDP only
+        ways.append("not more GPUs: a quantized (QLoRA) base runs under DDP with tp=1 only, a whole copy on every GPU")
+    elif sharding_helps:
         ways.append(f"more GPUs: model states shard with ZeRO-3/FSDP; try about {max(2 * gpus, int(gpus * ratio) + 1)}"
                     " GPUs of this kind")
     else:  # activations and temporaries alone exceed a GPU: data parallelism cannot divide them

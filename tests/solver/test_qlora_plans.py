@@ -160,3 +160,6 @@ def test_allow_lora_says_when_neither_lora_nor_qlora_fits():
                                           r"Nothing fits") as refusal:
         solve("Qwen/Qwen2.5-7B", "1xT4", seq_len=32768, global_batch=1, allow_lora=True, time_limit=60)
     assert refusal.value.diagnosis and "--seq-len" in refusal.value.hint
+    # QLoRA runs under DDP only: more GPUs would each hold the whole quantized model
+    assert "not more GPUs: a quantized (QLoRA) base" in refusal.value.hint
+    assert "shard" not in refusal.value.hint
