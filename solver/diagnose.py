@@ -144,7 +144,7 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
         ("loss", "--loss fused-linear (Liger's fused cross-entropy: no full logits; HF Trainer, axolotl, torchrun)"),
         ("activation_offload", "--activation-offload on (saved activations to host memory; the torchrun script)"))
         if pins.allowed(name) is None and activations_matter]
-    if savers:  # the same training, less memory: allowed by the user (each needs its package), never silently
+    if savers:  # the same training, less memory: allowed by the user (liger-kernel, or the torchrun script only)
         ways.append("memory savers that keep the training (--allow-savers lets the search choose them): "
                     + ", ".join(savers))
     if not pins.allows("checkpoint", Checkpoint.FULL):

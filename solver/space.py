@@ -270,8 +270,9 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     runnable = _Runnable(pins, modes, lora=graph.lora, launchers=launchers)  # QLoRA/DoRA: its launchers
-    # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (each
-    # needs its package), the default alone when unpinned; `Outer.runs` keeps offloading outers fully checkpointed.
+    # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (they
+    # need liger-kernel or the torchrun script), the default alone when unpinned; `Outer.runs` keeps offloading
+    # outers fully checkpointed.
     savers = list(itertools.product(pins.allowed("loss") or (KNOBS["loss"].default,),
                                     pins.allowed("activation_offload") or (KNOBS["activation_offload"].default,)))
     outers = []
