@@ -62,11 +62,16 @@ SAVER_PACKAGES = {"loss chunked": "the generated torchrun script", "loss fused-l
                   "optimizer in backward": "the generated torchrun script"}
 
 
-def _savers(config: Config, allowed: bool) -> str:
-    """The memory savers the plan runs and what each runs on, or how to let the search choose them."""
-    used = [name for name, on in ((f"loss {config.loss}", config.loss.value != "hf"),
+def memory_savers(config: Config) -> list[str]:
+    """The memory savers `config` runs, by the names of `SAVER_PACKAGES` (the plan table shows the same list)."""
+    return [name for name, on in ((f"loss {config.loss}", config.loss.value != "hf"),
                                   ("activation offload", config.activation_offload),
                                   ("optimizer in backward", config.optimizer_in_backward)) if on]
+
+
+def _savers(config: Config, allowed: bool) -> str:
+    """The memory savers the plan runs and what each runs on, or how to let the search choose them."""
+    used = memory_savers(config)
     if not used and allowed:
         return "memory savers: none chosen (allowed; none makes this plan faster)"
     if not used:

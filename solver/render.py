@@ -13,6 +13,7 @@ from rich.text import Text
 from costmodels import Estimate
 from costmodels.verdict import Verdict, fits
 
+from .advice import memory_savers
 from .capability import engine_setting
 from .plan import Plan
 
@@ -103,9 +104,7 @@ def decisions_table(plan: Plan) -> Table:
         ("checkpointing", f"full {modes['full']}, selective {modes['selective']}{op_level}, none {modes['none']} "
                           f"of {len(d.checkpoint)} layers (first layers first)"),
         ("precision / optimizer", f"{d.precision} / {d.optimizer}"),
-        ("memory savers", ", ".join(name for name, on in (
-            (f"loss {d.loss}", d.loss != "hf"), ("activation offload", d.activation_offload),
-            ("optimizer in backward", d.optimizer_in_backward)) if on) or "none"),
+        ("memory savers", ", ".join(memory_savers(d)) or "none"),
         ("LoRA", f"r={d.lora.rank} alpha={d.lora.alpha} targets={','.join(d.lora.targets)}" if d.lora else "no"),
         ("launchers", ", ".join(plan.launchers) or "none as emitted"),
         ("solver", plan.solver.summary()),
