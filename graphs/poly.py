@@ -7,10 +7,9 @@ several (a layer's transient peak is the largest of its per-op working sets, whi
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 Monomial = tuple[int, int, int]
@@ -28,6 +27,10 @@ class Poly:
     """An exact polynomial in b, s and 1/t with rational coefficients."""
 
     terms: tuple[tuple[Monomial, Fraction], ...] = ()
+    _integer: tuple[int, int, tuple[tuple[int, int, int, int], ...]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+    """(common denominator, top power of 1/t, integer terms), built on first evaluation: the solver evaluates the
+    same polynomials at many shapes, and hashing Fractions per call (a shared cache) cost more than the sum."""
 
     @classmethod
     def of(cls, terms: Mapping[Monomial, int | Fraction]) -> Poly:
@@ -64,9 +67,12 @@ class Poly:
 
     def __call__(self, b: int, s: int, t: int = 1) -> int:
         """The value at (b, s, t), rounded up to a whole number (bytes and FLOPs are counted whole)."""
-        scale, terms = _integer_form(self.terms)
-        top = max((k for (_, _, k), _ in terms), default=0)
-        total = sum(c * b**i * s**j * t ** (top - k) for (i, j, k), c in terms)
+        form = self._integer
+        if form is None:
+            form = _integer_form(self.terms)
+            object.__setattr__(self, "_integer", form)
+        scale, top, terms = form
+        total = sum(c * b**i * s**j * t**k for i, j, k, c in terms)
         return -(-total // (scale * t**top))
 
     def without_tp(self) -> Poly:
@@ -100,11 +106,13 @@ class Poly:
 ZERO = Poly()
 
 
-@functools.lru_cache(maxsize=65536)
-def _integer_form(terms: tuple[tuple[Monomial, Fraction], ...]) -> tuple[int, tuple[tuple[Monomial, int], ...]]:
-    """(common denominator, integer numerators): evaluation in integers, exact and fast."""
+def _integer_form(terms: tuple[tuple[Monomial, Fraction], ...]) -> tuple[int, int, tuple[tuple[int, int, int, int],
+                                                                                       ...]]:
+    """(common denominator, top power of 1/t, terms as (i, j, top - k, numerator)): `Poly.__call__` evaluates
+    sum(numerator * b^i * s^j * t^(top - k)) / (denominator * t^top) in integers, exact and fast."""
     scale = math.lcm(*(c.denominator for _, c in terms)) if terms else 1
-    return scale, tuple((m, int(c * scale)) for m, c in terms)
+    top = max((k for (_, _, k), _ in terms), default=0)
+    return scale, top, tuple((i, j, top - k, int(c * scale)) for (i, j, k), c in terms)
 
 
 @dataclass(frozen=True, slots=True)

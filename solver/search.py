@@ -4,8 +4,9 @@ Pruning is exact: a configuration is dropped only when it cannot fit (its persis
 possible timeline exceed the budget) or when even its fastest possible step is slower than a plan already
 found, or when another configuration dominates it (`dominates`). Everything left is solved by CP-SAT, one model
 per configuration in the order of its fastest step, each asked only to beat the best plan so far (`solve_each`):
-the minimum over configurations of each one's minimum, as the joint model would find it, with most configurations
-proved unable to win by their linear relaxation alone.
+the minimum over configurations of each one's minimum, as the joint model would find it. A configuration whose
+assignments below the best so far are few is proved unable to win by evaluating them all (`count_search`), the
+others mostly by CP-SAT's linear relaxation.
 
 Under a time limit, tables are built leanest first (smallest micro-batch, most sharded and offloaded), so a
 plan that fits is found before the limit whenever one exists among the leanest configurations. The search
@@ -23,6 +24,7 @@ from costmodels import Cluster, Offload, Workload, precision
 from costmodels.activations import NodeMemory
 from graphs import Checkpoint, LayerGraph
 
+from .count_search import best_below
 from .model import SolveResult, add_objective_cutoff, build_model, solve
 from .space import CHECKPOINTED, Outer, Space, canonical_modes
 from .tables import Table, build_table, objective, table_modes, tie_weight
@@ -262,7 +264,9 @@ def solve_each(tables: list[Table], order: list[int], kinds: list[int], modes: t
     """The best assignment over the tables in `order` (by their fastest objective): one CP-SAT model per table,
     each asked only for objectives below the best so far (`model.add_objective_cutoff`), so a table that cannot
     beat it is proved so without its optimum; the visit stops once the tables' fastest objectives reach the
-    best. An exact decomposition of the joint model: the minimum over tables of each table's minimum. OPTIMAL
+    best. A table whose count vectors below the best are few is settled by evaluating them all
+    (`count_search.best_below`): skipped when none fits, else solved from the best of them as hint. An exact
+    decomposition of the joint model: the minimum over tables of each table's minimum. OPTIMAL
     when every model finished, INFEASIBLE when none has a plan, FEASIBLE or UNKNOWN when the limit cut it."""
     begin = time.perf_counter()
     best = incumbent
@@ -276,6 +280,10 @@ def solve_each(tables: list[Table], order: list[int], kinds: list[int], modes: t
             finished = False
             break
         plan = best[2] if best is not None and best[1] == k else quick.get(k)
+        if best is not None and (counted := best_below(table, kinds, modes, weight=weight, cutoff=best[0])):
+            if counted.objective is None:
+                continue  # proved by its count vectors: nothing in this table fits below the best so far
+            plan = counted.modes  # CP-SAT confirms it as the table's optimum from this hint
         pm = build_model([table], kinds, modes, weight=weight, hint=None if plan is None else (0, plan))
         if best is not None:
             add_objective_cutoff(pm, best[0])
