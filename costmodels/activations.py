@@ -7,6 +7,7 @@ order and summing gives the exact peak and where it is. Engine buffers that exis
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from graphs import Checkpoint, Layer, Poly, Role
@@ -49,8 +50,13 @@ def evaluate(poly: Poly, *, b: int, s: int, tp: int, sequence_parallel: bool) ->
     activations outside attention/MLP (the terms that grow with tokens) across TP ranks."""
     if not sequence_parallel:
         return poly(b, s, tp)
-    split = Poly.of({(i, j, 1 if (k or (i and j)) else 0): c for (i, j, k), c in poly.terms})
-    return split(b, s, tp)
+    return _sequence_split(poly)(b, s, tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sequence_split(poly: Poly) -> Poly:
+    """`poly` with every token-proportional term also divided by the TP degree (built once per polynomial)."""
+    return Poly.of({(i, j, 1 if (k or (i and j)) else 0): c for (i, j, k), c in poly.terms})
 
 
 def node_memory(layer: Layer, mode: Checkpoint, *, b: int, s: int, config: Config) -> NodeMemory:
