@@ -204,7 +204,8 @@ class SolverStats:
     configurations: int
     """Outer configurations in the search space."""
     considered: int
-    """Configurations left after exact pruning, given to CP-SAT."""
+    """Configurations left after exact pruning by bounds: each solved by CP-SAT, or settled by evaluating its few
+    count vectors below the best so far (`count_search`)."""
     time_limit_seconds: float
     explored: int | None = None
     """Configurations whose costs were built before the time limit (all of them unless the limit cut the search;
@@ -213,7 +214,7 @@ class SolverStats:
     def summary(self) -> str:
         """One line: the status, and when the time limit cut the search, how much was explored and the way on."""
         text = (f"{self.status} in {self.wall_seconds:.2f} s, {self.considered} of {self.configurations} "
-                "configurations in CP-SAT")
+                "configurations searched exactly")
         explored = self.configurations if self.explored is None else self.explored
         if self.status != "OPTIMAL":
             gap = "" if self.gap is None else f", gap {self.gap:.1%} within them"
