@@ -78,8 +78,8 @@ def stage_layers(graph: LayerGraph, workload: Workload, config: Config) -> tuple
 def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages: int) -> tuple[int, ...]:
     def flops(layer: object) -> float:
         cost = layer.cost()  # type: ignore[attr-defined]
-        return float(evaluate(cost.forward.flops + cost.backward.flops, b=micro_batch, s=seq_len, tp=tp,
-                              sequence_parallel=False))
+        return float(sum(evaluate(work.flops, b=micro_batch, s=seq_len, tp=tp, sequence_parallel=False)
+                         for work in (cost.forward, cost.backward)))
 
     nodes = graph.nodes()
     decoders = [i for i, layer in enumerate(nodes) if layer.role is Role.DECODER]

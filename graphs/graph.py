@@ -85,7 +85,9 @@ class LayerGraph:
         return self.graph.nodes[name]["layer"]
 
     def decoder_layers(self) -> list[Layer]:
-        return [layer for layer in self.nodes() if layer.role is Role.DECODER]
+        if "decoders" not in self._memo:  # the search asks for them per configuration
+            self._memo["decoders"] = [layer for layer in self.nodes() if layer.role is Role.DECODER]
+        return list(self._memo["decoders"])
 
     def params(self) -> list[ParamTensor]:
         return [p for layer in self.nodes() for p in layer.params]

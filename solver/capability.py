@@ -59,7 +59,9 @@ def runnable_by(d: Config, *, checkpoint: Sequence[Checkpoint] = (), lora: objec
                 launchers: Sequence[str] | None = None) -> tuple[str, ...]:
     """The `launchers` (default: all) that run these knobs as emitted, fewest caveats first (`preferred`)."""
     names = preferred(LAUNCHERS if launchers is None else launchers)
-    return tuple(name for name in names if not unsupported(name, d, checkpoint=checkpoint, lora=lora))
+    # the engine check first: most launchers run few engines, and `unsupported` words every reason
+    return tuple(name for name in names if (d.engine, d.zero) in REGISTRY[name].engines
+                 and not unsupported(name, d, checkpoint=checkpoint, lora=lora))
 
 
 def preferred(launchers: Sequence[str]) -> tuple[str, ...]:
@@ -380,6 +382,12 @@ def _parallelism(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...]) -
     return problems
 
 
+def whole_pipeline_groups(pp: int, grad_accum: int) -> bool:
+    """Whether pp divides the micro-batches of a step: all any launcher rule reads of the accumulation steps
+    (Megatron's interleaved grouping, `_megatron_pipeline`), so the search asks the rules once per answer."""
+    return grad_accum % pp == 0
+
+
 def _megatron_pipeline(d: Config, checkpoint: tuple[Checkpoint, ...]) -> list[str]:
     """What megatron-core 0.16.1 cannot run of a pipeline: other schedules, an interleaved order other than the one
     priced, and full recompute that is not the first k layers of every stage."""
@@ -390,7 +398,7 @@ def _megatron_pipeline(d: Config, checkpoint: tuple[Checkpoint, ...]) -> list[st
     if d.pp_schedule is Schedule.INTERLEAVED_1F1B and d.pp_virtual == 1:
         problems.append("interleaved-1f1b with one stage per rank (Megatron interleaves v >= 2 model chunks per "
                         "rank; with one it runs plain 1F1B)")
-    elif d.pp_schedule is Schedule.INTERLEAVED_1F1B and d.grad_accum % d.pp:
+    elif d.pp_schedule is Schedule.INTERLEAVED_1F1B and not whole_pipeline_groups(d.pp, d.grad_accum):
         # Megatron runs micro-batches in groups of microbatch_group_size_per_vp_stage = pp per model chunk; torch's
         # order, which fitplan prices, groups m // (m // pp): the two agree when pp divides m.
         problems.append(f"interleaved-1f1b with m={d.grad_accum} micro-batches, not a multiple of pp={d.pp} "

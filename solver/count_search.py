@@ -11,6 +11,7 @@ the tables this proves cannot win and hands CP-SAT the rest, with the best assig
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,13 +21,16 @@ from graphs import Checkpoint
 from .space import CHECKPOINTED, canonical_modes
 from .tables import Table, rank_step, recompute_weight
 
-MAX_VECTORS = 250_000
+MAX_VECTORS = 2_000_000
 """More count vectors below the cut-off than this: left to CP-SAT (the evaluation would take longer)."""
 _BATCH = 8192
+_CHUNK = 1 << 18
+"""Vectors checked at once against the binding events (bounds the arrays to tens of MB)."""
 _SAMPLE = 64
 """Vectors whose binding events (the largest of each walk) are checked first for all vectors."""
-_MAX_GRID = 8_000_000
-"""A kind's grid of counts (layers + 1)^modes above this: not tried (its memory, not its time, would be large)."""
+_MAX_COMPOSITIONS = 4_000_000
+"""A kind with more count vectors than this (before the cut-off): not tried (their memory, not their time,
+would be large)."""
 _ATTRS = ("fwd_net", "fwd_peak", "released_after_forward", "bwd_net", "bwd_peak", "bwd_peak_fresh", "grads")
 
 
@@ -49,7 +53,7 @@ def best_below(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...], *,
     base, ticks = _time_deltas(table, kinds, order, checkpointed)
     base = base * weight + table.rank * rank_step(len(kinds))
     unit = np.array([recompute_weight(m) for m in checkpointed], dtype=np.int64)
-    if any((kinds.count(kind) + 1) ** len(checkpointed) > _MAX_GRID for kind in order):
+    if any(math.comb(kinds.count(kind) + len(checkpointed), len(checkpointed)) > _MAX_COMPOSITIONS for kind in order):
         return None
     options = []
     for kind in order:
@@ -74,7 +78,9 @@ def best_below(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...], *,
     events = _Events(table, kinds, order, checkpointed)
     # Most vectors fail at the events that bind on the likeliest winners: check those first, for all vectors (a
     # vector failing any event does not fit), then every event for the survivors, best first, until one fits.
-    survivors = np.flatnonzero(events.fits(counts, events.binding(counts[:_SAMPLE])))
+    binding = events.binding(counts[:_SAMPLE])
+    survivors = np.concatenate([start + np.flatnonzero(events.fits(counts[start:start + _CHUNK], binding))
+                                for start in range(0, len(counts), _CHUNK)])
     everything = np.arange(len(table.memory.nodes))
     for start in range(0, len(survivors), _BATCH):
         batch = survivors[start:start + _BATCH]
@@ -101,10 +107,16 @@ def _time_deltas(table: Table, kinds: list[int], order: list[int], checkpointed:
 
 def _compositions(layers: int, modes: int, every_layer: bool) -> np.ndarray:
     """Every vector of per-mode counts of one kind (rows): nonnegative, summing to at most `layers` (exactly,
-    when no layer may stay un-checkpointed)."""
-    grid = np.indices((layers + 1,) * modes).reshape(modes, -1).T if modes else np.zeros((1, 0), dtype=np.int64)
-    total = grid.sum(axis=1)
-    return grid[total == layers if every_layer else total <= layers].astype(np.int64)
+    when no layer may stay un-checkpointed). Built a mode at a time: each row so far gets every count its
+    remaining layers allow."""
+    rows, remaining = np.zeros((1, 0), dtype=np.int64), np.array([layers], dtype=np.int64)
+    for _ in range(modes):
+        options = remaining + 1
+        parent = np.repeat(np.arange(len(rows)), options)
+        count = np.arange(len(parent)) - np.repeat(np.cumsum(options) - options, options)
+        rows = np.concatenate([rows[parent], count[:, None]], axis=1)
+        remaining = remaining[parent] - count
+    return rows[remaining == 0] if every_layer else rows
 
 
 def _product(kept: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

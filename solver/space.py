@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
@@ -18,7 +18,15 @@ from costmodels.estimate import model_refusals
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 
-from .capability import LAUNCHERS, REGISTRY, engines_of, op_selective_runners, runnable_by, selective_runners
+from .capability import (
+    LAUNCHERS,
+    REGISTRY,
+    engines_of,
+    op_selective_runners,
+    runnable_by,
+    selective_runners,
+    whole_pipeline_groups,
+)
 from .pins import KNOBS, Pins
 
 # Optimizer implementations that compute the same update: switching among them is not a training change.
@@ -36,11 +44,9 @@ class Outer(Config):
     """The same for op-level selective checkpointing (`capability.op_selective_runners`, OP_SELECTIVE)."""
 
     def runs(self, mode: Checkpoint) -> bool:
-        """Whether a launcher that runs this configuration can put layers in checkpoint `mode` (activation
-        offload runs only with every layer fully checkpointed: torchtune refuses it otherwise)."""
-        if self.activation_offload:
-            return mode is Checkpoint.FULL
-        return {Checkpoint.SELECTIVE: self.selective, Checkpoint.OP_SELECTIVE: self.op_selective}.get(mode, True)
+        """Whether a launcher that runs this configuration can put layers in checkpoint `mode` (`mode_runs`)."""
+        return mode_runs(mode, activation_offload=self.activation_offload, selective=self.selective,
+                         op_selective=self.op_selective)
 
     def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
         """The `Config` of these knobs with per-layer `checkpoint` modes (one validated instance per outer: the
@@ -53,6 +59,14 @@ class Outer(Config):
         (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
         return (self.tp, self.cp, self.pp, self.ep, self.engine, self.zero, self.optimizer_offload,
                 self.param_offload)
+
+
+def mode_runs(mode: Checkpoint, *, activation_offload: bool, selective: bool, op_selective: bool) -> bool:
+    """Whether layers can take checkpoint `mode` where a launcher runs selective / op-level selective recompute
+    or not (activation offload runs only with every layer fully checkpointed: torchtune refuses it otherwise)."""
+    if activation_offload:
+        return mode is Checkpoint.FULL
+    return {Checkpoint.SELECTIVE: selective, Checkpoint.OP_SELECTIVE: op_selective}.get(mode, True)
 
 
 @functools.lru_cache(maxsize=2**16)
@@ -269,7 +283,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
-    runnable = _Runnable(pins, modes, lora=graph.lora, launchers=launchers)  # QLoRA/DoRA: its launchers
+    runnable = _Runnable(graph, pins, modes, launchers=launchers)  # QLoRA/DoRA (graph.lora): its launchers
     # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (they
     # need liger-kernel or the torchrun script), the default alone when unpinned; `Outer.runs` keeps offloading
     # outers fully checkpointed.
@@ -279,6 +293,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     for engine, zero in engine_stages(pins, launchers):
         compiles = compiled and _compiles(engine, zero, pins)
         for layout in parallel_layouts(graph, cluster, workload, pins, engine):
+            if layout["pp"] > 1 and zero not in RULES[engine].pipeline_stages:
+                continue  # `Config` refuses every such outer (this stage does not keep parameters for a pipeline)
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
                 for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
                     if mb >= layout["cp"] > 1:
@@ -288,12 +304,12 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                             for sp in _sequence_parallel(layout, engine, pins):
                                 for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
                                     for loss, acts in savers:
-                                        outers += runnable(_valid(graph, {**pinned, **layout, **dict(
+                                        outers += runnable({**pinned, **layout, **dict(
                                             engine=engine, zero=zero, optimizer_offload=opt_off,
                                             param_offload=param_off, micro_batch=mb, grad_accum=ga,
                                             precision=prec, optimizer=optimizer, sequence_parallel=sp,
                                             compile=compiles, pp_schedule=schedule, pp_virtual=v, loss=loss,
-                                            activation_offload=acts)}))
+                                            activation_offload=acts)})
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
     if pins.launcher is not None:
@@ -330,45 +346,54 @@ def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launcher
                            f"Use one of: {', '.join(str(m) for m in graph.checkpoint_modes())}.")
 
 
-class _Runnable:
-    """Keeps the outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each
-    marked with whether selective and op-level selective recompute stay runnable. Launcher rules do not depend on
-    the micro-batch size (nor, without a pipeline, on the accumulation steps), so each is asked once per family."""
+_CONFIG_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
 
-    def __init__(self, pins: Pins, modes: tuple[Checkpoint, ...], *, lora: object,
-                 launchers: tuple[str, ...]) -> None:
+
+class _Runnable:
+    """Builds the outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each
+    marked with whether selective and op-level selective recompute stay runnable, and that `Config` and the model
+    accept (`estimate.model_refusals`: e.g. a fused loss it has no kernel for). Launcher rules do not depend on the
+    micro-batch size, and of the accumulation steps only on whether a pipeline's degree divides them
+    (`capability.whole_pipeline_groups`), so each is asked once per family, and a family no launcher runs builds
+    no more outers."""
+
+    _KEYS = tuple(name for name in KNOBS if name not in ("micro_batch", "grad_accum"))
+
+    def __init__(self, graph: LayerGraph, pins: Pins, modes: tuple[Checkpoint, ...], *, launchers: tuple[str, ...]
+                 ) -> None:
+        self.graph = graph
         self.allowed = (pins.launcher,) if pins.launcher else launchers
-        self.modes, self.lora = modes, lora
+        self.modes, self.lora = modes, graph.lora
         self.memo: dict[tuple[object, ...], tuple[bool, bool] | None] = {}
 
-    def __call__(self, outers: list[Outer]) -> list[Outer]:
-        kept = []
-        for outer in outers:
-            key = tuple(getattr(outer, name) for name in KNOBS if name != "micro_batch" and
-                        (outer.pp > 1 or name != "grad_accum"))
-            if key not in self.memo:
-                self.memo[key] = self._marks(outer)
-            if self.memo[key] is not None:
-                selective, op_selective = self.memo[key]
-                kept.append(replace(outer, selective=selective, op_selective=op_selective))
-        return kept
+    def __call__(self, values: dict[str, object]) -> list[Outer]:
+        """The outer of `values`, marked, or none where no launcher runs it or `Config` or the model refuses it."""
+        known = {**_CONFIG_DEFAULTS, **values}
+        pp, grad_accum = known["pp"], known["grad_accum"]
+        key = (*(known[name] for name in self._KEYS), pp > 1 and whole_pipeline_groups(pp, grad_accum))
+        asked = key in self.memo
+        marks = self.memo.get(key)
+        if asked and marks is None:
+            return []
+        try:
+            outer = Outer(**values, **({"selective": marks[0], "op_selective": marks[1]} if marks else {}))
+        except ValueError:
+            return []
+        if not asked:
+            marks = self.memo[key] = self._marks(outer)
+            if marks is None:
+                return []
+            if marks != (outer.selective, outer.op_selective):
+                outer = replace(outer, selective=marks[0], op_selective=marks[1])
+        return [] if model_refusals(self.graph, outer, modes_decided=False) else [outer]
 
     def _marks(self, outer: Outer) -> tuple[bool, bool] | None:
         runners = runnable_by(outer, lora=self.lora, launchers=self.allowed)
         marks = (bool(selective_runners(runners, all_layers=self.modes == (Checkpoint.SELECTIVE,))),
                  bool(op_selective_runners(runners, all_layers=self.modes == (Checkpoint.OP_SELECTIVE,))))
-        marked = replace(outer, selective=marks[0], op_selective=marks[1])
-        return marks if runners and any(marked.runs(mode) for mode in self.modes) else None
-
-
-def _valid(graph: LayerGraph, values: dict[str, object]) -> list[Outer]:
-    """The outer configuration of `values`, or none where `Config` refuses it (e.g. optimizer-in-backward with
-    accumulation) or the model does (a fused loss it has no kernel for: `estimate.model_refusals`)."""
-    try:
-        outer = Outer(**values)  # type: ignore[arg-type]
-    except ValueError:
-        return []
-    return [] if model_refusals(graph, outer, modes_decided=False) else [outer]
+        runs = any(mode_runs(mode, activation_offload=outer.activation_offload, selective=marks[0],
+                             op_selective=marks[1]) for mode in self.modes)
+        return marks if runners and runs else None
 
 
 def _sequence_parallel(layout: dict[str, object], engine: Engine, pins: Pins) -> list[bool]:
