@@ -85,15 +85,20 @@ def megatron_split(layer_costs: Sequence[float], stages: int, *, first_extra: fl
     if stages <= 2:
         return balanced_split(layer_costs, stages, first_extra=first_extra, last_extra=last_extra)
     middle = stages - 2
+    prefix = [0.0, *accumulate(layer_costs)]
     best: tuple[float, tuple[int, ...]] | None = None
     for last in range(n - middle, 0, -1):
         for first in range(1, n - middle - last + 1):
             if (n - first - last) % middle:
                 continue
-            sizes = (first, *([(n - first - last) // middle] * middle), last)
-            worst = max(stage_costs(sizes, layer_costs, first_extra=first_extra, last_extra=last_extra))
+            size = (n - first - last) // middle
+            bounds = [0, *(first + size * k for k in range(middle + 1)), n]
+            costs = [prefix[bounds[k + 1]] - prefix[bounds[k]] for k in range(stages)]  # as `stage_costs` sums them
+            costs[0] += first_extra
+            costs[-1] += last_extra
+            worst = max(costs)
             if best is None or worst < best[0]:
-                best = worst, sizes
+                best = worst, (first, *([size] * middle), last)
     if best is None:  # first = last = 1 leaves n - 2 >= middle layers; some split always exists
         raise RuntimeError("no Megatron split found")
     return best[1]
