@@ -48,7 +48,7 @@ def best_below(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...], *,
     `cutoff`, as the CP-SAT model of this table alone would find it; None when the count vectors below the cut-off
     are more than `MAX_VECTORS` (not tried)."""
     checkpointed = tuple(m for m in CHECKPOINTED if m in modes and table.outer.runs(m))
-    every_layer = Checkpoint.NONE not in modes
+    every_layer = Checkpoint.NONE not in modes or not table.outer.runs(Checkpoint.NONE)  # activation offload
     order = sorted(set(kinds))
     base, ticks = _time_deltas(table, kinds, order, checkpointed)
     base = base * weight + table.rank * rank_step(len(kinds))

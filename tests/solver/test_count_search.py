@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from costmodels import Offload, Precision, Workload, parse_cluster
+from graphs import Checkpoint
 from solver.count_search import best_below
 from solver.model import add_objective_cutoff, build_model, solve
 from solver.pins import Pins
@@ -78,6 +79,28 @@ def test_count_vectors_settle_memory_bound_tables_as_cpsat_does(model, gpus, seq
         found = _settle(tables, kinds, modes)
         settled, partial = settled + found[0], partial + found[1]
     assert settled >= 20 and partial >= 2
+
+
+@pytest.mark.slow
+def test_activation_offload_tables_have_every_layer_fully_checkpointed():
+    # Offloading activations runs only with every layer fully checkpointed (`Outer.runs`), whatever modes the space
+    # searches: the one assignment, by the reference walk, at loose and tight memory.
+    fits = 0
+    for headroom in (0.05, 0.5):
+        case = {"model": "Qwen/Qwen2.5-0.5B", "cluster": parse_cluster("1xL4"),
+                "workload": Workload(seq_len=4096, global_batch=8),
+                "pins": Pins.of(activation_offload=(False, True), micro_batch=1, precision=(Precision.BF16_MIXED,)),
+                "headroom": headroom}
+        tables, kinds, modes = tables_for(case, seed=1)
+        assert Checkpoint.NONE in modes
+        weight = tie_weight(tables, len(kinds))
+        for table in [t for t in tables if t.outer.activation_offload and t.states_fit]:
+            full = (Checkpoint.FULL,) * len(kinds)
+            expected = objective(table, full, tie_weight=weight) if table.peak_of(full) <= table.budget else None
+            counted = best_below(table, kinds, modes, weight=weight, cutoff=UNBOUNDED)
+            assert counted.objective == expected and counted.modes in ((), full)
+            fits += expected is not None
+    assert fits
 
 
 def test_a_table_with_more_vectors_than_it_evaluates_is_left_to_cpsat(monkeypatch):
