@@ -459,7 +459,13 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
             any_graph, cluster, workload, relaxed, launchers)))
     # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,
     # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
+    lowered = set()
     for outer in (*space.outers, *space.pipelines):  # lower every needed variant first: outside the time limit
+        # what `graph_of` reads (through `lowering_for`, `compile_credited`, `liger_lowering`): one call per variant
+        variant = (outer.precision, outer.engine, outer.zero, outer.compile, outer.loss)
+        if variant in lowered:
+            continue
+        lowered.add(variant)
         graph_of(outer)
         if space.compile_auto and outer.compile:  # the table may keep it eager (`tables.build_table`)
             graph_of(replace(outer, compile=False))
