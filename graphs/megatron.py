@@ -27,6 +27,10 @@ off (`--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-g
 dropout is the HF config's (0 for Llama and Qwen2; Megatron-LM's flag defaults are 0.1).
 The loss is megatron's `vocab_parallel_cross_entropy` (fp32 upcast of the logits) summed over tokens. Tensor
 parallelism is measured by a widened probe like the other lowerings (no sequence parallelism, loss replicated).
+
+`kernels="te"` lowers the same layers as a default Megatron-LM run executes them on GPUs (the Megatron launcher
+emits no `--transformer-impl local`): Transformer Engine's flash attention (no scores, no global buffer, no mask),
+megatron's fused SwiGLU and TE's fused RoPE, each in the CPU form `te_kernels.py` gives with its citation.
 """
 
 from __future__ import annotations
@@ -49,8 +53,11 @@ from .probe import Recording, TraceSlot, model_wide
 from .recorder import Recorder, ScopeTracker, marking_recompute
 from .sources import ResolvedModel, resolve
 
-# The attention a megatron-lowered graph records: the local spec's unfused DotProductAttention.
+# The attention a megatron-lowered graph records, by kernel set: the local spec's unfused DotProductAttention, or
+# Transformer Engine's flash attention (`te_kernels.FlashCoreAttention`).
 MEGATRON_ATTENTION = "megatron-local"
+TE_ATTENTION = "te-flash"
+KERNELS = {"local": MEGATRON_ATTENTION, "te": TE_ATTENTION}
 # Megatron's recompute granularities: none, "full" (uniform, one layer each) and "selective" (attention core).
 MEGATRON_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
 # HF model types lowered as megatron-core Llama-style GPT models (RMSNorm, SwiGLU, RoPE, GQA; Qwen2 adds the QKV
@@ -60,30 +67,35 @@ PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2
 # Bump when this module's output changes meaning (part of the cache key).
-MEGATRON_FORMAT = 1
+MEGATRON_FORMAT = 2
 # megatron-core's TP layers: ColumnParallelLinear shards output rows, RowParallelLinear input columns.
 _TP_STYLES = {"linear_qkv": ("colwise", 0), "linear_fc1": ("colwise", 0), "output_layer": ("colwise", 0),
               "linear_proj": ("rowwise", 1), "linear_fc2": ("rowwise", 1),
               "word_embeddings": ("embedding_rowwise", 0)}
 
 
-def lower_megatron(model: str, *, dtype: str = "bfloat16", use_cache: bool = True) -> LayerGraph:
-    """Lower `model` (catalog id, local path or cached Hub id) through megatron-core's GPTModel (local spec)."""
-    return lower_megatron_resolved(resolve(model), dtype=dtype, use_cache=use_cache)
+def lower_megatron(model: str, *, dtype: str = "bfloat16", use_cache: bool = True,
+                   kernels: str = "local") -> LayerGraph:
+    """Lower `model` (catalog id, local path or cached Hub id) through megatron-core's GPTModel (local spec), with
+    the local spec's own kernels or (`kernels="te"`) the GPU kernels a default Megatron-LM run uses."""
+    return lower_megatron_resolved(resolve(model), dtype=dtype, use_cache=use_cache, kernels=kernels)
 
 
 @functools.lru_cache(maxsize=16)
-def lower_megatron_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", use_cache: bool = True) -> LayerGraph:
+def lower_megatron_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", use_cache: bool = True,
+                            kernels: str = "local") -> LayerGraph:
     from .cache import cache_key, load_cached, store_cached
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
-    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention="megatron/local", lora=None,
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} must be one of {', '.join(KERNELS)}")
+    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention=f"megatron/{kernels}", lora=None,
                     probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, MEGATRON_FORMAT, _package_version("megatron-core")))
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
-    with cpu_runtime():
-        graph = _measure(resolved, dtype=dtype)
+    with megatron_runtime(kernels):
+        graph = _measure(resolved, dtype=dtype, kernels=kernels)
     if use_cache:
         store_cached(key, graph)
     return graph
@@ -95,7 +107,7 @@ def _package_version(name: str) -> str:
     return version(name)
 
 
-def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
+def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph:
     from .lower import assemble, dims_of
     from .measure import Study, _versions, transformers_config
 
@@ -109,10 +121,10 @@ def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
     # Megatron's GPT layers are all alike (one kind); the trace model has one layer per slot.
     kinds = [0] * dims.layers
     slots = [TraceSlot(None, Checkpoint.NONE)] + [TraceSlot(0, m) for m in MEGATRON_MODES]
-    model = build_megatron(config, layers=len(slots), dtype=torch_dtype)
-    params = _param_tensors(build_megatron(config, layers=dims.layers, dtype=torch_dtype), dtype)
-    trace = trace_model(config, slots, dtype=torch_dtype, fake=fake, base=model)
-    wide = trace_model(config, slots, dtype=torch_dtype, fake=fake, widen=WIDEN_FACTOR)
+    model = build_megatron(config, layers=len(slots), dtype=torch_dtype, kernels=kernels)
+    params = _param_tensors(build_megatron(config, layers=dims.layers, dtype=torch_dtype, kernels=kernels), dtype)
+    trace = trace_model(config, slots, dtype=torch_dtype, fake=fake, base=model, kernels=kernels)
+    wide = trace_model(config, slots, dtype=torch_dtype, fake=fake, widen=WIDEN_FACTOR, kernels=kernels)
 
     def run(b: int, s: int, traced: torch.nn.Module = trace) -> Recording:
         with fake:
@@ -123,10 +135,11 @@ def _measure(resolved: ResolvedModel, *, dtype: str) -> LayerGraph:
     costs = segment_costs(probes)
     itemsize = torch.finfo(torch_dtype).bits // 8
     wide_bytes = model_wide_bytes(probes)
-    wide_bytes["shared"] = (wide_bytes["shared"] + rope_table_bytes(dims.head_dim)
-                            + global_buffer_bytes(dims.heads, itemsize))
+    wide_bytes["shared"] = wide_bytes["shared"] + rope_table_bytes(dims.head_dim)
+    if kernels == "local":
+        wide_bytes["shared"] = wide_bytes["shared"] + global_buffer_bytes(dims.heads, itemsize)
     block = model.decoder.layers[0]
-    study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention=MEGATRON_ATTENTION,
+    study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention=KERNELS[kernels],
                   dims=dims, itemsize=itemsize, params=params, kinds=kinds,
                   slot_scopes={(s.kind, s.mode): f"layers.{j}" for j, s in enumerate(slots) if s.kind is not None},
                   costs=costs, rowwise_modules=[2] * dims.layers, moe={},
@@ -153,9 +166,11 @@ def _tp_degrees(dims: ModelDims) -> tuple[int, ...]:
 
 
 def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloat16,
-                    granularity: str | None = None, widen: int = 1) -> Any:
+                    granularity: str | None = None, widen: int = 1, kernels: str = "local") -> Any:
     """megatron-core's TransformerConfig for a Llama-style transformers config (`widen` multiplies the heads,
-    query groups and FFN width, keeping the head size); `granularity` is `recompute_granularity`."""
+    query groups and FFN width, keeping the head size); `granularity` is `recompute_granularity`; `kernels="te"`
+    turns on the SwiGLU and RoPE fusions a default Megatron-LM run uses (call inside `te_kernels`)."""
+    fused = kernels == "te"
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from .lower import dims_of
@@ -172,15 +187,16 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         recompute_granularity=granularity, recompute_method="uniform" if granularity == "full" else None,
         recompute_num_layers=1 if granularity == "full" else None,
-        # The unfused paths: see the module docstring.
-        masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
+        # The unfused paths, or TE's fusions: see the module docstring.
+        masked_softmax_fusion=False, bias_activation_fusion=fused, apply_rope_fusion=fused,
         cross_entropy_loss_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, use_cpu_initialization=True, perform_initialization=False)
 
 
 def build_megatron(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloat16, granularity: str | None = None,
-                   widen: int = 1, max_seq: int | None = None) -> torch.nn.Module:
-    """megatron-core's GPTModel with the local layer spec on the meta device (call inside `cpu_runtime`)."""
+                   widen: int = 1, max_seq: int | None = None, kernels: str = "local") -> torch.nn.Module:
+    """megatron-core's GPTModel with the local layer spec on the meta device (call inside `megatron_runtime`); with
+    `kernels="te"` its core attention is TE's flash attention in CPU form."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -189,8 +205,14 @@ def build_megatron(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloa
     text = config.get_text_config()
     scaling = _llama_scaling(text)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if kernels == "te":
+        from .te_kernels import FlashCoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
+    settings = megatron_config(config, layers=layers, dtype=dtype, granularity=granularity, widen=widen,
+                               kernels=kernels)
     with torch.device("meta"):
-        model = GPTModel(megatron_config(config, layers=layers, dtype=dtype, granularity=granularity, widen=widen),
+        model = GPTModel(settings,
                          spec, vocab_size=int(text.vocab_size),
                          max_sequence_length=max_seq or int(getattr(text, "max_position_embeddings", 8192)),
                          position_embedding_type="rope", rotary_base=int(_rope_theta(text)),
@@ -223,11 +245,12 @@ class FullRecompute(torch.nn.Module):
 
 
 def trace_model(config: Any, slots: list[TraceSlot], *, dtype: torch.dtype, fake: FakeTensorMode,
-                widen: int = 1, base: torch.nn.Module | None = None) -> torch.nn.Module:
+                widen: int = 1, base: torch.nn.Module | None = None, kernels: str = "local") -> torch.nn.Module:
     """A GPTModel with one layer per slot, on fake tensors: FULL slots wrapped in `FullRecompute`, SELECTIVE ones
     taken from a model built with `recompute_granularity="selective"` (its attention checkpoints the core)."""
-    model = base or build_megatron(config, layers=len(slots), dtype=dtype, widen=widen)
-    selective = build_megatron(config, layers=len(slots), dtype=dtype, granularity="selective", widen=widen)
+    model = base or build_megatron(config, layers=len(slots), dtype=dtype, widen=widen, kernels=kernels)
+    selective = build_megatron(config, layers=len(slots), dtype=dtype, granularity="selective", widen=widen,
+                               kernels=kernels)
     stack = torch.nn.ModuleList()
     for j, slot in enumerate(slots):
         layer = (selective if slot.mode is Checkpoint.SELECTIVE else model).decoder.layers[j]
@@ -251,15 +274,17 @@ def to_fake(model: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype) ->
 
 
 def prepare_step(model: torch.nn.Module, *, b: int, s: int) -> list[torch.Tensor]:
-    """Make what megatron keeps for the whole run before the recorded pass: the RoPE table and the attention
-    global buffer (call under the fake mode); returns them so the recorder treats them as existing."""
+    """Make what megatron keeps for the whole run before the recorded pass: the RoPE table and the local
+    attention's global buffer (call under the fake mode); returns them so the recorder treats them as existing."""
     from megatron.core import parallel_state
     from megatron.core.utils import GlobalMemoryBuffer
 
     model.rotary_pos_emb.forward.cache_clear()
     table = model.rotary_pos_emb(s)
     parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
-    attention = next(m for m in model.modules() if type(m).__name__ == "DotProductAttention")
+    attention = next((m for m in model.modules() if type(m).__name__ == "DotProductAttention"), None)
+    if attention is None:  # TE's flash attention uses no global buffer
+        return [table]
     dtype = next(p for p in model.decoder.parameters()).dtype
     heads = attention.num_attention_heads_per_partition
     buffer = parallel_state.get_global_memory_buffer().get_tensor((b * heads, s, s), dtype, "mpu")
@@ -332,6 +357,19 @@ def _recomputed(layers: list[torch.nn.Module]) -> tuple[list[torch.nn.Module], d
 
 
 @contextlib.contextmanager
+def megatron_runtime(kernels: str = "local") -> Iterator[None]:
+    """`cpu_runtime`, with TE's kernels in CPU form installed for `kernels="te"`."""
+    with cpu_runtime():
+        if kernels == "local":
+            yield
+        else:
+            from .te_kernels import te_kernels
+
+            with te_kernels():
+                yield
+
+
+@contextlib.contextmanager
 def cpu_runtime() -> Iterator[None]:
     """megatron-core 0.16 on a CPU-only torch, one rank: a 1-rank gloo group (file store) with model parallel
     state when none exists, and its CUDA-only calls redirected: `torch.cuda.current_device()` (RoPE, global
@@ -394,5 +432,5 @@ def _param_tensors(model: torch.nn.Module, dtype: str) -> list[ParamTensor]:
     return tensors
 
 
-__all__ = ["MEGATRON_MODES", "MEGATRON_TYPES", "build_megatron", "cpu_runtime", "lower_megatron",
-           "megatron_config", "run_megatron_pass", "trace_model"]
+__all__ = ["KERNELS", "MEGATRON_MODES", "MEGATRON_TYPES", "TE_ATTENTION", "build_megatron", "cpu_runtime",
+           "lower_megatron", "megatron_config", "megatron_runtime", "run_megatron_pass", "trace_model"]

@@ -3,8 +3,10 @@ torch's MemTracker only, at shapes the probes never used.
 
 The reference builds the real model with `recompute_granularity` set in its TransformerConfig (megatron's own
 `TransformerBlock._checkpointed_forward` and `SelfAttention._checkpointed_attention_forward` do the recompute),
-where the lowering wraps trace layers itself. Both run inside `graphs.megatron.cpu_runtime` (megatron-core's
-CUDA-only calls redirected to the CPU) and with the GPU RMSNorm kernel's autograd formula (`cuda_rms_norm`).
+where the lowering wraps trace layers itself. Both run inside `graphs.megatron.megatron_runtime` (megatron-core's
+CUDA-only calls redirected to the CPU; with kernels="te", Transformer Engine's kernels in their CPU form) and with
+the GPU RMSNorm kernel's autograd formula (`cuda_rms_norm`). Each kernel set is checked: the local spec's own, and
+the TE flash attention, fused SwiGLU and fused RoPE a default Megatron-LM run uses.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ UNSEEN_B, UNSEEN_S = 3, 80  # probes use b in {2, 4} and s in {32, 64, 96}
 TOLERANCE = 0.01
 STEP_B, STEP_S = 2, 256
 GRANULARITY = {Checkpoint.NONE: None, Checkpoint.FULL: "full", Checkpoint.SELECTIVE: "selective"}
+KERNELS = tuple(mg.KERNELS)
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +51,18 @@ def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def graph(folder: str) -> LayerGraph:
-    return mg.lower_megatron(folder, use_cache=False)
+def graphs(folder: str) -> dict[str, LayerGraph]:
+    return {kernels: mg.lower_megatron(folder, use_cache=False, kernels=kernels) for kernels in KERNELS}
 
 
-def _reference(folder: str, mode: Checkpoint, fake: FakeTensorMode) -> torch.nn.Module:
+@pytest.fixture(scope="module")
+def graph(graphs: dict[str, LayerGraph]) -> LayerGraph:
+    return graphs["local"]
+
+
+def _reference(folder: str, mode: Checkpoint, fake: FakeTensorMode, kernels: str) -> torch.nn.Module:
     config = transformers_config(resolve(folder))
-    model = mg.build_megatron(config, layers=config.num_hidden_layers, granularity=GRANULARITY[mode])
+    model = mg.build_megatron(config, layers=config.num_hidden_layers, granularity=GRANULARITY[mode], kernels=kernels)
     mg.to_fake(model, fake, torch.bfloat16)
     return model
 
@@ -65,12 +73,12 @@ def _kept(model: torch.nn.Module) -> list[Any]:
     return [*parallel_state.get_global_memory_buffer().buffer.values()]
 
 
-def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int) -> list[int]:
+def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int, kernels: str = "local") -> list[int]:
     """Bytes each layer's forward left alive (MemTracker: Post-Forward minus Pre-Forward); the RoPE table and the
     attention global buffer, which megatron makes at the first step and keeps, exist before."""
-    with mg.cpu_runtime():
+    with mg.megatron_runtime(kernels):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _reference(folder, mode, fake)
+        model = _reference(folder, mode, fake, kernels)
         layers = list(model.decoder.layers)
         with fake, cuda_rms_norm():
             kept = mg.prepare_step(model, b=b, s=s)
@@ -83,13 +91,13 @@ def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int) -> list[int]:
     return [_total(st["Post-Forward"][-1]) - _total(st["Pre-Forward"][-1]) for st in stats]
 
 
-def step_peak(folder: str, mode: Checkpoint, *, b: int, s: int) -> int:
+def step_peak(folder: str, mode: Checkpoint, *, b: int, s: int, kernels: str) -> int:
     """MemTracker's allocated peak over one training step of megatron's GPTModel (forward with labels, summed
     loss, backward, foreach AdamW, zero_grad) after a warm-up step; the RoPE table and the attention global
     buffer, which megatron keeps from the first step on, are tracked as external tensors."""
-    with mg.cpu_runtime():
+    with mg.megatron_runtime(kernels):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _reference(folder, mode, fake)
+        model = _reference(folder, mode, fake, kernels)
         with fake, cuda_rms_norm():
             optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
 
@@ -112,33 +120,37 @@ def _total(snapshot: dict[torch.device, dict[str, int]]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
-def test_megatron_saved_bytes_match_what_memtracker_sees_each_layer_keep(mode, folder, graph):
+def test_megatron_saved_bytes_match_what_memtracker_sees_each_layer_keep(mode, kernels, folder, graphs):
     # MemTracker sees what a layer's forward leaves alive: its saved tensors and its output. Every mode saves the
     # layer's input (the fused RMSNorm, or megatron's checkpoint), which existed before and is the output's size.
-    assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S) for layer in graph.decoder_layers()] == \
-        layer_saved(folder, mode, b=UNSEEN_B, s=UNSEEN_S)
+    assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S) for layer in graphs[kernels].decoder_layers()] == \
+        layer_saved(folder, mode, b=UNSEEN_B, s=UNSEEN_S, kernels=kernels)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
-def test_megatron_allocated_peak_matches_memtracker_over_a_training_step(mode, folder, graph):
+def test_megatron_allocated_peak_matches_memtracker_over_a_training_step(mode, kernels, folder, graphs):
     config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
                     checkpoint=(mode,) * 2)
-    predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
-    measured = step_peak(folder, mode, b=STEP_B, s=STEP_S)
+    predicted = estimate(graphs[kernels], parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B),
+                         config)
+    measured = step_peak(folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
     assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
-def test_megatron_qwen2_allocated_peak_matches_memtracker_over_a_training_step(mode, qwen2_folder):
+def test_megatron_qwen2_allocated_peak_matches_memtracker_over_a_training_step(mode, kernels, qwen2_folder):
     # Qwen2: the QKV bias (`add_qkv_bias`), tied embeddings, rope_theta 1e6.
-    graph = mg.lower_megatron(qwen2_folder, use_cache=False)
+    graph = mg.lower_megatron(qwen2_folder, use_cache=False, kernels=kernels)
     config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
                     checkpoint=(mode,) * 2)
     predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
-    measured = step_peak(qwen2_folder, mode, b=STEP_B, s=STEP_S)
+    measured = step_peak(qwen2_folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
     assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
 
 
@@ -174,14 +186,16 @@ def test_models_megatrons_local_spec_does_not_run_are_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
-def test_megatron_saved_bytes_at_tp2_equal_the_model_one_tp_rank_holds(mode, graph, tmp_path):
+def test_megatron_saved_bytes_at_tp2_equal_the_model_one_tp_rank_holds(mode, kernels, graphs, tmp_path):
     # Without sequence parallelism a TP rank of megatron-core runs the layer with half the heads and query groups
     # and half the FFN width (ColumnParallelLinear linear_qkv/linear_fc1, RowParallelLinear linear_proj/fc2);
     # norms and the residual stream stay whole.
+    graph = graphs[kernels]
     assert graph.tp_splits_activations and 2 in graph.tp_degrees
     values = {**tiny_values("llama"), "num_hidden_layers": 2}
     rank = {**values, **{k: values[k] // 2 for k in ("num_attention_heads", "num_key_value_heads",
                                                     "intermediate_size")}}
-    ref = layer_saved(str(write_config(tmp_path / "rank", rank)), mode, b=UNSEEN_B, s=UNSEEN_S)
+    ref = layer_saved(str(write_config(tmp_path / "rank", rank)), mode, b=UNSEEN_B, s=UNSEEN_S, kernels=kernels)
     assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S, 2) for layer in graph.decoder_layers()] == ref
