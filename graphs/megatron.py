@@ -379,9 +379,12 @@ def cpu_runtime() -> Iterator[None]:
     import warnings
 
     import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.tensor_parallel import random as mrandom
+
+    with warnings.catch_warnings():  # megatron-core warns on import that TE and apex are absent (it falls back)
+        warnings.filterwarnings("ignore", category=UserWarning)
+        from megatron.core import parallel_state
+        from megatron.core.fusions import fused_softmax
+        from megatron.core.tensor_parallel import random as mrandom
 
     started = not dist.is_initialized()
     saved = (torch.cuda.current_device, mrandom._get_all_rng_states, mrandom._set_all_rng_states,

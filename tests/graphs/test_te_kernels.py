@@ -20,6 +20,15 @@ from tests.graphs.tiny_configs import tiny_values
 S, B = 12, 2
 
 
+def kernels_run(run: Any) -> list[str]:
+    """The ops the lowering's recorder sees launch a kernel while `run()` executes, forward and backward."""
+    from graphs.recorder import Recorder, launches_kernel
+
+    with Recorder([]) as recorder:
+        run()
+    return [op.name for op in recorder.ops if launches_kernel(op)]
+
+
 def saved_by(run: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of the tensors autograd saves while `run()` executes."""
     saved: list[tuple[tuple[int, ...], torch.dtype]] = []
@@ -92,6 +101,9 @@ def test_fused_rope_computes_megatrons_unfused_rope_and_saves_only_the_frequenci
     # TE's FusedRoPEFunc keeps the table only; the unfused code keeps cos and sin per call.
     assert saved_by(lambda: fused_rope(t, freqs)) == [(tuple(freqs.shape), torch.float32)]
     assert len(saved_by(lambda: _apply_rotary_pos_emb_bshd(t, freqs))) > 1
+    # One kernel each way, as TE's fused_rope_forward / fused_rope_backward (the unfused code launches a dozen).
+    assert [name for name in kernels_run(lambda: fused_rope(t, freqs).backward(weights)) if "te_rope" in name] == \
+        ["fitplan.te_rope", "fitplan.te_rope_back"]
 
 
 def test_megatrons_fused_swiglu_runs_eagerly_and_saves_only_its_input():
@@ -101,7 +113,12 @@ def test_megatrons_fused_swiglu_runs_eagerly_and_saves_only_its_input():
     y = torch.randn(S, B, 2 * 8, generator=generator, requires_grad=True)
     with mg.megatron_runtime("te"):
         got = bias_swiglu_impl(y, None)
+        grad = torch.autograd.grad(got.square().sum(), y)
         saved = saved_by(lambda: bias_swiglu_impl(y, None))
+        launched = kernels_run(lambda: bias_swiglu_impl(y, None).sum().backward())
     gate, up = y.chunk(2, -1)
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up)
+    torch.testing.assert_close(grad, torch.autograd.grad((torch.nn.functional.silu(gate) * up).square().sum(), y))
     assert saved == [((S * B, 16), torch.float32)]  # the input, as bias_swiglu_impl flattens it (a view)
+    assert [name for name in launched if "swiglu" in name] == ["fitplan.te_swiglu", "fitplan.te_swiglu_back"]
+    assert not any("silu" in name or "sigmoid" in name for name in launched)
