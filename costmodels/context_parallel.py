@@ -30,10 +30,10 @@ CHUNKS_PER_RANK = 2
 # torch 2.13 `_ContextParallelOptions.convert_to_f32 = True`: the ring merges outputs and accumulates dK, dV and dQ
 # in fp32, and passes dK, dV around the ring in fp32.
 ACCUMULATE_ITEMSIZE = 4
-# Attention implementations a CP runtime shards: SDPA (torch's CP dispatcher, torchtitan) and flex attention
-# (torchtitan's CP over FlexAttention); eager attention materialises the scores and megatron-core's local spec has
-# no CP (Megatron-LM runs CP only through Transformer Engine's attention).
-CP_ATTENTION = ("sdpa", "flex")
+# Attention implementations a CP runtime shards: SDPA (torch's CP dispatcher, torchtitan), flex attention
+# (torchtitan's CP over FlexAttention) and Transformer Engine's flash attention ("te-flash", `graphs.megatron`:
+# Megatron-LM runs CP through it); eager attention materialises the scores and megatron-core's local spec has no CP.
+CP_ATTENTION = ("sdpa", "flex", "te-flash")
 
 
 def local_seq_len(seq_len: int, cp: int) -> int:

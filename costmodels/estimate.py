@@ -177,10 +177,17 @@ def _time_notes(cluster: Cluster) -> tuple[str, ...]:
 
 
 def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
-    notes = [f"activations measured with {graph.attention} attention (flash/memory-efficient kernels on GPUs); "
-             "sliding windows are not credited"]
+    if graph.runtime == "megatron":
+        notes = [f"activations measured on megatron-core's GPT layers with the kernels a default Megatron-LM run "
+                 f"uses ({graph.attention}: Transformer Engine's flash attention, fused SwiGLU and RoPE; "
+                 "graphs/te_kernels.py)"]
+    else:
+        notes = [f"activations measured with {graph.attention} attention (flash/memory-efficient kernels on GPUs); "
+                 "sliding windows are not credited"]
     if any(m is not Checkpoint.NONE for m in config.layer_modes(len(graph.decoder_layers()))):
-        notes.append("checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
+        notes.append("checkpointed layers are recomputed with megatron's tensor_parallel.checkpoint (reentrant)"
+                     if graph.runtime == "megatron" else
+                     "checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
     if any(layer.role is Role.DECODER and layer.moe for layer in graph.nodes()):
         notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)")
     return tuple(notes) + context_parallel.notes(config) + expert_notes(config) + _saver_notes(config)

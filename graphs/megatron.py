@@ -67,7 +67,7 @@ PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2
 # Bump when this module's output changes meaning (part of the cache key).
-MEGATRON_FORMAT = 2
+MEGATRON_FORMAT = 3
 # megatron-core's TP layers: ColumnParallelLinear shards output rows, RowParallelLinear input columns.
 _TP_STYLES = {"linear_qkv": ("colwise", 0), "linear_fc1": ("colwise", 0), "output_layer": ("colwise", 0),
               "linear_proj": ("rowwise", 1), "linear_fc2": ("rowwise", 1),

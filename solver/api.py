@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,7 +22,7 @@ from costmodels import (
 from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
-from costmodels.config import Loss
+from costmodels.config import Engine, Loss
 from costmodels.estimate import model_refusals
 from costmodels.loss import liger_lowering
 from costmodels.packing import Lengths, packed, padded
@@ -32,6 +33,7 @@ from costmodels.verdict import fits
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
 from graphs.liger import liger_version
 from graphs.lower import lower_resolved
+from graphs.megatron import MEGATRON_TYPES, lower_megatron_resolved
 from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel
 
@@ -41,7 +43,7 @@ from .alternatives import alternatives
 from .bounds import check_workload
 from .capability import op_selective_runners
 from .diagnose import Infeasible, NoPlanInTime, diagnose
-from .launchers.support import TITAN_PRICED, model_launchers, model_problems, runnable_by
+from .launchers.support import MEGATRON_PRICED, TITAN_PRICED, model_launchers, model_problems, runnable_by
 from .model import SolveResult
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
@@ -120,14 +122,32 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
     return workload, [*assumed, beyond] if beyond else assumed
 
 
+def megatron_lowered(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None) -> bool:
+    """Whether Megatron's engine is priced on megatron-core's own GPT layers with the kernels a default Megatron-LM
+    run uses (`graphs.megatron`, kernels="te"): dense Llama-style models without LoRA (Megatron runs no PEFT) or a
+    pinned HF attention, with megatron-core installed (the `megatron` extra). Other models keep the HF lowering,
+    which the plan's notes say."""
+    return (lora is None and attention in (None, MEGATRON_PRICED)
+            and resolved.as_dict().get("model_type") in MEGATRON_TYPES
+            and importlib.util.find_spec("megatron") is not None)
+
+
 def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None, cache: dict, *,
                runtime: str = "hf", op_selective: bool = False) -> Any:
     """The lowering each configuration needs, through the code that runs it: torchtitan's own model for the
-    torchtitan launcher (`graphs.titan`), else the Hugging Face modeling code, traced with op-level SAC only when
-    `op_selective` (some allowed launcher runs it; the extra trace is not paid otherwise), and as torch.compile
-    trains it where the configuration compiles (`graphs.compiled`)."""
+    torchtitan launcher (`graphs.titan`), megatron-core's layers for Megatron's engine where they are lowered
+    (`megatron_lowered`), else the Hugging Face modeling code, traced with op-level SAC only when `op_selective`
+    (some allowed launcher runs it; the extra trace is not paid otherwise), and as torch.compile trains it where
+    the configuration compiles (`graphs.compiled`)."""
+    megatron = megatron_lowered(resolved, lora, attention)
+
     def graph(outer: Outer) -> LayerGraph:
         dtype, autocast = shared_lowering(outer.config(), lora=lora is not None)
+        if megatron and outer.engine is Engine.MEGATRON:
+            key = ("megatron", dtype)
+            if key not in cache:
+                cache[key] = lower_megatron_resolved(resolved, dtype=dtype, kernels="te")
+            return cache[key]
         if runtime == "torchtitan":  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out)
             key = ("torchtitan", dtype)
             if key not in cache:
@@ -615,9 +635,15 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     dtype, autocast = shared_lowering(cfg, lora=lora is not None)
     mode = config.get("checkpoint") if isinstance(config, dict) else None
     op_selective = Checkpoint.OP_SELECTIVE in cfg.checkpoint or str(mode) == Checkpoint.OP_SELECTIVE.value
+    outer = Outer(**{name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"})
     if attention == TITAN_PRICED:  # a torchtitan plan's decisions: priced on torchtitan's own model code
-        graph = _graph_for(resolved, lora, None, {}, runtime="torchtitan")(Outer(**{
-            name: getattr(cfg, name) for name in KNOBS if name != "checkpoint"}))
+        graph = _graph_for(resolved, lora, None, {}, runtime="torchtitan")(outer)
+    elif cfg.engine is Engine.MEGATRON and megatron_lowered(resolved, lora, attention):
+        graph = _graph_for(resolved, lora, attention, {})(outer)  # megatron-core's layers, as solve prices them
+    elif attention == MEGATRON_PRICED:
+        raise FitplanError(f"attention={MEGATRON_PRICED} is Transformer Engine's attention on megatron-core's layers, "
+                           f"which only Megatron's engine runs, for {', '.join(MEGATRON_TYPES)} models.",
+                           "Pass --engine megatron, or leave --attention out.")
     else:
         graph = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                           op_selective=op_selective, compiled=compile_credited(cfg), liger=liger_lowering(cfg))

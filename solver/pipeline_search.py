@@ -391,7 +391,8 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
             return PipelineResult("UNKNOWN", None, (), None, 0, 0)
         fastest = memo.get(compute_signature(outer))  # the lowering too is the setting's: looked up once
         bounds.append(mean_bound(outer, fastest) if fastest is not None else
-                      compute_bound(outer, graph_of(outer), cluster, workload, modes, memo))
+                      compute_bound(outer, graph_of(outer), cluster, workload, lowered_modes(graph_of(outer), modes),
+                                    memo))
     best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
     explored = searched = 0
     complete = True
@@ -407,12 +408,12 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         if bound is not None and stage_bound(outer, graph, workload, memo[compute_signature(outer)],
                                              edge_compute(outer, graph, cluster, workload, edges)) >= bound:
             continue  # its split and bubble alone keep it from beating the best: no tables built
-        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=modes, memo=sliced, beat=bound)
+        own = lowered_modes(graph, modes)
+        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=own, memo=sliced, beat=bound)
         explored += 1
         if found is None or (bound is not None and found.lower >= bound):
             continue
-        rank_modes, proved = best_recompute(found, modes, runs or registry_runs(graph), deadline=deadline,
-                                            beat=bound)
+        rank_modes, proved = best_recompute(found, own, runs or registry_runs(graph), deadline=deadline, beat=bound)
         searched += 1
         complete = complete and proved
         if rank_modes is None:
@@ -424,6 +425,13 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if complete else "UNKNOWN"
         return PipelineResult(status, None, (), None, explored, searched)
     return PipelineResult("OPTIMAL" if complete else "FEASIBLE", best[1], best[2], best[0], explored, searched)
+
+
+def lowered_modes(graph: LayerGraph, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
+    """The searched `modes` that `graph` has: a configuration lowered through other code than the space's (Megatron's
+    engine on megatron-core's layers) has only its runtime's modes."""
+    own = graph.checkpoint_modes()
+    return tuple(m for m in modes if m in own)
 
 
 def registry_runs(graph: LayerGraph) -> Runs:

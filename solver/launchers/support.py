@@ -14,6 +14,9 @@ from .torchrun_pipeline import PIPELINE_ARCHITECTURES
 # `graphs.titan.TITAN_ATTENTION` (not imported: graphs.titan imports torch): the attention of a plan priced on
 # torchtitan's own model code, which only the torchtitan launcher runs.
 TITAN_PRICED = "flex"
+# `graphs.megatron.TE_ATTENTION`: the attention of a plan priced on megatron-core's layers with Transformer Engine's
+# kernels (Megatron's engine), which only the Megatron launcher runs.
+MEGATRON_PRICED = "te-flash"
 
 
 def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
@@ -23,6 +26,9 @@ def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
     if attention == TITAN_PRICED:
         return ["a plan priced on torchtitan's model code (made with --launcher torchtitan), whose memory and time "
                 "the HF modeling code does not have"]
+    if attention == MEGATRON_PRICED and launcher != "megatron":
+        return ["a plan priced on megatron-core's layers with Transformer Engine's kernels (Megatron's engine), whose "
+                "memory and time the HF modeling code does not have"]
     return []
 
 

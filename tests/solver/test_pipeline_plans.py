@@ -10,6 +10,7 @@ import pytest
 from costmodels import Config, Workload
 from costmodels.pipeline_stages import stage_layers
 from graphs import Checkpoint, lower
+from graphs.megatron import lower_megatron
 from solver import estimate, solve
 from solver.capability import block_recompute_layers
 from solver.commands import explain_plan
@@ -20,9 +21,10 @@ GIB = 2**30
 
 @functools.cache
 def megatron_pipeline():
-    """Llama-3.2-1B over 4 pipeline ranks, memory tight enough that stages recompute (Megatron runs it)."""
+    """Llama-3.2-1B over 4 pipeline ranks, memory tight enough that stages recompute (Megatron runs it, priced on
+    megatron-core's layers with TE's kernels)."""
     return solve("meta-llama/Llama-3.2-1B", "4xA100-40GB", seq_len=2048, global_batch=16, pp=4, tp=1,
-                 engine="megatron", zero=0, headroom=0.6)
+                 engine="megatron", zero=0, headroom=0.65)
 
 
 def test_a_pipeline_plan_records_its_split_and_runs_on_megatron_as_emitted():
@@ -40,7 +42,7 @@ def test_a_pipeline_plan_records_its_split_and_runs_on_megatron_as_emitted():
 def test_the_plan_split_is_the_one_estimate_prices():
     plan = megatron_pipeline()
     d = plan.decisions
-    graph = lower("meta-llama/Llama-3.2-1B", dtype="bfloat16")
+    graph = lower_megatron("meta-llama/Llama-3.2-1B", dtype="bfloat16", kernels="te")
     workload = Workload(seq_len=2048, global_batch=16)
     unsplit = Config(pp=d.pp, pp_schedule=d.pp_schedule, pp_virtual=d.pp_virtual, grad_accum=d.grad_accum,
                      micro_batch=d.micro_batch, tp=d.tp)

@@ -164,3 +164,80 @@ def test_estimate_of_a_torchtitan_plan_json_gives_the_plans_own_estimate(tmp_pat
     data = json.loads(result.stdout)
     plan = json.loads(plan_path.read_text())
     assert {k: v for k, v in data.items() if k not in ("fits", "device_capacity_bytes", "verdict")} == plan["estimate"]
+
+
+MEGATRON_1B = ("meta-llama/Llama-3.2-1B", "8xH100")
+
+
+@pytest.fixture(scope="module")
+def megatron_plan():
+    pytest.importorskip("megatron.core")
+    return solve(*MEGATRON_1B, seq_len=2048, global_batch=64, time_limit=20, launcher="megatron")
+
+
+def test_megatron_plan_is_priced_on_megatron_cores_layers_with_transformer_engines_kernels(megatron_plan):
+    # Megatron's engine runs megatron-core's GPT layers with TE's flash attention and fused SwiGLU/RoPE (Megatron-LM's
+    # defaults; the launcher emits no --transformer-impl local): the plan's estimate is that lowering's, not HF's.
+    from graphs.megatron import TE_ATTENTION, lower_megatron_resolved
+    from solver.check import plan_config
+
+    plan = megatron_plan
+    assert plan.decisions.attention == TE_ATTENTION and plan.launchers == ("megatron",)
+    config = plan_config(plan)
+    cluster, workload = parse_cluster(MEGATRON_1B[1]), Workload(seq_len=2048, global_batch=64)
+    resolved = resolve(MEGATRON_1B[0])
+    megatron = estimate_config(lower_megatron_resolved(resolved, dtype="bfloat16", kernels="te"), cluster, workload,
+                               config)
+    hf = estimate_config(lower_resolved(resolved, dtype="bfloat16"), cluster, workload, config)
+    assert megatron.memory.allocated_peak == plan.estimate.memory.allocated_peak
+    assert megatron.time.step_time == pytest.approx(plan.estimate.time.step_time, rel=1e-12)
+    assert hf.memory.allocated_peak != megatron.memory.allocated_peak
+    assert any("megatron-core's GPT layers" in note for note in plan.estimate.notes)
+
+
+def test_estimate_of_a_megatron_plan_json_gives_the_plans_own_estimate(megatron_plan, tmp_path):
+    # `fitplan estimate` and `solve` price the same decisions on the same code, so they give one verdict.
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(megatron_plan.to_json()))
+    result = CliRunner().invoke(app, ["estimate", "--model", MEGATRON_1B[0], "--gpus", MEGATRON_1B[1],
+                                      "--config", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    plan = json.loads(path.read_text())
+    assert {k: v for k, v in data.items() if k not in ("fits", "device_capacity_bytes", "verdict")} == plan["estimate"]
+
+
+def test_megatron_engine_estimate_without_a_plan_uses_the_megatron_lowering_too(megatron_plan):
+    from solver.api import estimate
+
+    d = megatron_plan.decisions
+    knobs = {k: getattr(d, k) for k in ("tp", "dp", "pp", "engine", "zero", "micro_batch", "grad_accum", "precision",
+                                        "optimizer", "sequence_parallel")}
+    modes = [mode.value for mode in d.checkpoint]
+    got = estimate(*MEGATRON_1B, {**knobs, "checkpoint": modes}, seq_len=2048, global_batch=64)
+    assert got.memory.allocated_peak == megatron_plan.estimate.memory.allocated_peak
+    assert any("megatron-core's GPT layers" in note for note in got.notes)
+
+
+@pytest.mark.parametrize(("model", "lora", "attention", "expected"), [
+    ("meta-llama/Llama-3.1-8B", None, None, True),
+    ("Qwen/Qwen2.5-7B", None, None, True),
+    ("meta-llama/Llama-3.1-8B", "lora", None, False),  # Megatron runs no PEFT adapters
+    ("meta-llama/Llama-3.1-8B", None, "eager", False),  # a pinned HF attention is the HF code's
+    ("mistralai/Mixtral-8x7B-v0.1", None, None, False),  # MoE: not lowered through megatron-core yet
+    ("google/gemma-2-2b", None, None, False),
+])
+def test_which_models_megatron_prices_on_its_own_layers(model, lora, attention, expected):
+    pytest.importorskip("megatron.core")
+    from graphs import LoraSpec
+    from solver.api import megatron_lowered
+
+    spec = LoraSpec(rank=8) if lora else None
+    assert megatron_lowered(resolve(model), spec, attention) is expected
+
+
+def test_te_attention_without_megatrons_engine_is_refused_clearly():
+    from solver.api import estimate
+
+    with pytest.raises(FitplanError, match="only Megatron's engine runs"):
+        estimate(*MEGATRON_1B, {"engine": "fsdp2", "zero": 3, "micro_batch": 1}, seq_len=2048, attention="te-flash")
