@@ -169,11 +169,12 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
                     granularity: str | None = None, widen: int = 1, kernels: str = "local") -> Any:
     """megatron-core's TransformerConfig for a Llama-style transformers config (`widen` multiplies the heads,
     query groups and FFN width, keeping the head size); `granularity` is `recompute_granularity`; `kernels="te"`
-    turns on the SwiGLU and RoPE fusions a default Megatron-LM run uses (call inside `te_kernels`)."""
-    fused = kernels == "te"
+    turns on the SwiGLU and RoPE fusions a default Megatron-LM run uses (call inside `megatron_runtime("te")`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from .lower import dims_of
+
+    fused = kernels == "te"
 
     text = config.get_text_config()
     dims = dims_of(config)

@@ -146,8 +146,12 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
         if megatron and outer.engine is Engine.MEGATRON:
             key = ("megatron", dtype)
             if key not in cache:
-                cache[key] = lower_megatron_resolved(resolved, dtype=dtype, kernels="te")
-            return cache[key]
+                try:
+                    cache[key] = lower_megatron_resolved(resolved, dtype=dtype, kernels="te")
+                except UnsupportedModel:  # a config megatron-core's GPT layers cannot build: priced on the HF code
+                    cache[key] = None
+            if cache[key] is not None:
+                return cache[key]
         if runtime == "torchtitan":  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out)
             key = ("torchtitan", dtype)
             if key not in cache:

@@ -241,3 +241,18 @@ def test_te_attention_without_megatrons_engine_is_refused_clearly():
 
     with pytest.raises(FitplanError, match="only Megatron's engine runs"):
         estimate(*MEGATRON_1B, {"engine": "fsdp2", "zero": 3, "micro_batch": 1}, seq_len=2048, attention="te-flash")
+
+
+def test_a_config_megatron_core_cannot_build_is_priced_on_the_hf_code(monkeypatch):
+    # A Llama-type config the megatron-core lowering refuses (UnsupportedModel) still plans, on the HF lowering.
+    pytest.importorskip("megatron.core")
+    import solver.api as api
+    from graphs import UnsupportedModel
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedModel("not buildable", "")
+
+    monkeypatch.setattr(api, "lower_megatron_resolved", refuse)
+    plan = solve(*MEGATRON_1B, seq_len=2048, global_batch=64, time_limit=20, launcher="megatron")
+    assert plan.decisions.engine.value == "megatron" and plan.decisions.attention == "sdpa"
+    assert not any("megatron-core's GPT layers" in note for note in plan.estimate.notes)
