@@ -52,17 +52,24 @@ def cache_key(values: dict[str, Any], *, dtype: str, autocast: str | None, atten
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def _digest(graph: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(graph).encode()).hexdigest()
+
+
 def load_cached(key: str) -> LayerGraph | None:
+    """The entry `store_cached` wrote under `key`, else None. The entry carries the SHA-256 of its graph's JSON, so
+    an edited, truncated or foreign file (even one that parses, with a wrong inner type or a changed number) is a
+    miss, for the price of one C-speed `json.dumps` rather than a graph serialisation compared field by field."""
     from .graph import LayerGraph
 
     path = cache_dir() / "lower" / f"{key}.json"
     try:
-        data = json.loads(path.read_text())
-        graph = LayerGraph.from_json(data)
-    except Exception:  # a corrupt, truncated or foreign entry of any shape is a miss, never a crash
+        entry = json.loads(path.read_text())
+        if _digest(entry["graph"]) != entry["sha256"]:
+            return None
+        return LayerGraph.from_json(entry["graph"])
+    except Exception:  # unreadable, of another shape, or from another LayerGraph: a miss, never a crash
         return None
-    # An entry with a wrong inner type can still load ("12" for [1, 2]); only an exact round trip is a hit.
-    return graph if graph.to_json() == data else None
 
 
 def store_cached(key: str, graph: LayerGraph) -> None:
@@ -70,8 +77,9 @@ def store_cached(key: str, graph: LayerGraph) -> None:
     folder = cache_dir() / "lower"
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        data = graph.to_json()
         with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
-            json.dump(graph.to_json(), handle)
+            json.dump({"sha256": _digest(data), "graph": data}, handle)
         os.replace(handle.name, folder / f"{key}.json")
     except OSError:
         return

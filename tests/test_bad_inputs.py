@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from graphs import LayerGraph
 from graphs.cache import load_cached, store_cached
 from graphs.catalog import load_entry
 from graphs.files import MAX_INPUT_BYTES
@@ -467,7 +468,7 @@ def test_sequence_beyond_positions_refused_for_fixed_tables_and_assumed_for_rota
     assert note is not None and "max_position_embeddings=131072" in note and "rope_scaling" in note
 
 
-def test_cache_entry_with_wrong_inner_type_is_a_miss(tmp_path, monkeypatch):
+def test_cache_entry_with_wrong_inner_type_or_edited_is_a_miss(tmp_path, monkeypatch):
     from graphs import lower
 
     graph = lower("gpt2")  # cached in the shared cache by the cases above
@@ -477,12 +478,20 @@ def test_cache_entry_with_wrong_inner_type_is_a_miss(tmp_path, monkeypatch):
     good = graph.to_json()
     wrong = {"kind_modes": {"0": 5}, "versions": [1], "tp_degrees": "12", "nodes": [{"name": 1}], "dims": [1],
              "lora": "x", "inputs": "abc", "nodes_none": None}
-    for key, value in wrong.items():
+    stored = json.loads((tmp_path / "lower" / "intact.json").read_text())
+    for key, value in wrong.items():  # with the intact entry's digest: its graph changed
         entry = tmp_path / "lower" / f"{key}.json"
-        entry.write_text(json.dumps({**good, key.removesuffix("_none"): value}))
+        entry.write_text(json.dumps({**stored, "graph": {**good, key.removesuffix("_none"): value}}))
         assert load_cached(key) is None, key
-    (tmp_path / "lower" / "truncated.json").write_text(json.dumps(good)[:100])
+    (tmp_path / "lower" / "truncated.json").write_text(json.dumps(stored)[:100])
     assert load_cached("truncated") is None
+    (tmp_path / "lower" / "bare.json").write_text(json.dumps(good))  # an entry without its digest
+    assert load_cached("bare") is None
+    # One number changed: the entry parses and loads as a graph, and is a miss.
+    edited = {**good, "dims": {**good["dims"], "hidden": good["dims"]["hidden"] + 1}}
+    assert LayerGraph.from_json(edited).dims.hidden == graph.dims.hidden + 1
+    (tmp_path / "lower" / "edited.json").write_text(json.dumps({**stored, "graph": edited}))
+    assert load_cached("edited") is None
 
 
 @pytest.mark.parametrize("name", ["/dev/zero", "{d}/fifo.json", "{d}/oversize.json", "{d}/deep_arrays.json"])
