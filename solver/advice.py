@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Config, Estimate, Optimizer, Precision, Workload, estimate, fits
+from costmodels.activations import evaluate
 from costmodels.alignment import padded, preferred_multiple
 from costmodels.compilation import COMPILE_MIN_SAVING, compile_credited, uncredited_reason
+from costmodels.context_parallel import local_seq_len
 from costmodels.precision import matmul_dtype_on
 from costmodels.verdict import DEFAULT_HEADROOM
 from graphs import Checkpoint, LayerGraph
@@ -19,6 +21,7 @@ from graphs import Checkpoint, LayerGraph
 from .capability import engine_setting
 
 GIB = 2**30
+MIB = 2**20
 # A fast tokenizer (HF tokenizers, Rust) turns text into ~1M tokens/s per core; reading pre-tokenized shards
 # is faster. Users override it with --input-tokens-per-s (an assumption, stated in the plan).
 DEFAULT_INPUT_TOKENS_PER_S_PER_WORKER = 1_000_000
@@ -40,7 +43,8 @@ def dataloader_workers(cluster: Cluster) -> int:
 def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate, *,
            compile_pin: bool | None, input_tokens_per_s: float | None, allowed_optimizers: tuple[Optimizer, ...],
            lora: bool, savers_allowed: bool = False, headroom: float = DEFAULT_HEADROOM) -> GuideDecisions:
-    lines = [_batch(graph, cluster, workload, config, chosen, headroom), _checkpointing(config),
+    lines = [_batch(graph, cluster, workload, config, chosen, headroom),
+             _checkpointing(config) + _selective_saving(graph, workload, config),
              _precision(cluster, config), _optimizer(graph, cluster, workload, config, chosen, allowed_optimizers),
              _zero(config, chosen)]
     use_compile, compile_line = _compile(graph, cluster, workload, config, chosen, compile_pin)
@@ -121,6 +125,22 @@ def _checkpointing(config: Config) -> str:
     op = f", {op_selective} op-level selective (matmul and attention outputs kept)" if op_selective else ""
     return (f"gradient checkpointing: {full} layers full, {selective} selective{op} of {len(modes)} (the first "
             "layers, whose activations live longest; just enough to fit)")
+
+
+def _selective_saving(graph: LayerGraph, workload: Workload, config: Config) -> str:
+    """What Megatron's selective recompute (`--recompute-granularity selective`: the attention core only) would free
+    of one layer's saved bytes at the plan's shape, for a plan on megatron-core's layers that does not use it: with
+    flash attention no scores are kept, so it frees little, which is why plans rarely choose it. (Other lowerings
+    may compile the layers a plan keeps, so their modes are not compared here.)"""
+    if graph.runtime != "megatron" or Checkpoint.SELECTIVE in config.checkpoint:
+        return ""
+    layer = graph.decoder_layers()[0]
+    shape = {"b": config.micro_batch, "s": local_seq_len(workload.seq_len, config.cp), "tp": config.tp,
+             "sequence_parallel": config.sequence_parallel}
+    kept = evaluate(layer.cost(Checkpoint.NONE).saved, **shape)
+    freed = kept - evaluate(layer.cost(Checkpoint.SELECTIVE).saved, **shape)
+    return (f"; selective recompute (the attention core only) would free {freed / MIB:,.0f} MiB of a layer's "
+            f"{kept / MIB:,.0f} MiB here ({graph.attention} attention)")
 
 
 def _precision(cluster: Cluster, config: Config) -> str:

@@ -256,3 +256,20 @@ def test_a_config_megatron_core_cannot_build_is_priced_on_the_hf_code(monkeypatc
     plan = solve(*MEGATRON_1B, seq_len=2048, global_batch=64, time_limit=20, launcher="megatron")
     assert plan.decisions.engine.value == "megatron" and plan.decisions.attention == "sdpa"
     assert not any("megatron-core's GPT layers" in note for note in plan.estimate.notes)
+
+
+def test_the_plan_says_what_selective_recompute_would_free_under_te_flash_attention(megatron_plan):
+    # Megatron's selective recompute checkpoints the attention core; with TE's flash attention that keeps no scores,
+    # so it frees almost nothing (the issue: "worth nothing with flash attention, which the plan must say").
+    from costmodels.activations import evaluate
+    from graphs.megatron import lower_megatron_resolved
+
+    d = megatron_plan.decisions
+    assert Checkpoint.SELECTIVE not in d.checkpoint
+    layer = lower_megatron_resolved(resolve(MEGATRON_1B[0]), dtype="bfloat16", kernels="te").decoder_layers()[0]
+    shape = {"b": d.micro_batch, "s": 2048 // d.cp, "tp": d.tp, "sequence_parallel": d.sequence_parallel}
+    kept = evaluate(layer.cost(Checkpoint.NONE).saved, **shape)
+    freed = kept - evaluate(layer.cost(Checkpoint.SELECTIVE).saved, **shape)
+    assert 0 < freed < kept / 20
+    line = next(a for a in megatron_plan.advice if a.startswith("gradient checkpointing"))
+    assert f"would free {freed / 2**20:,.0f} MiB of a layer's {kept / 2**20:,.0f} MiB here (te-flash" in line
