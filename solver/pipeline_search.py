@@ -390,9 +390,11 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         if time.perf_counter() > deadline:  # no bound for the rest: none of them is searched
             return PipelineResult("UNKNOWN", None, (), None, 0, 0)
         fastest = memo.get(compute_signature(outer))  # the lowering too is the setting's: looked up once
-        bounds.append(mean_bound(outer, fastest) if fastest is not None else
-                      compute_bound(outer, graph_of(outer), cluster, workload, lowered_modes(graph_of(outer), modes),
-                                    memo))
+        if fastest is None:
+            graph = graph_of(outer)
+            bounds.append(compute_bound(outer, graph, cluster, workload, lowered_modes(graph, modes), memo))
+        else:
+            bounds.append(mean_bound(outer, fastest))
     best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
     explored = searched = 0
     complete = True
