@@ -109,9 +109,11 @@ class LayerGraph:
         return sum(p.numel for p in self.params() if p.trainable)
 
     def checkpoint_modes(self) -> tuple[Checkpoint, ...]:
-        """Modes every decoder layer supports."""
-        layers = self.decoder_layers()
-        return tuple(m for m in Checkpoint if all(m in layer.checkpoint_modes for layer in layers))
+        """Modes every decoder layer supports (the search asks per configuration)."""
+        if "modes" not in self._memo:
+            layers = self.decoder_layers()
+            self._memo["modes"] = tuple(m for m in Checkpoint if all(m in layer.checkpoint_modes for layer in layers))
+        return self._memo["modes"]
 
     def to_json(self) -> dict[str, Any]:
         return {
