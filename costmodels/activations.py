@@ -77,19 +77,28 @@ def node_memory(layer: Layer, mode: Checkpoint, *, b: int, s: int, config: Confi
 
 def walk(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh_grads: bool,
          extra: tuple[tuple[int, int, int], ...], names: tuple[str, ...]) -> Peak:
-    """The peak over forward then backward of one micro-batch.
+    """The peak over forward then backward of one micro-batch (`walk_phases`, the larger of the two)."""
+    forward, backward = walk_phases(nodes, start=start, forward_only=forward_only, fresh_grads=fresh_grads,
+                                    extra=extra, names=names)
+    return forward if forward.bytes >= backward.bytes else backward
+
+
+def walk_phases(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh_grads: bool,
+                extra: tuple[tuple[int, int, int], ...], names: tuple[str, ...]) -> tuple[Peak, Peak]:
+    """The peaks of one micro-batch's forward (from its start) and of its backward, each over its own events:
+    a pipeline rank composes them with different other micro-batches in flight.
 
     `start` is the live activation bytes before the first node (input batch, model-wide tensors), of which
     `forward_only` are gone once the last decoder layer has run; `extra[i]` is the engine's (forward
     transient, kept from forward to backward, backward transient) bytes for node i.
     """
     live, kept, saved, grads = start, 0, start, 0
-    best = Peak(bytes=start, at="start", activations=start, grads=0)
+    forward = Peak(bytes=start, at="start", activations=start, grads=0)
     last_decoder = max((i for i, node in enumerate(nodes) if node.decoder), default=-1)
     for i, (node, (fwd_extra, keep, _)) in enumerate(zip(nodes, extra, strict=True)):
         candidate = live + node.fwd_peak + fwd_extra + kept
-        if candidate > best.bytes:
-            best = Peak(bytes=candidate, at=f"forward {names[i]}", activations=saved, grads=0)
+        if candidate > forward.bytes:
+            forward = Peak(bytes=candidate, at=f"forward {names[i]}", activations=saved, grads=0)
         live += node.fwd_net
         kept += keep
         saved += node.saved
@@ -97,14 +106,15 @@ def walk(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh_grads:
             live -= forward_only
             saved -= forward_only
     live -= sum(node.released_after_forward for node in nodes)
+    backward: Peak | None = None
     for i in reversed(range(len(nodes))):
         node, (_, keep, bwd_extra) = nodes[i], extra[i]
         node_peak = node.bwd_peak_fresh if fresh_grads else node.bwd_peak
         candidate = live + node_peak + bwd_extra + kept
-        if candidate > best.bytes:
-            best = Peak(bytes=candidate, at=f"backward {names[i]}", activations=saved, grads=grads)
+        if backward is None or candidate > backward.bytes:
+            backward = Peak(bytes=candidate, at=f"backward {names[i]}", activations=saved, grads=grads)
         live += node.bwd_net + (node.grads if fresh_grads else 0)
         grads += node.grads if fresh_grads else 0
         kept -= keep
         saved -= node.saved
-    return best
+    return forward, backward or Peak(bytes=live, at="end of forward", activations=saved, grads=0)

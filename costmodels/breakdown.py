@@ -79,7 +79,8 @@ class PipelineRank:
     layers: int
     """Decoder layers it holds."""
     in_flight: int
-    """Micro-batches (passes through its stages) alive at its peak."""
+    """Micro-batch stage sets (one micro-batch through one of its stages) alive at once at most, the running one
+    included: micro-batches with one stage per rank."""
     memory: MemoryBreakdown
     busy: float
     """Seconds of compute per step: its stages' forward and backward for every micro-batch."""

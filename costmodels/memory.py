@@ -4,13 +4,13 @@ runtime overhead outside PyTorch's allocator."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
 
 from . import context_parallel, precision
 from .activation_offload import host_bytes, moved_bytes, offload_terms
-from .activations import NodeMemory, Peak, evaluate, node_memory, walk
+from .activations import NodeMemory, Peak, evaluate, node_memory, walk_phases
 from .breakdown import MemoryBreakdown
 from .cluster import Cluster
 from .config import Config, Offload, Workload
@@ -19,8 +19,35 @@ from .expert_parallel import with_dispatch
 from .loss import loss_terms
 from .optimizer_in_backward import in_backward_timeline
 from .overhead import reserved_bytes, runtime_overhead
+from .pipeline import Moment
 from .states import ModelStates, model_states
 from .zero import local_elements, persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One stage of a pipeline rank that runs several (interleaved, ZB-V): its nodes in the rank's terms and
+    what a micro-batch of it holds beyond its nodes' own bytes."""
+
+    first: int
+    stop: int
+    """Its nodes are `MemoryTerms.nodes[first:stop]`."""
+    start: int
+    """Model-wide activation bytes a micro-batch of the stage has before its first node (`model_wide_bytes` of
+    the stage as a model of its own: its inputs where it holds the embedding or the loss, the tables each stage's
+    forward builds)."""
+    forward_only: int
+    """Part of `start` gone once the stage's last decoder layer has run."""
+    input_frees_from: int
+    """First node after the stage's last trainable node: a zero-bubble input step (I) frees what the nodes from
+    here on keep, the rest stays for the weight step (W). `stop` when the last node trains."""
+    other_grads: int
+    """Accumulating gradient bytes of the rank's other stages: already allocated, at most, while this stage's
+    first micro-batch produces its own (a fresh walk)."""
+
+
+_ALONE = (Moment(0, True, (0,), (0,)), Moment(0, False, (0,), (0,)))
+"""One micro-batch with nothing else in flight: its forward, then its backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +67,31 @@ class MemoryTerms:
     """Per node, the engine's (forward transient, kept to backward, backward transient) bytes."""
     walks: tuple[tuple[bool, int], ...]
     """Micro-batch timelines to check: (gradients produced stay allocated, gradient bytes already there)."""
-    in_flight: int = 1
-    """Micro-batches alive at once (a pipeline rank's in-flight passes, `pipeline_stages`): the walking one, and
-    `in_flight - 1` others holding what they kept after their forward."""
+    spans: tuple[Span, ...] = ()
+    """A pipeline rank's stages when it runs several; empty: the nodes are one stage (`start`, `forward_only`)."""
+    moments: tuple[Moment, ...] = ()
+    """The points of a pipeline rank's schedule that can hold its peak (`pipeline.rank_moments`): which stage
+    runs, forward or backward, and the other in-flight micro-batches of each stage; empty: one micro-batch alone."""
     buffers: int = 0
     """Bytes allocated for the whole step outside the timeline (a pipeline rank's receive buffers)."""
+
+    def stage_spans(self) -> tuple[Span, ...]:
+        """The stages, one covering every node when the terms are one stage's."""
+        n = len(self.nodes)
+        return self.spans or (Span(0, n, self.start, self.forward_only, n, 0),)
+
+    def moment_list(self) -> tuple[Moment, ...]:
+        """The moments, a lone micro-batch's forward and backward when none are given."""
+        return self.moments or _ALONE
+
+    def single_stage_others(self) -> int | None:
+        """Micro-batches holding what their forward kept beside the running one when every moment has the same
+        ones (one stage per rank, no zero-bubble split); None otherwise."""
+        moments = self.moment_list()
+        if self.spans or any(len(m.full) != 1 or m.after_input[0] for m in moments):
+            return None
+        counts = {m.full[0] for m in moments}
+        return counts.pop() if len(counts) == 1 else None
 
 
 def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> MemoryTerms:
@@ -92,22 +139,47 @@ def allocated_peak(terms: MemoryTerms, modes: tuple[Checkpoint, ...]) -> tuple[i
     """(allocated peak bytes, the micro-batch peak it comes from, gradient bytes allocated before it)."""
     choice = iter(modes)
     nodes = [dict(options)[next(choice)] if options[0][1].decoder else options[0][1] for options in terms.nodes]
-    others = (terms.in_flight - 1) * held_after_forward(terms, nodes)
-    candidates = [(_with_others(walk(nodes, start=terms.start, forward_only=terms.forward_only, fresh_grads=fresh,
-                                     extra=terms.extra, names=terms.names), others, terms.buffers), before)
-                  for fresh, before in terms.walks]
+    spans = terms.stage_spans()
+    others = others_at_most(terms, nodes)
+    candidates = []
+    for fresh, before in terms.walks:
+        for t, span in enumerate(spans):
+            phases = walk_phases(nodes[span.first:span.stop], start=span.start, forward_only=span.forward_only,
+                                 fresh_grads=fresh, extra=terms.extra[span.first:span.stop],
+                                 names=terms.names[span.first:span.stop])
+            for forward, peak in zip((True, False), phases, strict=True):
+                if (t, forward) in others:
+                    held = others[t, forward] + (span.other_grads if fresh else 0)
+                    candidates.append((_with_others(peak, held, terms.buffers), before))
     step = Peak(bytes=terms.states.step_temp + terms.buffers, at="optimizer step", activations=0, grads=0)
     candidates.append((step, terms.states.accumulating_grads))
     peak, before = max(candidates, key=lambda item: item[0].bytes + item[1])
     return terms.states.gpu_total + before + peak.bytes, peak, before
 
 
-def held_after_forward(terms: MemoryTerms, nodes: list[NodeMemory]) -> int:
-    """Bytes one micro-batch keeps from the end of its forward until its backward (`activations.walk`'s live set
-    then): what each other in-flight micro-batch of a pipeline rank holds."""
-    decoders = any(node.decoder for node in nodes)
-    return (terms.start - (terms.forward_only if decoders else 0) + sum(node.fwd_net for node in nodes)
-            - sum(node.released_after_forward for node in nodes))
+def held_by_stage(terms: MemoryTerms, nodes: list[NodeMemory]) -> list[tuple[int, int]]:
+    """Per stage, (bytes one micro-batch keeps from the end of its forward until its backward, the part of them
+    still kept after a zero-bubble input step): `activations.walk`'s live set then."""
+    held = []
+    for span in terms.stage_spans():
+        own = nodes[span.first:span.stop]
+        decoders = any(node.decoder for node in own)
+        kept = [node.fwd_net - node.released_after_forward for node in own]
+        full = span.start - (span.forward_only if decoders else 0) + sum(kept)
+        held.append((full, full - sum(kept[span.input_frees_from - span.first:])))
+    return held
+
+
+def others_at_most(terms: MemoryTerms, nodes: list[NodeMemory]) -> dict[tuple[int, bool], int]:
+    """Per (running stage, forward), the most bytes the other in-flight micro-batches hold over its moments."""
+    held = held_by_stage(terms, nodes)
+    others: dict[tuple[int, bool], int] = {}
+    for moment in terms.moment_list():
+        value = sum(f * full + a * after for f, a, (full, after) in
+                    zip(moment.full, moment.after_input, held, strict=True))
+        key = (moment.stage, moment.forward)
+        others[key] = max(others.get(key, value), value)
+    return others
 
 
 def _with_others(peak: Peak, others: int, buffers: int) -> Peak:
@@ -118,11 +190,11 @@ def _with_others(peak: Peak, others: int, buffers: int) -> Peak:
                 grads=peak.grads)
 
 
-def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *, in_flight: int = 1,
-                     buffers: int = 0) -> MemoryBreakdown:
-    """The allocated and device peaks of one rank and their breakdown at the allocated peak (`in_flight` and
-    `buffers`: a pipeline rank's, `MemoryTerms`)."""
-    terms = replace(memory_terms(graph, workload, config), in_flight=in_flight, buffers=buffers)
+def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
+                     terms: MemoryTerms | None = None) -> MemoryBreakdown:
+    """The allocated and device peaks of one rank and their breakdown at the allocated peak; `terms` when the
+    caller has them (a pipeline rank's, with its stages and schedule: `pipeline_stages.rank_memory_terms`)."""
+    terms = terms or memory_terms(graph, workload, config)
     states = terms.states
     allocated, peak, grads_before = allocated_peak(terms, config.layer_modes(len(graph.decoder_layers())))
     grads = states.grads + grads_before + peak.grads

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .cluster import Cluster
 from .collectives import INTER_NODE_LATENCY, INTRA_NODE_LATENCY, LINK_EFFICIENCY
@@ -94,6 +95,63 @@ def held_activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)
+
+
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """One point of a rank's step where one of its stages runs a micro-batch: what the memory model composes.
+    Its other in-flight micro-batches hold, per local stage, what a forward kept (`full`) or what a zero-bubble
+    input step left of it (`after_input`)."""
+
+    stage: int
+    """The running stage, as an index into the rank's stages (ascending global ids)."""
+    forward: bool
+    """Forward (F), or a backward action (B, I or W: each priced as a backward of its micro-batch)."""
+    full: tuple[int, ...]
+    after_input: tuple[int, ...]
+
+    def dominates(self, other: Moment) -> bool:
+        """Whether this moment holds at least what `other` does whatever the stages' bytes: same stage and
+        direction, and per stage as many full sets and as many sets in all (a set after its input step holds
+        no more than a full one)."""
+        return (self.stage == other.stage and self.forward == other.forward
+                and all(a >= b for a, b in zip(self.full, other.full, strict=True))
+                and all(a + c >= b + d for a, b, c, d in zip(self.full, other.full, self.after_input,
+                                                             other.after_input, strict=True)))
+
+
+@lru_cache(maxsize=1024)
+def rank_moments(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[tuple[Moment, ...], ...]:
+    """Per rank, the moments of its torch 2.13 action order that no other one dominates (`Moment.dominates`):
+    the peak of any per-stage bytes over the step is the peak over these. The same walk as
+    `held_activation_bytes`: F makes its set full, I leaves it after its input step, B and W free it."""
+    ranks = stage_ranks(schedule, pp, v)
+    result = []
+    for rank, ops in enumerate(schedule_order(schedule, pp, m, v)):
+        local = {s: k for k, s in enumerate(s for s, r in enumerate(ranks) if r == rank)}
+        state: dict[tuple[int, int], str] = {}
+        seen: dict[Moment, None] = {}
+        for op in ops:
+            key = (op.stage, op.micro_batch)
+            full, after = [0] * len(local), [0] * len(local)
+            for (stage, micro_batch), kind in state.items():
+                if (stage, micro_batch) != key:
+                    (full if kind == "F" else after)[local[stage]] += 1
+            seen[Moment(local[op.stage], op.kind == "F", tuple(full), tuple(after))] = None
+            if op.kind in "FI":
+                state[key] = op.kind
+            else:
+                state.pop(key, None)
+        moments = list(seen)
+        result.append(tuple(a for i, a in enumerate(moments)
+                            if not any(b.dominates(a) and (not a.dominates(b) or j < i)
+                                       for j, b in enumerate(moments) if j != i)))
+    return tuple(result)
+
+
+def sets_in_flight(moments: tuple[Moment, ...]) -> int:
+    """The most micro-batch stage sets alive at once over these moments, the running one included."""
+    return max((sum(a.full) + sum(a.after_input) + 1 for a in moments), default=1)
 
 
 def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,

@@ -3,16 +3,17 @@ micro-batches and receive buffers on top of one micro-batch's timeline, and the 
 `pipeline.pipeline_time` simulates into a step with its bubble.
 
 A rank's slice is priced by the same memory and time models as a whole model (its nodes are the model's nodes),
-so nothing is re-estimated by formula where the lowering has the number. With one stage per rank the in-flight
-composition is exact: the peak of a micro-batch's forward or backward happens while the other in-flight
-micro-batches hold what they kept after their forward. With several stages per rank (interleaved, ZB-V) the
-rank's stages are priced as one pass through all of them and the in-flight stage sets are rounded up to whole
-passes (`in_flight_passes`): never below what the schedule holds, at most v - 1 stage sets above.
+so nothing is re-estimated by formula where the lowering has the number. The in-flight composition follows the
+schedule's action order (`pipeline.rank_moments`): the peak of a micro-batch's forward or backward through one
+stage happens while the rank's other in-flight micro-batches hold, per stage, what they kept after their forward
+or, under a zero-bubble schedule, after their input step. The sets held are exact; with several stages per rank
+each stage's micro-batch carries its own model-wide tensors (the stage builds them), a weight step (W) is priced
+as a backward of its micro-batch, and while a stage's first micro-batch produces its gradients the rank's other
+stages' count as allocated already (bounds, where the lowering has no finer number).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -20,25 +21,28 @@ from graphs import Checkpoint, Layer, LayerGraph, Role
 from graphs.graph import chain_graph
 from graphs.poly import ZERO
 
-from . import precision
+from . import context_parallel, precision
 from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
 from .cluster import Cluster
 from .config import Config, Workload
-from .memory import memory_breakdown
+from .memory import MemoryTerms, Span, memory_breakdown, memory_terms, model_wide_bytes
 from .pipeline import (
+    Moment,
     PipelineTime,
     StageActivations,
     StageTimes,
     boundaries_crossing_nodes,
     boundary_p2p_seconds,
-    in_flight_micro_batches,
     p2p_activation_bytes,
     pipeline_time,
+    rank_moments,
     receive_buffer_bytes,
+    sets_in_flight,
 )
-from .pipeline_schedule import Schedule, local_stages, stage_ranks
+from .pipeline_schedule import Schedule, stage_ranks
 from .stage_split import megatron_split
+from .states import model_states
 from .timing import TimeTerms, time_breakdown, time_terms
 
 
@@ -56,10 +60,16 @@ class RankSlice:
     norm, head and loss where the last stage is."""
     stage_graphs: tuple[LayerGraph, ...]
     """Per local stage, its own nodes (the same nodes as `graph`, split by stage)."""
-    in_flight: int
-    """Passes through the rank's stages held at its peak, the one running included (`in_flight_passes`)."""
+    moments: tuple[Moment, ...]
+    """The points of its schedule that can hold its peak (`pipeline.rank_moments`; empty without a pipeline)."""
     buffers: int
     """Receive buffers the runtime allocates for the step: stage inputs and output gradients."""
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batch stage sets alive at once at most (micro-batches with one stage per rank), the running
+        one included."""
+        return sets_in_flight(self.moments)
 
 
 def stage_layers(graph: LayerGraph, workload: Workload, config: Config) -> tuple[int, ...]:
@@ -86,14 +96,6 @@ def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages
     first = sum(flops(layer) for layer in nodes[:decoders[0]])
     last = sum(flops(layer) for layer in nodes[decoders[-1] + 1:])
     return megatron_split([flops(nodes[i]) for i in decoders], stages, first_extra=first, last_extra=last)
-
-
-def in_flight_passes(schedule: Schedule, pp: int, m: int, v: int) -> tuple[int, ...]:
-    """Per rank, passes through all its stages that cover the stage sets the schedule holds at its peak
-    (`pipeline.in_flight_micro_batches`, in stage sets): exact with one stage per rank."""
-    sets = in_flight_micro_batches(schedule, pp, m, v=v)
-    stages = local_stages(schedule, v) if schedule is not Schedule.ZBV else 2
-    return tuple(math.ceil(k / stages) for k in sets)
 
 
 def boundary_bytes(graph: LayerGraph, workload: Workload, config: Config) -> int:
@@ -123,13 +125,13 @@ def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[objec
     sizes = stage_layers(graph, workload, config)
     if pp == 1:
         return (RankSlice(rank=0, stages=(0,), layers=tuple(range(sum(sizes))), graph=graph, stage_graphs=(graph,),
-                          in_flight=1, buffers=0),)
+                          moments=(), buffers=0),)
     ranks = stage_ranks(schedule, pp, v)  # type: ignore[arg-type]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     hidden = boundary_bytes(graph, workload, config)
     stage_bytes = [StageActivations(saved=0, output=hidden if s < len(sizes) - 1 else 0) for s in range(len(sizes))]
     buffers = receive_buffer_bytes(schedule, pp, m, v=v, stages=stage_bytes)  # type: ignore[arg-type]
-    passes = in_flight_passes(schedule, pp, m, v)  # type: ignore[arg-type]
+    moments = rank_moments(schedule, pp, m, v=v)  # type: ignore[arg-type]
     slices = []
     for rank in range(pp):
         stages = tuple(s for s, r in enumerate(ranks) if r == rank)
@@ -138,7 +140,7 @@ def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[objec
         layers = tuple(i for s in stages for i in range(bounds[s], bounds[s + 1]))
         whole = sub_graph(graph, layers, first=0 in stages, last=len(sizes) - 1 in stages)
         slices.append(RankSlice(rank=rank, stages=stages, layers=layers, graph=whole, stage_graphs=stage_graphs,
-                                in_flight=passes[rank], buffers=buffers[rank]))
+                                moments=moments[rank], buffers=buffers[rank]))
     return tuple(slices)
 
 
@@ -169,6 +171,31 @@ def _with_tied_head(nodes: list[Layer]) -> Layer:
     embedding = next(layer for layer in nodes if layer.role is Role.EMBEDDING)
     widest = max(embedding.params, key=lambda p: p.shape, default=None)
     return head if widest is None else replace(head, params=(replace(widest, node=head.name),))
+
+
+def rank_memory_terms(slice_: RankSlice, workload: Workload, config: Config) -> MemoryTerms:
+    """The memory terms of a pipeline rank: its slice's, with its stages (when it runs several), the moments of
+    its schedule and its receive buffers. `config` is the whole model's (its modes, if any, per model layer)."""
+    own = rank_config(config, slice_)
+    terms = memory_terms(slice_.graph, workload, own)
+    if len(slice_.stage_graphs) > 1:
+        s = context_parallel.rank_workload(workload, config).seq_len
+        total = terms.states.accumulating_grads
+        spans, first = [], 0
+        for local, stage in enumerate(slice_.stage_graphs):
+            stage_config = rank_config(config, slice_, stage=local)
+            nodes = stage.nodes()
+            start, forward_only = model_wide_bytes(stage, stage_config, b=config.micro_batch, s=s)
+            trains = [i for i, layer in enumerate(nodes) if any(p.trainable for p in layer.params)]
+            own_grads = model_states(stage, stage_config).accumulating_grads
+            spans.append(Span(first=first, stop=first + len(nodes), start=start, forward_only=forward_only,
+                              input_frees_from=first + (trains[-1] + 1 if trains else 0),
+                              other_grads=max(0, total - own_grads)))
+            first += len(nodes)
+        if first != len(terms.nodes):
+            raise ValueError(f"{slice_.rank=}'s stages have {first} nodes, its slice {len(terms.nodes)}")
+        terms = replace(terms, spans=tuple(spans))
+    return replace(terms, moments=slice_.moments, buffers=slice_.buffers)
 
 
 def rank_config(config: Config, slice_: RankSlice, *, stage: int | None = None) -> Config:
@@ -231,8 +258,8 @@ def pipeline_estimate(graph: LayerGraph, cluster: Cluster, workload: Workload,
             stages[stage] = stage_seconds(slice_.stage_graphs[local], cluster, workload,
                                           rank_config(config, slice_, stage=local))
         own = rank_config(config, slice_)
-        memories.append(memory_breakdown(slice_.graph, cluster, workload, own, in_flight=slice_.in_flight,
-                                         buffers=slice_.buffers))
+        memories.append(memory_breakdown(slice_.graph, cluster, workload, own,
+                                         terms=rank_memory_terms(slice_, workload, config)))
         outside.append(time_terms(slice_.graph, cluster, workload, own).outside)
     p2p = stage_p2p_seconds(graph, cluster, workload, config)
     m, v = config.grad_accum, config.pp_virtual

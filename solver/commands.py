@@ -200,8 +200,9 @@ def pipeline_lines(plan: Plan) -> list[str]:
         m = rank.memory
         states = m.parameters + m.gradients + m.optimizer_states
         stages = ", ".join(map(str, rank.stages))
-        lines.append(f"  rank {rank.rank} (stages {stages}; {rank.layers} layers, {rank.in_flight} micro-batch(es) "
-                     f"in flight): device peak {m.device_peak / GIB:.2f} GiB (activations {m.activations / GIB:.2f}, "
+        sets = "micro-batch(es)" if len(rank.stages) == 1 else "micro-batch stage sets"
+        lines.append(f"  rank {rank.rank} (stages {stages}; {rank.layers} layers, {rank.in_flight} {sets} in flight): "
+                     f"device peak {m.device_peak / GIB:.2f} GiB (activations {m.activations / GIB:.2f}, "
                      f"states {states / GIB:.2f} GiB), compute {rank.busy:.3f} s, outside the schedule "
                      f"{rank.outside:.3f} s")
     if plan.schedules:

@@ -46,7 +46,10 @@ def best_below(table: Table, kinds: list[int], modes: tuple[Checkpoint, ...], *,
                cutoff: int) -> Below | None:
     """The best fitting assignment of `table` whose objective (`tables.objective` with `weight`) is below
     `cutoff`, as the CP-SAT model of this table alone would find it; None when the count vectors below the cut-off
-    are more than `MAX_VECTORS` (not tried)."""
+    are more than `MAX_VECTORS` or the table is a pipeline rank's with moments of different micro-batches in flight
+    (not tried)."""
+    if table.memory.single_stage_others() is None:
+        return None  # a rank of several stages or a zero-bubble split: its moments are left to CP-SAT
     checkpointed = tuple(m for m in CHECKPOINTED if m in modes and table.outer.runs(m))
     every_layer = Checkpoint.NONE not in modes or not table.outer.runs(Checkpoint.NONE)  # activation offload
     order = sorted(set(kinds))
@@ -220,7 +223,7 @@ class _Events:
                     later = d["bwd_net"][m] + (d["grads"][m] if fresh else 0)
                     peak = d["bwd_peak_fresh" if fresh else "bwd_peak"][m]
                     backward[fresh] += later * (size - at_through) + peak * (at_through - at_before)
-        others = (terms.in_flight - 1) * live_end + terms.buffers
+        others = (terms.single_stage_others() or 0) * live_end + terms.buffers
         result = []
         for fresh, before in terms.walks:
             limit = self.table.budget - terms.states.gpu_total - before

@@ -2,7 +2,8 @@
 
 Build, solve, decode (OR-Tools sample layout). Memory constraints replay the activation timeline of
 `costmodels.activations.walk` exactly: every node's forward and backward event, for each micro-batch
-timeline, as linear expressions over per-kind prefix counts of checkpointed layers.
+timeline, as linear expressions over per-kind prefix counts of checkpointed layers; on a pipeline rank, per stage,
+beside the most its other in-flight micro-batches hold at the schedule's moments (`memory.allocated_peak`).
 """
 
 from __future__ import annotations
@@ -173,10 +174,15 @@ def add_memory_limit(pm: PlanModel, k: int, table: Table) -> None:
     """If configuration k is used, every forward and backward event of every micro-batch timeline, plus the
     persistent states, stays within the configuration's allocated-byte budget."""
     terms = table.memory
+    sums = {attr: _Sums(pm, terms, attr) for attr in _ATTRS}
+    others = _others(pm, k, terms, sums)
     for fresh, before in terms.walks:
         limit = table.budget - terms.states.gpu_total - before
-        for expr in _events(pm, terms, fresh):
+        for expr in _events(terms, sums, fresh, others):
             pm.model.add(expr <= limit).only_enforce_if(pm.use_config[k])
+
+
+_ATTRS = ("fwd_net", "fwd_peak", "released_after_forward", "bwd_net", "bwd_peak", "bwd_peak_fresh", "grads")
 
 
 class _Sums:
@@ -214,29 +220,79 @@ class _Sums:
         return self.over(i, i + 1)
 
 
-def _events(pm: PlanModel, terms: MemoryTerms, fresh: bool) -> list[cp_model.LinearExpr]:
-    """The walk's events as linear expressions (see costmodels.activations.walk)."""
-    sums = {attr: _Sums(pm, terms, attr) for attr in
-            ("fwd_net", "fwd_peak", "released_after_forward", "bwd_net", _PEAK[fresh], "grads")}
-    n = len(terms.nodes)
-    decoders = [i for i, options in enumerate(terms.nodes) if options[0][1].decoder]
-    last_decoder = decoders[-1] if decoders else -1
+def _others(pm: PlanModel, k: int, terms: MemoryTerms, sums: dict[str, _Sums]
+            ) -> dict[tuple[int, bool], cp_model.LinearExprT]:
+    """Per (running stage, forward), the bytes the other in-flight micro-batches hold plus the step's buffers
+    (`memory.others_at_most`): the moment's sum where one moment gives it, else a variable at least each
+    moment's, which the events then bound."""
+    def kept(first: int, stop: int) -> cp_model.LinearExpr:
+        return sums["fwd_net"].over(first, stop) - sums["released_after_forward"].over(first, stop)
+
+    held, ranges = [], []
+    for span in terms.stage_spans():
+        decoders = any(options[0][1].decoder for options in terms.nodes[span.first:span.stop])
+        base = span.start - (span.forward_only if decoders else 0)
+        full = base + kept(span.first, span.stop)
+        held.append((full, full - kept(span.input_frees_from, span.stop)))
+        ranges.append((_held_range(terms, span.first, span.stop, base), _held_range(
+            terms, span.first, span.input_frees_from, base)))
+    groups: dict[tuple[int, bool], list[tuple[cp_model.LinearExprT, int, int]]] = {}
+    for moment in terms.moment_list():
+        expr: cp_model.LinearExprT = terms.buffers
+        low = high = terms.buffers
+        for f, a, (full, after), ((full_low, full_high), (after_low, after_high)) in zip(
+                moment.full, moment.after_input, held, ranges, strict=True):
+            expr += f * full + a * after
+            low += f * full_low + a * after_low
+            high += f * full_high + a * after_high
+        groups.setdefault((moment.stage, moment.forward), []).append((expr, low, high))
+    others: dict[tuple[int, bool], cp_model.LinearExprT] = {}
+    for (stage, forward), options in groups.items():
+        if len(options) == 1:
+            others[stage, forward] = options[0][0]
+            continue
+        most = pm.model.new_int_var(max(low for _, low, _ in options), max(high for _, _, high in options),
+                                    f"others_{k}_{stage}_{'f' if forward else 'b'}")
+        for expr, _, _ in options:
+            pm.model.add(most >= expr).only_enforce_if(pm.use_config[k])
+        others[stage, forward] = most
+    return others
+
+
+def _held_range(terms: MemoryTerms, first: int, stop: int, base: int) -> tuple[int, int]:
+    """The least and most bytes nodes first..stop-1 keep after their forward, over their modes, plus `base`."""
+    low = high = base
+    for options in terms.nodes[first:stop]:
+        values = [node.fwd_net - node.released_after_forward for _, node in options]
+        low, high = low + min(values), high + max(values)
+    return low, high
+
+
+def _events(terms: MemoryTerms, sums: dict[str, _Sums], fresh: bool,
+            others: dict[tuple[int, bool], cp_model.LinearExprT]) -> list[cp_model.LinearExpr]:
+    """The walk's events as linear expressions (see costmodels.activations.walk_phases), per stage of the
+    terms, each with the other in-flight micro-batches of its moments (`_others`)."""
     kept = [0]
     for extra in terms.extra:
         kept.append(kept[-1] + extra[1])
-    live_end = (terms.start - (terms.forward_only if last_decoder >= 0 else 0) + sums["fwd_net"].over(0, n)
-                - sums["released_after_forward"].over(0, n))
-    # A pipeline rank's other in-flight micro-batches each hold what one keeps after its forward
-    # (`memory.held_after_forward`), and its receive buffers live through the step.
-    others = (terms.in_flight - 1) * live_end + terms.buffers
     events = []
-    for i in range(n):
-        drop = terms.forward_only if i > last_decoder >= 0 else 0
-        events.append(terms.start - drop + sums["fwd_net"].over(0, i) + sums["fwd_peak"].at(i)
-                      + terms.extra[i][0] + kept[i] + others)
-    for i in reversed(range(n)):
-        later = sums["bwd_net"].over(i + 1, n) + (sums["grads"].over(i + 1, n) if fresh else 0)
-        events.append(live_end + later + sums[_PEAK[fresh]].at(i) + terms.extra[i][2] + kept[i + 1] + others)
+    for t, span in enumerate(terms.stage_spans()):
+        first, stop = span.first, span.stop
+        decoders = [i for i in range(first, stop) if terms.nodes[i][0][1].decoder]
+        last = decoders[-1] if decoders else -1
+        grads = span.other_grads if fresh else 0
+        live_end = (span.start - (span.forward_only if last >= 0 else 0) + sums["fwd_net"].over(first, stop)
+                    - sums["released_after_forward"].over(first, stop))
+        if (t, True) in others:
+            for i in range(first, stop):
+                drop = span.forward_only if i > last >= 0 else 0
+                events.append(span.start - drop + sums["fwd_net"].over(first, i) + sums["fwd_peak"].at(i)
+                              + terms.extra[i][0] + kept[i] - kept[first] + others[t, True] + grads)
+        if (t, False) in others:
+            for i in reversed(range(first, stop)):
+                later = sums["bwd_net"].over(i + 1, stop) + (sums["grads"].over(i + 1, stop) if fresh else 0)
+                events.append(live_end + later + sums[_PEAK[fresh]].at(i) + terms.extra[i][2] + kept[i + 1]
+                              - kept[first] + others[t, False] + grads)
     return events
 
 

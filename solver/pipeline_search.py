@@ -116,7 +116,7 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
     ranks = []
     for slice_, terms, whole in timed:
         table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
-                            in_flight=slice_.in_flight, buffers=slice_.buffers, terms=whole)
+                            rank_slice=slice_, terms=whole)
         if not table.states_fit:
             return None
         ranks.append(RankTable(slice_, table, [layer.kind for layer in slice_.graph.decoder_layers()], terms,

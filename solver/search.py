@@ -16,12 +16,14 @@ reports FEASIBLE (a plan, not proven best) or UNKNOWN (no plan yet, nothing prov
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Offload, Workload, precision
 from costmodels.activations import NodeMemory
+from costmodels.pipeline import Moment
 from graphs import Checkpoint, LayerGraph
 
 from .count_search import best_below
@@ -135,51 +137,83 @@ def _bisect(table: Table, kinds: list[int], mode: Checkpoint, modes: tuple[Check
 
 def peak_lower_bound(table: Table, modes: tuple[Checkpoint, ...]) -> int:
     """An allocated peak no assignment of `modes` goes below: each of the timeline's events (`model._events`)
-    takes, node by node, the mode that adds least to it, and the bound is the largest such event. Above the
-    budget it proves a table infeasible without CP-SAT (most pipeline ranks that cannot fit)."""
+    takes, node by node, the mode that adds least to it, and the bound is the largest such event; per stage and
+    direction one moment stands for the rest (the one with the most micro-batches in flight), which keeps it a
+    bound. Above the budget it proves a table infeasible without CP-SAT (most pipeline ranks that cannot fit)."""
     terms = table.memory
     nodes = [[node for mode, node in options if mode in modes or not node.decoder] or [options[0][1]]
              for options in terms.nodes]
-    n, others = len(nodes), terms.in_flight - 1
-    decoders = [i for i, options in enumerate(nodes) if options[0].decoder]
-    last = decoders[-1] if decoders else -1
+    spans = terms.stage_spans()
     kept = [0]
     for extra in terms.extra:
         kept.append(kept[-1] + extra[1])
-    base = terms.in_flight * (terms.start - (terms.forward_only if last >= 0 else 0)) + terms.buffers
 
     def held(node: NodeMemory) -> int:
         return node.fwd_net - node.released_after_forward
 
+    def bases(moment: Moment) -> tuple[list[int], int]:
+        """Per node, the micro-batches in flight besides the running one that hold its forward's bytes; and
+        the stages' model-wide bytes they hold."""
+        weights, constant = [0] * len(nodes), 0
+        for span, full, after in zip(spans, moment.full, moment.after_input, strict=True):
+            decoders = any(options[0].decoder for options in nodes[span.first:span.stop])
+            constant += (full + after) * (span.start - (span.forward_only if decoders else 0))
+            for i in range(span.first, span.stop):
+                weights[i] = full + (after if i < span.input_frees_from else 0)
+        return weights, constant
+
     best = terms.states.step_temp + terms.buffers + terms.states.accumulating_grads  # the optimizer step
-    for fresh, before in terms.walks:
-        peak = "bwd_peak_fresh" if fresh else "bwd_peak"
-        # forward event i: nodes before i add fwd_net and their held bytes in the other micro-batches, i its peak
-        ahead = [min(o.fwd_net + others * held(o) for o in options) for options in nodes]
-        behind = [min(others * held(o) for o in options) for options in nodes]
-        prefix, suffix = [0], [0] * (n + 1)
-        for i in range(n):
-            prefix.append(prefix[-1] + ahead[i])
-        for i in reversed(range(n)):
-            suffix[i] = suffix[i + 1] + behind[i]
-        for i in range(n):
-            own = min(o.fwd_peak + others * held(o) for o in nodes[i])
-            start = terms.start - (terms.forward_only if i > last >= 0 else 0) + others * (
-                terms.start - (terms.forward_only if last >= 0 else 0)) + terms.buffers
-            best = max(best, before + start + prefix[i] + own + suffix[i + 1] + terms.extra[i][0] + kept[i])
-        # backward event i: every node's held bytes in all in-flight micro-batches, nodes after i their backward
-        done = [min(terms.in_flight * held(o) + o.bwd_net + (o.grads if fresh else 0) for o in options)
-                for options in nodes]
-        waiting = [min(terms.in_flight * held(o) for o in options) for options in nodes]
-        prefix, suffix = [0], [0] * (n + 1)
-        for i in range(n):
-            prefix.append(prefix[-1] + waiting[i])
-        for i in reversed(range(n)):
-            suffix[i] = suffix[i + 1] + done[i]
-        for i in range(n):
-            own = min(terms.in_flight * held(o) + getattr(o, peak) for o in nodes[i])
-            best = max(best, before + base + prefix[i] + own + suffix[i + 1] + terms.extra[i][2] + kept[i + 1])
+    def size(moment: Moment) -> tuple[int, int]:
+        return sum(moment.full) + sum(moment.after_input), sum(moment.full)
+
+    representative: dict[tuple[int, bool], Moment] = {}
+    for moment in terms.moment_list():
+        key = (moment.stage, moment.forward)
+        if key not in representative or size(moment) > size(representative[key]):
+            representative[key] = moment
+    for (t, forward), moment in representative.items():
+        span = spans[t]
+        first, stop = span.first, span.stop
+        weights, constant = bases(moment)
+        decoders = [i for i in range(first, stop) if nodes[i][0].decoder]
+        last = decoders[-1] if decoders else -1
+        outside = sum(min(weights[i] * held(o) for o in nodes[i])
+                      for i in (*range(first), *range(stop, len(nodes))))
+        for fresh, before in terms.walks:
+            base = before + constant + outside + terms.buffers + (span.other_grads if fresh else 0)
+            if forward:
+                # event i: nodes before i add fwd_net and their held bytes in the other micro-batches, i its peak
+                ahead = [min(o.fwd_net + weights[i] * held(o) for o in nodes[i]) for i in range(first, stop)]
+                behind = [min(weights[i] * held(o) for o in nodes[i]) for i in range(first, stop)]
+                before_i, after_i = _prefix(ahead), _suffix(behind)
+                for i in range(first, stop):
+                    own = min(o.fwd_peak + weights[i] * held(o) for o in nodes[i])
+                    start = span.start - (span.forward_only if i > last >= 0 else 0)
+                    best = max(best, base + start + before_i[i - first] + own + after_i[i - first + 1]
+                               + terms.extra[i][0] + kept[i] - kept[first])
+                continue
+            # event i: the stage's held bytes in all in-flight micro-batches, nodes after i their backward
+            peak = "bwd_peak_fresh" if fresh else "bwd_peak"
+            start = span.start - (span.forward_only if last >= 0 else 0)
+            done = [min((1 + weights[i]) * held(o) + o.bwd_net + (o.grads if fresh else 0) for o in nodes[i])
+                    for i in range(first, stop)]
+            waiting = [min((1 + weights[i]) * held(o) for o in nodes[i]) for i in range(first, stop)]
+            before_i, after_i = _prefix(waiting), _suffix(done)
+            for i in range(first, stop):
+                own = min((1 + weights[i]) * held(o) + getattr(o, peak) for o in nodes[i])
+                best = max(best, base + start + before_i[i - first] + own + after_i[i - first + 1]
+                           + terms.extra[i][2] + kept[i + 1] - kept[first])
     return terms.states.gpu_total + best
+
+
+def _prefix(values: list[int]) -> list[int]:
+    """prefix[i] = sum(values[:i])."""
+    return [0, *itertools.accumulate(values)]
+
+
+def _suffix(values: list[int]) -> list[int]:
+    """suffix[i] = sum(values[i:])."""
+    return [*itertools.accumulate(reversed(values), initial=0)][::-1]
 
 
 def dominates(a: Table, b: Table, modes: tuple[Checkpoint, ...]) -> bool:

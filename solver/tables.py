@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from costmodels import Cluster, Config, Workload, check
 from costmodels.compilation import COMPILE_MIN_SAVING
 from costmodels.memory import MemoryTerms, allocated_peak, memory_terms, offload_bytes
+from costmodels.pipeline_stages import RankSlice, rank_memory_terms
 from costmodels.states import ModelStates, model_states
 from costmodels.timing import TimeTerms, time_terms
 from costmodels.verdict import host_fits, memory_budget
@@ -72,13 +73,14 @@ class Table:
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,
                 headroom: float, compile_auto: bool = False, eager_graph: LayerGraph | None = None,
-                in_flight: int = 1, buffers: int = 0, terms: TimeTerms | None = None,
+                rank_slice: RankSlice | None = None, terms: TimeTerms | None = None,
                 memo: dict[tuple[LayerGraph, Config], TimeTerms] | None = None) -> Table:
     """One configuration's table. With `compile_auto` a compiled configuration keeps torch.compile only where
     it saves at least `COMPILE_MIN_SAVING` of its fastest step, so that the search ranks what the plan runs;
-    `eager_graph` is its lowering without compile (what it then saves). `in_flight` and `buffers` make it a
-    pipeline rank's table (`graph` its slice: `costmodels.pipeline_stages`); `terms` its time terms when the caller
-    has them, `memo` the time terms already computed for other tables (a compiled configuration's eager twin)."""
+    `eager_graph` is its lowering without compile (what it then saves). `rank_slice` makes it a pipeline rank's
+    table (`graph` that slice's: `costmodels.pipeline_stages`, its stages, schedule and receive buffers); `terms`
+    its time terms when the caller has them, `memo` the time terms already computed for other tables (a compiled
+    configuration's eager twin)."""
     config = outer.config()
     check(graph, cluster, workload, config)
     terms = terms or timed(graph, cluster, workload, config, memo)
@@ -99,9 +101,9 @@ def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: 
     cpu, nvme = offload_bytes(cluster, config, states)
     host_ok = host_fits(cpu, nvme, cluster)
     return Table(outer=outer, rank=rank, fixed_ticks=fixed, layer_ticks=layers, states=states, budget=budget,
-                 host_ok=host_ok, host_bytes=cpu, buffers=buffers,
-                 build_memory=lambda: replace(memory_terms(graph, workload, config), in_flight=in_flight,
-                                              buffers=buffers))
+                 host_ok=host_ok, host_bytes=cpu, buffers=rank_slice.buffers if rank_slice else 0,
+                 build_memory=lambda: (rank_memory_terms(rank_slice, workload, config) if rank_slice
+                                       else memory_terms(graph, workload, config)))
 
 
 def timed(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config,

@@ -22,6 +22,8 @@ from costmodels.pipeline import (
     op_seconds,
     p2p_activation_bytes,
     pipeline_time,
+    rank_moments,
+    sets_in_flight,
     step_lower_bound,
 )
 from costmodels.pipeline_schedule import (
@@ -171,6 +173,57 @@ def test_held_bytes_with_loss_freed_at_input_step_equal_counts_over_torch_order(
         stages = [StageActivations(saved=w, freed_by_input=e) for w, e in zip(weights, early, strict=True)]
         assert held_activation_bytes(schedule, pp, m, v=v, stages=stages) == \
             counted_peaks(torch_order(schedule, pp, m, v), weights, early)
+
+
+def busiest_moments(order: tuple[tuple[Op, ...], ...], held: list[int], early: list[int], running: dict[bool, list[int]]
+                    ) -> tuple[int, ...]:
+    """Reference per rank: over every action of torch's order, what the other in-flight micro-batches hold (a
+    forward's `held`, less `early` after an input step) plus the running stage's own bytes for a forward or a
+    backward action (`running[True]`, `running[False]`)."""
+    peaks = []
+    for ops in order:
+        live: dict[tuple[int, int], int] = {}
+        peak = 0
+        for op in ops:
+            key = (op.stage, op.micro_batch)
+            others = sum(v for k, v in live.items() if k != key)
+            peak = max(peak, others + running[op.kind == "F"][op.stage])
+            if op.kind == "F":
+                live[key] = held[op.stage]
+            elif op.kind == "I":
+                live[key] -= early[op.stage]
+            else:
+                live.pop(key, None)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_rank_moments_hold_the_peak_of_any_stage_bytes_over_torch_order(schedule):
+    """The moments the memory model composes (dominated ones dropped) give the same peak as every action of the
+    real order, for any per-stage bytes: kept after a forward, freed by an input step, and the running
+    micro-batch's own forward and backward peaks."""
+    rng = random.Random(19)
+    for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
+        ranks = stage_ranks(schedule, pp, v)
+        for _ in range(3):
+            held = [rng.randint(0, 10**6) for _ in ranks]
+            early = [rng.randint(0, h) for h in held]
+            running = {True: [rng.randint(0, 10**6) for _ in ranks], False: [rng.randint(0, 10**6) for _ in ranks]}
+            expected = busiest_moments(torch_order(schedule, pp, m, v), held, early, running)
+            for rank, moments in enumerate(rank_moments(schedule, pp, m, v=v)):
+                mine = [s for s, r in enumerate(ranks) if r == rank]
+                value = max(running[a.forward][mine[a.stage]] + sum(
+                    f * held[s] + c * (held[s] - early[s]) for s, f, c in zip(mine, a.full, a.after_input,
+                                                                             strict=True)) for a in moments)
+                assert value == expected[rank], (schedule, pp, m, v, rank)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_sets_in_flight_of_the_moments_equal_the_closed_forms(schedule):
+    for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
+        assert tuple(sets_in_flight(a) for a in rank_moments(schedule, pp, m, v=v)) == \
+            in_flight_micro_batches(schedule, pp, m, v=v)
 
 
 def test_stage_ranks_equal_torch_stage_to_rank_mapping():

@@ -9,8 +9,10 @@ by several nodes once; released with its last saved copy), against
   with the lowering's saved bytes of that stage's slice of the layer graph (`pipeline_stages.rank_slices`, the plan's
   split and checkpoint modes; `check.saved_activation_bytes`), and with the loss's saved bytes as what a zero-bubble
   input step frees on the last stage: exact bytes;
-- the plan's own `Estimate.pipeline`: each rank's in-flight passes times its slice's saved bytes per micro-batch,
-  equal for one stage per rank and never below the real peak with several (whole passes, `in_flight_passes`).
+- the moments the plan's memory composes (`pipeline.rank_moments` of the plan's rank slices): the most, over the
+  forwards, of the running stage's saved bytes plus what the other in-flight micro-batches of each stage hold
+  (their saved bytes, less the loss's after a zero-bubble input step): exact bytes for every schedule; and the
+  plan's in-flight count, the most stage sets those moments hold.
 Parameters and AdamW states per rank equal the plan's per-rank memory breakdown exactly (fp32 on CPU). The stages
 themselves are checked against the whole model: cut from a checkpoint, they compose to its logits, and a run's
 first loss is transformers' loss of the same tokens.
@@ -29,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from costmodels import Workload
-from costmodels.pipeline import StageActivations, held_activation_bytes
-from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, stage_ranks
+from costmodels.pipeline import StageActivations, held_activation_bytes, rank_moments, sets_in_flight
+from costmodels.pipeline_schedule import Schedule, stage_ranks
 from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import FitplanError, Role
 from solver import solve
@@ -71,7 +73,7 @@ def run_script(plan, model_dir: Path, folder: Path, ranks: int = RANKS) -> tuple
 
 def stage_saved_bytes(plan, global_batch: int = GLOBAL_BATCH) -> tuple[list[StageActivations], list[int]]:
     """Per global stage, the lowering's saved bytes of one micro-batch (the loss's as freed by an input step on the
-    last stage); per pipeline rank, its slice's saved bytes of one pass through all its stages."""
+    last stage); per pipeline rank, the most its plan's moments hold of them (`moment_bytes`)."""
     config = plan_config(plan)
     graph = plan_graph(plan, config)
     slices = rank_slices(graph, Workload(seq_len=SEQ_LEN, global_batch=global_batch), config)
@@ -84,8 +86,17 @@ def stage_saved_bytes(plan, global_batch: int = GLOBAL_BATCH) -> tuple[list[Stag
             stages[stage] = StageActivations(saved=saved_activation_bytes(sub, rank_config(config, slice_,
                                                                                            stage=local),
                                                                           seq_len=SEQ_LEN), freed_by_input=loss)
-    per_rank = [sum(stages[s].saved for s in slice_.stages) for slice_ in slices]
+    per_rank = [moment_bytes(slice_.moments, [stages[s] for s in slice_.stages]) for slice_ in slices]
     return [stages[s] for s in sorted(stages)], per_rank
+
+
+def moment_bytes(moments, stages: list[StageActivations]) -> int:
+    """The most bytes a rank holds just after one of its forwards: the running stage's, plus per local stage its
+    other micro-batches' (after an input step, less what it freed)."""
+    return max(stages[moment.stage].saved + sum(f * stage.saved + a * (stage.saved - stage.freed_by_input)
+                                                for f, a, stage in zip(moment.full, moment.after_input, stages,
+                                                                       strict=True))
+               for moment in moments if moment.forward)
 
 
 def check_run(plan, reports: list[dict], losses: list[float]) -> None:
@@ -94,15 +105,13 @@ def check_run(plan, reports: list[dict], losses: list[float]) -> None:
     assert [r["stages"] for r in reports] == [[s for s, r in enumerate(ranks) if r == rank] for rank in range(d.pp)]
     assert len(losses) == 2 and all(math.isfinite(x) and 5 < x < 7 for x in losses)  # ln(512) = 6.24 at random
     assert reports[0]["grad_norms"] == pytest.approx(reports[1]["grad_norms"])  # one global norm over the stages
-    stages, per_pass = stage_saved_bytes(plan)
+    stages, priced = stage_saved_bytes(plan)
     measured = tuple(r["held_saved_peak_bytes"] for r in reports)
     assert measured == held_activation_bytes(d.pp_schedule, d.pp, d.grad_accum, v=d.pp_virtual, stages=stages)
     assert [r["held_saved_left_bytes"] for r in reports] == [0] * d.pp  # the peak is a steady state
-    priced = [rank.in_flight * saved for rank, saved in zip(plan.estimate.pipeline.ranks, per_pass, strict=True)]
-    if d.pp_schedule in SINGLE_STAGE:
-        assert list(measured) == priced
-    else:
-        assert all(m <= p for m, p in zip(measured, priced, strict=True)), (measured, priced)
+    assert list(measured) == priced
+    moments = rank_moments(d.pp_schedule, d.pp, d.grad_accum, v=d.pp_virtual)
+    assert [rank.in_flight for rank in plan.estimate.pipeline.ranks] == [sets_in_flight(m) for m in moments]
     for report, rank in zip(reports, plan.estimate.pipeline.ranks, strict=True):
         assert report["param_bytes"] == rank.memory.parameters
         assert report["optimizer_bytes"] == rank.memory.optimizer_states
