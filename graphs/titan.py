@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .errors import UnsupportedModel
 from .fit import Probes, model_wide_bytes, segment_costs, storage_polys
 from .graph import LayerGraph, ModelDims
-from .layer import Checkpoint, ModeCost, ParamTensor
+from .layer import Checkpoint, ModeCost, MoE, ParamTensor
 from .poly import Poly
 from .probe import MODEL_WIDE, Recording, TraceSlot, model_wide
 from .recorder import ScopeTracker, marking_recompute
@@ -48,7 +48,7 @@ TITAN_ATTENTION = "flex"
 # The checkpoint modes torchtitan runs: none, `FullAC` and `SelectiveAC` (op-level SAC).
 TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
 # HF model_type -> torchtitan model family (torchtitan 0.3.0 `torchtitan/models/`).
-TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3"}
+TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 PROBE_BATCH = 2
 PROBE_SEQ = 32
 # Bump when this module's output changes meaning (part of the cache key, beside graphs.cache.FORMAT_VERSION).
@@ -103,9 +103,9 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
     config = transformers_config(resolved)
     dims = dims_of(config)
     family = TITAN_FAMILIES.get(config.model_type)
-    if family is None or dims.experts:
-        raise UnsupportedModel(f"torchtitan has no dense model for {config.model_type!r} ({resolved.id})",
-                               f"The torchtitan launcher runs {', '.join(sorted(TITAN_FAMILIES))} (dense) models.")
+    if family is None or (dims.experts and config.model_type != "qwen3_moe"):
+        raise UnsupportedModel(f"torchtitan has no model for {config.model_type!r} ({resolved.id})",
+                               f"fitplan lowers torchtitan's {', '.join(sorted(TITAN_FAMILIES))} models.")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_titan(titan_config(config, family=family, layers=dims.layers))
     kinds = _kinds(model)
@@ -119,9 +119,11 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
             return run_titan_pass(trace, slots, b=b, s=s, vocab=dims.vocab, loss=loss)
 
     base = run(PROBE_BATCH, PROBE_SEQ)
+    # torchtitan shards MoE experts under TP with its own expert-tensor-parallel plan (moe_sharding.py), which
+    # the widened probe does not model: its MoE models are lowered for TP 1 (their `tp_degrees`).
+    widened = None if dims.experts else _widened_run(config, family, dims, kinds, slots, fake, dtype=dtype, loss=loss)
     probes = Probes(base, run(PROBE_BATCH, 2 * PROBE_SEQ), run(PROBE_BATCH, 3 * PROBE_SEQ),
-                    run(2 * PROBE_BATCH, PROBE_SEQ),
-                    _widened_run(config, family, dims, kinds, slots, fake, dtype=dtype, loss=loss))
+                    run(2 * PROBE_BATCH, PROBE_SEQ), widened)
     costs = segment_costs(probes)
     if loss == "chunked":
         costs["loss"] = chunked_loss_cost(probes, costs["loss"])
@@ -131,7 +133,8 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
     study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention=TITAN_ATTENTION,
                   dims=dims, itemsize=torch.finfo(getattr(torch, dtype)).bits // 8, params=params, kinds=kinds,
                   slot_scopes={(s.kind, s.mode): f"layers.{j}" for j, s in enumerate(slots) if s.kind is not None},
-                  costs=costs, rowwise_modules=[_rowwise(layer) for layer in model.layers.values()], moe={},
+                  costs=costs, rowwise_modules=[_rowwise(layer) for layer in model.layers.values()],
+                  moe=_moe(model, kinds, dims),
                   model_wide=wide, widened=probes.widened is not None,
                   tp_degrees=_tp_degrees(dims) if probes.widened is not None else (1,),
                   versions=(*_versions(), ("torchtitan", _package_version("torchtitan"))))
@@ -229,13 +232,57 @@ def titan_config(config: Any, *, family: str, layers: int, widen: int = 1) -> An
                                   wqkv_param_init=init, wo_param_init=init,
                                   inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True, rope=rope,
                                   qk_norm=qk_norm),
-        feed_forward=make_ffn_config(dim=dims.hidden, hidden_dim=dims.intermediate * widen, w1_param_init=init,
-                                     w2w3_param_init=init)) for _ in range(layers)]
+        **({"moe": _moe_config(text, dims.hidden, widen)} if _sparse(text, i) else
+           {"feed_forward": make_ffn_config(dim=dims.hidden, hidden_dim=dims.intermediate * widen,
+                                            w1_param_init=init, w2w3_param_init=init)}))
+        for i in range(layers)]
     return model_cls.Config(dim=dims.hidden, vocab_size=dims.vocab,
                             enable_weight_tying=bool(getattr(text, "tie_word_embeddings", False)),
                             tok_embeddings=Embedding.Config(num_embeddings=dims.vocab, embedding_dim=dims.hidden),
                             norm=norm, lm_head=Linear.Config(in_features=dims.hidden, out_features=dims.vocab),
                             layers=blocks)
+
+
+def _sparse(text: Any, index: int) -> bool:
+    """Whether decoder layer `index` of a Qwen3-MoE config is an MoE layer (transformers Qwen3MoeDecoderLayer:
+    not in `mlp_only_layers`, and every `decoder_sparse_step`-th layer)."""
+    experts = int(getattr(text, "num_experts", 0) or 0)
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    return experts > 0 and index not in (getattr(text, "mlp_only_layers", None) or []) and (index + 1) % step == 0
+
+
+def _moe_config(text: Any, hidden: int, widen: int) -> Any:
+    """torchtitan's MoE block for a Qwen3-MoE config, as its own Qwen3-MoE flavours build it
+    (`_build_qwen3_moe_layers`: softmax top-k router, routed experts with the standard all-to-all dispatcher, the
+    default auxiliary-loss-free load-balancing buffers); `route_norm` is the config's `norm_topk_prob`."""
+    from torchtitan.models.common.config_utils import (
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    experts, top_k = int(text.num_experts), int(text.num_experts_per_tok)
+    init = torch.nn.init.normal_
+    return make_moe_config(
+        num_experts=experts,
+        router=make_router_config(dim=hidden, num_experts=experts, gate_param_init={"weight": init}, top_k=top_k,
+                                  score_func="softmax", route_norm=bool(getattr(text, "norm_topk_prob", False))),
+        routed_experts=make_routed_experts_config(dim=hidden, hidden_dim=int(text.moe_intermediate_size) * widen,
+                                                  num_experts=experts, top_k=top_k,
+                                                  param_init={"w1_EFD": init, "w2_EDF": init, "w3_EFD": init},
+                                                  comm_backend="standard"))
+
+
+def _moe(model: torch.nn.Module, kinds: list[int], dims: ModelDims) -> dict[int, MoE]:
+    """Per layer kind with routed experts, their count, top-k and parameter elements."""
+    result = {}
+    blocks = list(model.layers.values())
+    for kind in set(kinds):
+        block = blocks[kinds.index(kind)]
+        expert = sum(p.numel() for name, p in block.named_parameters() if "routed_experts." in name)
+        if expert:
+            result[kind] = MoE(experts=dims.experts, top_k=dims.top_k, expert_params=expert)
+    return result
 
 
 def _llama_classes() -> tuple[Any, Any]:

@@ -15,7 +15,7 @@ from tests.graphs.reference import run_reference, write_config
 from tests.graphs.tiny_configs import tiny_values
 from tests.graphs.titan_reference import layer_reference, step_peak
 
-ARCHS = ["llama", "qwen3"]
+ARCHS = ["llama", "qwen3", "qwen3_moe"]
 UNSEEN_B, UNSEEN_S = 3, 80  # probes use b in {2, 4} and s in {32, 64, 96}
 # MemTracker counts every storage of the step; the model leaves out a few scalars (the loss, AdamW's step
 # counters, which stay on the host on a GPU): under 0.1% here. Whole steps run at 256 tokens so that the
@@ -178,3 +178,20 @@ def test_lower_with_the_torchtitan_runtime_is_the_torchtitan_lowering(folders, g
     assert graph.to_json() == graphs["llama"].to_json()
     with pytest.raises(UnsupportedModel, match="LoRA"):
         lower(folders["llama"], runtime="torchtitan", autocast="bfloat16")
+
+
+def test_titan_moe_layers_carry_their_experts_and_stay_at_tp_1(graphs):
+    """Qwen3-MoE through torchtitan's own MoE block: every layer routes top-k of its experts, whose stacked
+    weights (experts, out, in) are what expert parallelism divides; TP stays 1 (torchtitan's expert-tensor-parallel
+    split is not measured)."""
+    values = tiny_values("qwen3_moe")
+    graph = graphs["qwen3_moe"]
+    experts, top_k, width, hidden = (values[k] for k in ("num_experts", "num_experts_per_tok",
+                                                          "moe_intermediate_size", "hidden_size"))
+    assert graph.tp_degrees == (1,)
+    for layer in graph.decoder_layers():
+        assert (layer.moe.experts, layer.moe.top_k) == (experts, top_k)
+        stacks = [p for p in layer.params if len(p.shape) == 3]
+        assert sorted(p.shape for p in stacks) == sorted([(experts, width, hidden), (experts, hidden, width),
+                                                          (experts, width, hidden)])
+        assert layer.moe.expert_params == sum(p.numel for p in stacks)
