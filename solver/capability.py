@@ -374,8 +374,8 @@ def _parallelism(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...]) -
     elif d.cp > 1 and launcher not in _CP_RUNNERS:
         problems.append(f"context parallelism (cp={d.cp}; launchers that run it: {', '.join(_CP_RUNNERS)})")
     if d.ep > 1 and launcher == "torchtitan":
-        problems.append(f"expert parallelism ({_TORCHTITAN} runs it in its own MoE flavours only, deepseek_v3, qwen3 "
-                        f"MoE and gpt_oss, none of which a fitplan model maps to; launchers that run it: "
+        problems.append(f"expert parallelism (fitplan runs {_TORCHTITAN}'s Qwen3-MoE flavours with their experts "
+                        "sharded by FSDP2, not with its own all-to-all expert parallelism; launchers that run it: "
                         f"{', '.join(_EP_RUNNERS)})")
     elif d.ep > 1 and launcher not in _EP_RUNNERS:
         problems.append(f"expert parallelism (ep={d.ep}; launchers that run it: {', '.join(_EP_RUNNERS)})")

@@ -64,19 +64,31 @@ def _shape_of(inputs: Inputs) -> dict[str, Any] | None:
     return {"architecture": inputs.architecture, "hidden": inputs.hidden_size, "layers": inputs.num_layers,
             "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
             "ffn_hidden": shape.ffn_hidden, "vocab": shape.vocab, "tied_embeddings": shape.tied_embeddings,
-            "rope_theta": shape.rope_theta}
+            "rope_theta": shape.rope_theta, "experts": shape.experts, "top_k": shape.top_k,
+            "expert_ffn_hidden": shape.expert_ffn_hidden}
+
+
+_DENSE = {"experts": 0, "top_k": 0, "expert_ffn_hidden": 0}
+"""What a dense flavour's row leaves out."""
 
 
 def flavor_of(inputs: Inputs) -> dict[str, Any] | None:
-    """The torchtitan flavour whose architecture and shape are the plan's model, or None."""
+    """The torchtitan flavour whose architecture and shape are the plan's model, or None. An MoE flavour routes
+    every layer (its row's ffn_hidden is null): the model's dense FFN width, unused there, is not compared."""
     shape = _shape_of(inputs)
-    if shape is None or (inputs.shape is not None and (inputs.shape.experts or inputs.shape.linear_bias)):
+    if shape is None or (inputs.shape is not None and inputs.shape.linear_bias):
         return None
     for row in flavors():
-        if all(row[k] == v if k != "rope_theta" else v is not None and math.isclose(row[k], v)
-               for k, v in shape.items()):
+        row = {**_DENSE, **row}
+        if all(_same(k, row[k], v) for k, v in shape.items() if not (k == "ffn_hidden" and row[k] is None)):
             return row
     return None
+
+
+def _same(key: str, ours: Any, theirs: Any) -> bool:
+    if key == "rope_theta":
+        return theirs is not None and math.isclose(ours, theirs)
+    return ours == theirs
 
 
 def model_problems(inputs: Inputs, attention: str = "sdpa") -> list[str]:

@@ -102,7 +102,7 @@ UNSUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     # issue 13: pipelines are walked in test_parallel_launchers.py (the 1B flavour ties its embeddings, which
     # torchtitan refuses under PP)
     "context-parallel": ({"cp": 2, "dp": 4, "grad_accum": 8}, "all-gathers"),
-    "expert-parallel": ({"ep": 2}, "MoE flavours"),
+    "expert-parallel": ({"ep": 2}, "MoE flavours"),  # refused whatever the model (here a dense one)
 }
 
 
@@ -241,12 +241,19 @@ def test_flavour_table_is_torchtitans():
         model = importlib.import_module(f"torchtitan.models.{row['module']}").model_registry(row["flavor"]).model
         layer = model.layers[0]
         qkv, rope = layer.attention.qkv_linear, layer.attention.rope
-        assert getattr(layer, "moe", None) is None
         assert (model.dim, len(model.layers), model.vocab_size, bool(model.enable_weight_tying)) == \
             (row["hidden"], row["layers"], row["vocab"], row["tied_embeddings"]), row
-        assert (qkv.n_heads, qkv.n_kv_heads, qkv.head_dim, layer.feed_forward.w1.out_features) == \
-            (row["heads"], row["kv_heads"], row["head_dim"], row["ffn_hidden"]), row
+        assert (qkv.n_heads, qkv.n_kv_heads, qkv.head_dim) == (row["heads"], row["kv_heads"], row["head_dim"]), row
         assert float(rope.theta) == row["rope_theta"]
+        if row["ffn_hidden"] is None:  # an MoE flavour: every layer routes, none has a dense FFN
+            assert all(block.moe is not None and block.feed_forward is None for block in model.layers), row
+            moe = layer.moe
+            assert (moe.num_experts, moe.router.top_k, moe.routed_experts.inner_experts.hidden_dim) == \
+                (row["experts"], row["top_k"], row["expert_ffn_hidden"]), row
+        else:
+            assert all(block.moe is None for block in model.layers), row
+            assert layer.feed_forward.w1.out_features == row["ffn_hidden"], row
+            assert "experts" not in row, row
 
 
 def catalog_inputs(name: str, cluster: ClusterInfo) -> Inputs:
@@ -259,7 +266,9 @@ def catalog_inputs(name: str, cluster: ClusterInfo) -> Inputs:
                        max_positions=values["max_position_embeddings"], normalization="RMSNorm", gated_silu=True,
                        rope=True, rope_theta=float(values.get("rope_theta", 10000.0)),  # LlamaConfig default
                        tied_embeddings=bool(values.get("tie_word_embeddings")), linear_bias=False,
-                       experts=values.get("num_local_experts") or values.get("num_experts") or 0)
+                       experts=values.get("num_local_experts") or values.get("num_experts") or 0,
+                       top_k=values.get("num_experts_per_tok") or 0,
+                       expert_ffn_hidden=values.get("moe_intermediate_size") or 0)
     return Inputs(model=name, model_source="catalog", architecture=values["architectures"][0],
                   hidden_size=values["hidden_size"], num_layers=values["num_hidden_layers"], cluster=cluster,
                   seq_len=2048, global_batch=8, tokens_per_step=16384, headroom=0.1, shape=shape)
@@ -270,7 +279,7 @@ def catalog_inputs(name: str, cluster: ClusterInfo) -> Inputs:
     ("meta-llama/Llama-3.1-8B", "llama3 8B"), ("meta-llama/Llama-3.1-70B", "llama3 70B"),
     ("meta-llama/Llama-3.1-405B", "llama3 405B"), ("Qwen/Qwen3-8B", "qwen3 8B"), ("Qwen/Qwen3-32B", "qwen3 32B"),
     ("meta-llama/Llama-2-7b-hf", None), ("Qwen/Qwen2.5-7B", None), ("mistralai/Mistral-7B-v0.1", None),
-    ("Qwen/Qwen3-30B-A3B", None),
+    ("Qwen/Qwen3-30B-A3B", "qwen3 30B-A3B"), ("mistralai/Mixtral-8x7B-v0.1", None),
 ])
 def test_catalog_models_map_to_the_torchtitan_flavour_of_their_shape(model, flavor, base):
     inputs = catalog_inputs(model, base.inputs.cluster)
@@ -280,6 +289,23 @@ def test_catalog_models_map_to_the_torchtitan_flavour_of_their_shape(model, flav
     assert (problems == []) is (flavor is not None)
     if flavor is None:
         assert "flavour" in problems[0]
+
+
+@pytest.mark.slow
+def test_moe_flavour_job_builds_the_planned_qwen3_moe_model(base, parse, tmp_path):
+    """A plan of Qwen3-30B-A3B (its decisions FSDP2 over 8 GPUs, as a torchtitan plan of it runs) emits a job whose
+    model torchtitan builds as its 30B-A3B flavour: every layer routed over the planned experts."""
+    inputs = catalog_inputs("Qwen/Qwen3-30B-A3B", base.inputs.cluster)
+    plan = dataclasses.replace(vary(base, **{**BASE, "checkpoint": (Checkpoint.FULL,) * inputs.num_layers}),
+                               inputs=inputs)
+    assert unsupported("torchtitan", plan.decisions, checkpoint=plan.decisions.checkpoint, lora=False) == []
+    config = parse(emitted(plan, tmp_path))
+    assert (config.model_spec.name, config.model_spec.flavor) == ("qwen3", "30B-A3B")
+    model = config.model_spec.model
+    assert (model.dim, len(model.layers), model.vocab_size) == (inputs.hidden_size, inputs.num_layers,
+                                                               inputs.shape.vocab)
+    assert all(block.moe.num_experts == inputs.shape.experts for block in model.layers)
+    assert config.parallelism.expert_parallel_degree == 1
 
 
 def test_solved_plan_maps_to_llama3_1b(base):
