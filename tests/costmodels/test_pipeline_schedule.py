@@ -91,26 +91,28 @@ def torch_order(schedule: Schedule, pp: int, m: int, v: int) -> tuple[tuple[Op, 
                        if a is not None and a.is_compute_op) for rank in range(pp))
 
 
+def replay(ops: tuple[Op, ...], held: list[int], early: list[int]):
+    """Torch's order on one rank, action by action: (the action, what the other in-flight micro-batches hold as
+    it starts, what every one holds after it). A forward keeps its stage's `held`, I frees the `early` part of it
+    and B or W the rest."""
+    live: dict[tuple[int, int], int] = {}
+    for op in ops:
+        key = (op.stage, op.micro_batch)
+        others = sum(v for k, v in live.items() if k != key)
+        if op.kind == "F":
+            live[key] = held[op.stage]
+        elif op.kind == "I":
+            live[key] -= early[op.stage]
+        else:
+            del live[key]
+        yield op, others, sum(live.values())
+
+
 def counted_peaks(order: tuple[tuple[Op, ...], ...], weights: list[int],
                   early: list[int] | None = None) -> tuple[int, ...]:
-    """Reference peak per rank: a forward adds its stage's weight and B frees it; I frees the `early` part and W
-    the rest."""
+    """Reference peak per rank: the most held after any action (`replay`)."""
     early = early or [0] * len(weights)
-    peaks = []
-    for ops in order:
-        live: dict[tuple[int, int], int] = {}
-        peak = 0
-        for op in ops:
-            key = (op.stage, op.micro_batch)
-            if op.kind == "F":
-                live[key] = weights[op.stage]
-            elif op.kind == "I":
-                live[key] -= early[op.stage]
-            else:
-                del live[key]
-            peak = max(peak, sum(live.values()))
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(max((after for _, _, after in replay(ops, weights, early)), default=0) for ops in order)
 
 
 def torch_refuses(schedule: Schedule, pp: int, m: int, v: int) -> bool:
@@ -177,25 +179,11 @@ def test_held_bytes_with_loss_freed_at_input_step_equal_counts_over_torch_order(
 
 def busiest_moments(order: tuple[tuple[Op, ...], ...], held: list[int], early: list[int], running: dict[bool, list[int]]
                     ) -> tuple[int, ...]:
-    """Reference per rank: over every action of torch's order, what the other in-flight micro-batches hold (a
-    forward's `held`, less `early` after an input step) plus the running stage's own bytes for a forward or a
-    backward action (`running[True]`, `running[False]`)."""
-    peaks = []
-    for ops in order:
-        live: dict[tuple[int, int], int] = {}
-        peak = 0
-        for op in ops:
-            key = (op.stage, op.micro_batch)
-            others = sum(v for k, v in live.items() if k != key)
-            peak = max(peak, others + running[op.kind == "F"][op.stage])
-            if op.kind == "F":
-                live[key] = held[op.stage]
-            elif op.kind == "I":
-                live[key] -= early[op.stage]
-            else:
-                live.pop(key, None)
-        peaks.append(peak)
-    return tuple(peaks)
+    """Reference per rank: over every action of torch's order, what the other in-flight micro-batches hold as it
+    starts (`replay`) plus the running stage's own bytes for a forward or a backward action (`running[True]`,
+    `running[False]`)."""
+    return tuple(max(others + running[op.kind == "F"][op.stage] for op, others, _ in replay(ops, held, early))
+                 for ops in order)
 
 
 @pytest.mark.parametrize("schedule", list(Schedule))
