@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Offload, Workload, precision
 from costmodels.activations import NodeMemory
+from costmodels.memory import MemoryTerms
 from costmodels.pipeline import Moment
 from graphs import Checkpoint, LayerGraph
 
@@ -137,73 +139,104 @@ def _bisect(table: Table, kinds: list[int], mode: Checkpoint, modes: tuple[Check
 
 def peak_lower_bound(table: Table, modes: tuple[Checkpoint, ...]) -> int:
     """An allocated peak no assignment of `modes` goes below: each of the timeline's events (`model._events`)
-    takes, node by node, the mode that adds least to it, and the bound is the largest such event; per stage and
-    direction one moment stands for the rest (the one with the most micro-batches in flight), which keeps it a
-    bound. Above the budget it proves a table infeasible without CP-SAT (most pipeline ranks that cannot fit)."""
+    takes, node by node, the mode that adds least to it, and the bound is the largest such event. Per stage and
+    direction it is taken twice, each a bound: with the moment that has the most micro-batches in flight, its
+    nodes choosing their mode for the running and the held micro-batches together; and with every moment, the held
+    micro-batches at their least apart from the running one (exact with one mode). Above the budget it proves a
+    table infeasible without CP-SAT (most pipeline ranks that cannot fit)."""
     terms = table.memory
     nodes = [[node for mode, node in options if mode in modes or not node.decoder] or [options[0][1]]
              for options in terms.nodes]
     spans = terms.stage_spans()
-    kept = [0]
-    for extra in terms.extra:
-        kept.append(kept[-1] + extra[1])
-
-    def held(node: NodeMemory) -> int:
-        return node.fwd_net - node.released_after_forward
-
-    def bases(moment: Moment) -> tuple[list[int], int]:
-        """Per node, the micro-batches in flight besides the running one that hold its forward's bytes; and
-        the stages' model-wide bytes they hold."""
+    least = _least_others(terms, nodes)
+    best = terms.states.step_temp + terms.buffers + terms.states.accumulating_grads  # the optimizer step
+    per_key = Counter((moment.stage, moment.forward) for moment in terms.moment_list())
+    for (t, forward), moment in _largest_moments(terms.moment_list()).items():
         weights, constant = [0] * len(nodes), 0
         for span, full, after in zip(spans, moment.full, moment.after_input, strict=True):
             decoders = any(options[0].decoder for options in nodes[span.first:span.stop])
             constant += (full + after) * (span.start - (span.forward_only if decoders else 0))
             for i in range(span.first, span.stop):
                 weights[i] = full + (after if i < span.input_frees_from else 0)
-        return weights, constant
+        best = max(best, _events_bound(terms, nodes, t, forward, weights, constant))
+        if per_key[t, forward] > 1:  # with one moment, the bound above is at least this one
+            best = max(best, _events_bound(terms, nodes, t, forward, [0] * len(nodes), least[t, forward]))
+    return terms.states.gpu_total + best
 
-    best = terms.states.step_temp + terms.buffers + terms.states.accumulating_grads  # the optimizer step
+
+def _held(node: NodeMemory) -> int:
+    return node.fwd_net - node.released_after_forward
+
+
+def _least_others(terms: MemoryTerms, nodes: list[list[NodeMemory]]) -> dict[tuple[int, bool], int]:
+    """Per (stage, forward), the most over its moments of what the other micro-batches hold, each node at its
+    least (`memory.others_at_most` with every node in the mode that keeps least)."""
+    held = []
+    for span in terms.stage_spans():
+        decoders = any(options[0].decoder for options in nodes[span.first:span.stop])
+        least = [min(_held(o) for o in options) for options in nodes[span.first:span.stop]]
+        full = span.start - (span.forward_only if decoders else 0) + sum(least)
+        held.append((full, full - sum(least[span.input_frees_from - span.first:])))
+    result: dict[tuple[int, bool], int] = {}
+    for moment in terms.moment_list():
+        value = sum(f * full + a * after for f, a, (full, after) in
+                    zip(moment.full, moment.after_input, held, strict=True))
+        key = (moment.stage, moment.forward)
+        result[key] = max(result.get(key, value), value)
+    return result
+
+
+def _events_bound(terms: MemoryTerms, nodes: list[list[NodeMemory]], t: int, forward: bool, weights: list[int],
+                  constant: int) -> int:
+    """The largest of stage t's forward (or backward) events over the walks, each node in the mode that adds
+    least to it, with `weights[i]` other micro-batches holding node i's kept bytes and `constant` more bytes."""
+    span = terms.stage_spans()[t]
+    first, stop = span.first, span.stop
+    kept = [0]
+    for extra in terms.extra:
+        kept.append(kept[-1] + extra[1])
+    decoders = [i for i in range(first, stop) if nodes[i][0].decoder]
+    last = decoders[-1] if decoders else -1
+    outside = sum(min(weights[i] * _held(o) for o in nodes[i]) for i in (*range(first), *range(stop, len(nodes))))
+    best = 0
+    for fresh, before in terms.walks:
+        base = before + constant + outside + terms.buffers + (span.other_grads if fresh else 0)
+        if forward:
+            # event i: nodes before i add fwd_net and their held bytes in the other micro-batches, i its peak
+            ahead = [min(o.fwd_net + weights[i] * _held(o) for o in nodes[i]) for i in range(first, stop)]
+            behind = [min(weights[i] * _held(o) for o in nodes[i]) for i in range(first, stop)]
+            before_i, after_i = _prefix(ahead), _suffix(behind)
+            for i in range(first, stop):
+                own = min(o.fwd_peak + weights[i] * _held(o) for o in nodes[i])
+                start = span.start - (span.forward_only if i > last >= 0 else 0)
+                best = max(best, base + start + before_i[i - first] + own + after_i[i - first + 1]
+                           + terms.extra[i][0] + kept[i] - kept[first])
+            continue
+        # event i: the stage's held bytes in all in-flight micro-batches, nodes after i their backward
+        peak = "bwd_peak_fresh" if fresh else "bwd_peak"
+        start = span.start - (span.forward_only if last >= 0 else 0)
+        done = [min((1 + weights[i]) * _held(o) + o.bwd_net + (o.grads if fresh else 0) for o in nodes[i])
+                for i in range(first, stop)]
+        waiting = [min((1 + weights[i]) * _held(o) for o in nodes[i]) for i in range(first, stop)]
+        before_i, after_i = _prefix(waiting), _suffix(done)
+        for i in range(first, stop):
+            own = min((1 + weights[i]) * _held(o) + getattr(o, peak) for o in nodes[i])
+            best = max(best, base + start + before_i[i - first] + own + after_i[i - first + 1]
+                       + terms.extra[i][2] + kept[i + 1] - kept[first])
+    return best
+
+
+def _largest_moments(moments: tuple[Moment, ...]) -> dict[tuple[int, bool], Moment]:
+    """Per (stage, forward), its moment with the most micro-batches in flight (then the most full ones)."""
     def size(moment: Moment) -> tuple[int, int]:
         return sum(moment.full) + sum(moment.after_input), sum(moment.full)
 
-    representative: dict[tuple[int, bool], Moment] = {}
-    for moment in terms.moment_list():
+    largest: dict[tuple[int, bool], Moment] = {}
+    for moment in moments:
         key = (moment.stage, moment.forward)
-        if key not in representative or size(moment) > size(representative[key]):
-            representative[key] = moment
-    for (t, forward), moment in representative.items():
-        span = spans[t]
-        first, stop = span.first, span.stop
-        weights, constant = bases(moment)
-        decoders = [i for i in range(first, stop) if nodes[i][0].decoder]
-        last = decoders[-1] if decoders else -1
-        outside = sum(min(weights[i] * held(o) for o in nodes[i])
-                      for i in (*range(first), *range(stop, len(nodes))))
-        for fresh, before in terms.walks:
-            base = before + constant + outside + terms.buffers + (span.other_grads if fresh else 0)
-            if forward:
-                # event i: nodes before i add fwd_net and their held bytes in the other micro-batches, i its peak
-                ahead = [min(o.fwd_net + weights[i] * held(o) for o in nodes[i]) for i in range(first, stop)]
-                behind = [min(weights[i] * held(o) for o in nodes[i]) for i in range(first, stop)]
-                before_i, after_i = _prefix(ahead), _suffix(behind)
-                for i in range(first, stop):
-                    own = min(o.fwd_peak + weights[i] * held(o) for o in nodes[i])
-                    start = span.start - (span.forward_only if i > last >= 0 else 0)
-                    best = max(best, base + start + before_i[i - first] + own + after_i[i - first + 1]
-                               + terms.extra[i][0] + kept[i] - kept[first])
-                continue
-            # event i: the stage's held bytes in all in-flight micro-batches, nodes after i their backward
-            peak = "bwd_peak_fresh" if fresh else "bwd_peak"
-            start = span.start - (span.forward_only if last >= 0 else 0)
-            done = [min((1 + weights[i]) * held(o) + o.bwd_net + (o.grads if fresh else 0) for o in nodes[i])
-                    for i in range(first, stop)]
-            waiting = [min((1 + weights[i]) * held(o) for o in nodes[i]) for i in range(first, stop)]
-            before_i, after_i = _prefix(waiting), _suffix(done)
-            for i in range(first, stop):
-                own = min((1 + weights[i]) * held(o) + getattr(o, peak) for o in nodes[i])
-                best = max(best, base + start + before_i[i - first] + own + after_i[i - first + 1]
-                           + terms.extra[i][2] + kept[i + 1] - kept[first])
-    return terms.states.gpu_total + best
+        if key not in largest or size(moment) > size(largest[key]):
+            largest[key] = moment
+    return largest
 
 
 def _prefix(values: list[int]) -> list[int]:
