@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Offload, Workload, precision
 from costmodels.activations import NodeMemory
-from costmodels.memory import MemoryTerms
+from costmodels.memory import MemoryTerms, others_at_most
 from costmodels.pipeline import Moment
 from graphs import Checkpoint, LayerGraph
 
@@ -169,21 +169,9 @@ def _held(node: NodeMemory) -> int:
 
 
 def _least_others(terms: MemoryTerms, nodes: list[list[NodeMemory]]) -> dict[tuple[int, bool], int]:
-    """Per (stage, forward), the most over its moments of what the other micro-batches hold, each node at its
-    least (`memory.others_at_most` with every node in the mode that keeps least)."""
-    held = []
-    for span in terms.stage_spans():
-        decoders = any(options[0].decoder for options in nodes[span.first:span.stop])
-        least = [min(_held(o) for o in options) for options in nodes[span.first:span.stop]]
-        full = span.start - (span.forward_only if decoders else 0) + sum(least)
-        held.append((full, full - sum(least[span.input_frees_from - span.first:])))
-    result: dict[tuple[int, bool], int] = {}
-    for moment in terms.moment_list():
-        value = sum(f * full + a * after for f, a, (full, after) in
-                    zip(moment.full, moment.after_input, held, strict=True))
-        key = (moment.stage, moment.forward)
-        result[key] = max(result.get(key, value), value)
-    return result
+    """Per (stage, forward), the most over its moments of what the other micro-batches hold, each node in the
+    mode that keeps least (`memory.others_at_most`)."""
+    return others_at_most(terms, [min(options, key=_held) for options in nodes])
 
 
 def _events_bound(terms: MemoryTerms, nodes: list[list[NodeMemory]], t: int, forward: bool, weights: list[int],
