@@ -122,31 +122,42 @@ class Moment:
 
 @lru_cache(maxsize=1024)
 def rank_moments(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[tuple[Moment, ...], ...]:
-    """Per rank, the moments of its torch 2.13 action order that no other one dominates (`Moment.dominates`):
-    the peak of any per-stage bytes over the step is the peak over these. The same walk as
-    `held_activation_bytes`: F makes its set full, I leaves it after its input step, B and W free it."""
+    """Per rank, the moments of its torch 2.13 action order that no other one dominates (`Moment.dominates`),
+    in the order they first occur: the peak of any per-stage bytes over the step is the peak over these. The same
+    walk as `held_activation_bytes`: F makes its set full, I leaves it after its input step, B and W free it."""
     ranks = stage_ranks(schedule, pp, v)
     result = []
     for rank, ops in enumerate(schedule_order(schedule, pp, m, v)):
         local = {s: k for k, s in enumerate(s for s, r in enumerate(ranks) if r == rank)}
         state: dict[tuple[int, int], str] = {}
+        counts = {"F": [0] * len(local), "I": [0] * len(local)}  # sets held per local stage, by state
         seen: dict[Moment, None] = {}
         for op in ops:
-            key = (op.stage, op.micro_batch)
-            full, after = [0] * len(local), [0] * len(local)
-            for (stage, micro_batch), kind in state.items():
-                if (stage, micro_batch) != key:
-                    (full if kind == "F" else after)[local[stage]] += 1
-            seen[Moment(local[op.stage], op.kind == "F", tuple(full), tuple(after))] = None
+            key, stage = (op.stage, op.micro_batch), local[op.stage]
+            if key in state:  # its own set is not among the others
+                counts[state.pop(key)][stage] -= 1
+            seen[Moment(stage, op.kind == "F", tuple(counts["F"]), tuple(counts["I"]))] = None
             if op.kind in "FI":
                 state[key] = op.kind
-            else:
-                state.pop(key, None)
-        moments = list(seen)
-        result.append(tuple(a for i, a in enumerate(moments)
-                            if not any(b.dominates(a) and (not a.dominates(b) or j < i)
-                                       for j, b in enumerate(moments) if j != i)))
+                counts[op.kind][stage] += 1
+        result.append(_undominated(list(seen)))
     return tuple(result)
+
+
+def _undominated(moments: list[Moment]) -> tuple[Moment, ...]:
+    """`moments` less those another one dominates, in their order. A dominator has at least as many sets and as
+    many full ones, and distinct moments never dominate each other, so scanning the largest first and comparing
+    with those kept so far is exact."""
+    def size(moment: Moment) -> tuple[int, int]:
+        return sum(moment.full) + sum(moment.after_input), sum(moment.full)
+
+    kept: dict[tuple[int, bool], list[Moment]] = {}
+    for moment in sorted(moments, key=size, reverse=True):
+        group = kept.setdefault((moment.stage, moment.forward), [])
+        if not any(other.dominates(moment) for other in group):
+            group.append(moment)
+    survivors = {moment for group in kept.values() for moment in group}
+    return tuple(moment for moment in moments if moment in survivors)
 
 
 def sets_in_flight(moments: tuple[Moment, ...]) -> int:
