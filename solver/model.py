@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from costmodels.memory import MemoryTerms
+from costmodels.memory import MemoryTerms, Span
 from graphs import Checkpoint, FitplanError
 
 from .space import CHECKPOINTED
@@ -175,10 +175,11 @@ def add_memory_limit(pm: PlanModel, k: int, table: Table) -> None:
     persistent states, stays within the configuration's allocated-byte budget."""
     terms = table.memory
     sums = {attr: _Sums(pm, terms, attr) for attr in _ATTRS}
-    others = _others(pm, k, terms, sums)
+    held = _held(terms, sums)
+    others = _others(pm, k, terms, held)
     for fresh, before in terms.walks:
         limit = table.budget - terms.states.gpu_total - before
-        for expr in _events(terms, sums, fresh, others):
+        for expr in _events(terms, sums, fresh, others, [full for full, _ in held]):
             pm.model.add(expr <= limit).only_enforce_if(pm.use_config[k])
 
 
@@ -220,22 +221,33 @@ class _Sums:
         return self.over(i, i + 1)
 
 
-def _others(pm: PlanModel, k: int, terms: MemoryTerms, sums: dict[str, _Sums]
+def _held(terms: MemoryTerms, sums: dict[str, _Sums]) -> list[tuple[cp_model.LinearExpr, cp_model.LinearExpr]]:
+    """Per stage, what one micro-batch keeps after its forward and after a zero-bubble input step
+    (`memory.held_by_stage`)."""
+    def kept(first: int, stop: int) -> cp_model.LinearExpr:
+        return sums["fwd_net"].over(first, stop) - sums["released_after_forward"].over(first, stop)
+
+    held = []
+    for span in terms.stage_spans():
+        full = _base(terms, span) + kept(span.first, span.stop)
+        held.append((full, full - kept(span.input_frees_from, span.stop)))
+    return held
+
+
+def _base(terms: MemoryTerms, span: Span) -> int:
+    """The model-wide bytes a micro-batch of the stage keeps after its forward."""
+    decoders = any(options[0][1].decoder for options in terms.nodes[span.first:span.stop])
+    return span.start - (span.forward_only if decoders else 0)
+
+
+def _others(pm: PlanModel, k: int, terms: MemoryTerms, held: list[tuple[cp_model.LinearExpr, cp_model.LinearExpr]]
             ) -> dict[tuple[int, bool], cp_model.LinearExprT]:
     """Per (running stage, forward), the bytes the other in-flight micro-batches hold plus the step's buffers
     (`memory.others_at_most`): the moment's sum where one moment gives it, else a variable at least each
     moment's, which the events then bound."""
-    def kept(first: int, stop: int) -> cp_model.LinearExpr:
-        return sums["fwd_net"].over(first, stop) - sums["released_after_forward"].over(first, stop)
-
-    held, ranges = [], []
-    for span in terms.stage_spans():
-        decoders = any(options[0][1].decoder for options in terms.nodes[span.first:span.stop])
-        base = span.start - (span.forward_only if decoders else 0)
-        full = base + kept(span.first, span.stop)
-        held.append((full, full - kept(span.input_frees_from, span.stop)))
-        ranges.append((_held_range(terms, span.first, span.stop, base), _held_range(
-            terms, span.first, span.input_frees_from, base)))
+    ranges = [(_held_range(terms, span.first, span.stop, _base(terms, span)),
+               _held_range(terms, span.first, span.input_frees_from, _base(terms, span)))
+              for span in terms.stage_spans()]
     groups: dict[tuple[int, bool], list[tuple[cp_model.LinearExprT, int, int]]] = {}
     for moment in terms.moment_list():
         expr: cp_model.LinearExprT = terms.buffers
@@ -269,9 +281,11 @@ def _held_range(terms: MemoryTerms, first: int, stop: int, base: int) -> tuple[i
 
 
 def _events(terms: MemoryTerms, sums: dict[str, _Sums], fresh: bool,
-            others: dict[tuple[int, bool], cp_model.LinearExprT]) -> list[cp_model.LinearExpr]:
+            others: dict[tuple[int, bool], cp_model.LinearExprT],
+            live_ends: list[cp_model.LinearExpr]) -> list[cp_model.LinearExpr]:
     """The walk's events as linear expressions (see costmodels.activations.walk_phases), per stage of the
-    terms, each with the other in-flight micro-batches of its moments (`_others`)."""
+    terms, each with the other in-flight micro-batches of its moments (`_others`); `live_ends` are what each
+    stage's micro-batch keeps at the end of its forward (`_held`)."""
     kept = [0]
     for extra in terms.extra:
         kept.append(kept[-1] + extra[1])
@@ -280,9 +294,7 @@ def _events(terms: MemoryTerms, sums: dict[str, _Sums], fresh: bool,
         first, stop = span.first, span.stop
         decoders = [i for i in range(first, stop) if terms.nodes[i][0][1].decoder]
         last = decoders[-1] if decoders else -1
-        grads = span.other_grads if fresh else 0
-        live_end = (span.start - (span.forward_only if last >= 0 else 0) + sums["fwd_net"].over(first, stop)
-                    - sums["released_after_forward"].over(first, stop))
+        grads, live_end = (span.other_grads if fresh else 0), live_ends[t]
         if (t, True) in others:
             for i in range(first, stop):
                 drop = span.forward_only if i > last >= 0 else 0
