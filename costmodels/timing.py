@@ -19,6 +19,7 @@ from .engines import rules_of
 from .expert_parallel import expert_dp_group, is_expert_stack
 from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes
+from .identity_memo import IdentityMemo
 from .loss import timed_layer
 from .offload import offload_seconds
 from .optimizer_launches import step_launch_seconds
@@ -77,9 +78,20 @@ class TimeTerms:
     (what a pipeline rank spends after its schedule)."""
 
 
+# The configuration fields `speed_for` reads (a test checks it): its results are cached on them, with the graph and
+# cluster by identity.
+SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode")
+_SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
+
+
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
               head: bool = False) -> KernelSpeed:
     """Kernel rates for decoder layers (or, with `head`, for the LM head, whose GEMM spans the vocabulary)."""
+    return _SPEEDS.get((graph, cluster), (b, s, head, *(getattr(config, name) for name in SPEED_FIELDS)),
+                       lambda: _speed_for(graph, cluster, config, b=b, s=s, head=head))
+
+
+def _speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int, head: bool) -> KernelSpeed:
     # fp8 converts the decoder layers' linears; the LM head stays in the compute dtype (as the torchrun script
     # and torchao's README leave it), which is the attention kernels' dtype.
     dtype = precision.attention_dtype_on(config.precision, cluster.gpu) if head else \
@@ -97,10 +109,17 @@ def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s:
                         profile=cluster.profile)
 
 
-def layer_gemms(layer: Layer, tp: int) -> list[Gemm]:
+_GEMMS: IdentityMemo[tuple[Gemm, ...]] = IdentityMemo()
+
+
+def layer_gemms(layer: Layer, tp: int) -> tuple[Gemm, ...]:
     """The matmul weights of a decoder layer on one TP rank: a Linear weight is (n, k) = (out, in), an expert
     stack (experts, n, k) of which `top_k` run per token. Column-parallel splits n and keeps the whole reduction
     k; row-parallel splits k (Shoeybi et al. 2019)."""
+    return _GEMMS.get((layer,), (tp,), lambda: _layer_gemms(layer, tp))
+
+
+def _layer_gemms(layer: Layer, tp: int) -> tuple[Gemm, ...]:
     top_k = layer.moe.top_k if layer.moe else 1
     gemms = []
     for tensor in layer.params:
@@ -111,7 +130,7 @@ def layer_gemms(layer: Layer, tp: int) -> list[Gemm]:
         n, k = (-(-n // tp), k) if dim == 0 else (n, -(-k // tp)) if dim == 1 else (n, k)
         stack = len(tensor.shape) == 3
         gemms.append(Gemm(n=n, k=k, routed=top_k if stack else 1, copies=tensor.shape[0] if stack else 1))
-    return gemms
+    return tuple(gemms)
 
 
 def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
@@ -138,23 +157,22 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
 # cluster and layer by identity (held in the entry, so an id is not reused while cached). The solver prices the same
 # layers under many configurations that differ only in what node times do not read (sharding, offload, optimizer).
 NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum")
-_NODE_TIMES: dict[tuple[object, ...], tuple[LayerGraph, Cluster, Layer, NodeTime]] = {}
-_NODE_TIMES_LIMIT = 2**16
+_NODE_TIMES: IdentityMemo[NodeTime] = IdentityMemo()
 
 
 def cached_node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
                      speed: KernelSpeed, *, b: int, s: int, memory_speedup: float = 1.0) -> NodeTime:
     """`node_time`, looked up by what it reads first."""
-    key = (id(graph), id(cluster), id(layer), mode, speed, b, s, memory_speedup,
-           *(getattr(config, name) for name in NODE_TIME_FIELDS))
-    hit = _NODE_TIMES.get(key)
-    if hit is not None and hit[0] is graph and hit[1] is cluster and hit[2] is layer:
-        return hit[3]
-    value = node_time(graph, cluster, config, layer, mode, speed, b=b, s=s, memory_speedup=memory_speedup)
-    if len(_NODE_TIMES) >= _NODE_TIMES_LIMIT:
-        _NODE_TIMES.clear()
-    _NODE_TIMES[key] = (graph, cluster, layer, value)
-    return value
+    return _NODE_TIMES.get((graph, cluster, layer),
+                           (mode, speed, b, s, memory_speedup, *(getattr(config, name) for name in NODE_TIME_FIELDS)),
+                           lambda: node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
+                                             memory_speedup=memory_speedup))
+
+
+def clear_caches() -> None:
+    """Empty the memos of node times, kernel speeds and layer GEMMs (tests compare warm against cold)."""
+    for memo in (_NODE_TIMES, _SPEEDS, _GEMMS):
+        memo.clear()
 
 
 def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,

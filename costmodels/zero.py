@@ -14,6 +14,7 @@ from graphs import ParamTensor
 from .config import Config, Engine
 from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_local_shape, state_ranks
+from .identity_memo import IdentityMemo
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,17 @@ def local_elements(tensors: Iterable[ParamTensor | tuple[ParamTensor, int]], *, 
     concatenation (stages 1-2) evenly, so a rank holds ceil(n / dp); DeepSpeed-MoE and Megatron keep expert
     parameters in their own groups, partitioned over the expert-data-parallel ranks.
     """
+    if type(tensors) is tuple:  # a graph's memoised tensor groups: the same tuple under many configurations
+        return _ELEMENTS.get((tensors,), (tp, dp, engine, sharded, ep),
+                             lambda: _local_elements(tensors, tp=tp, dp=dp, engine=engine, sharded=sharded, ep=ep))
+    return _local_elements(tensors, tp=tp, dp=dp, engine=engine, sharded=sharded, ep=ep)
+
+
+_ELEMENTS: IdentityMemo[int] = IdentityMemo()
+
+
+def _local_elements(tensors: Iterable[ParamTensor | tuple[ParamTensor, int]], *, tp: int, dp: int, engine: Engine,
+                    sharded: bool, ep: int) -> int:
     total = 0
     for item in tensors:
         tensor, count = item if isinstance(item, tuple) else (item, 1)

@@ -1,6 +1,6 @@
-"""The node-time cache of `timing.time_terms` is exact: `node_time` reads only the configuration fields the cache
-keys on, and time terms with the cache warm equal those computed with it empty, over configurations that differ in
-every knob."""
+"""The caches of `timing.time_terms` are exact: `node_time` and `speed_for` read only the configuration fields their
+caches key on, and time terms with the caches warm equal those computed with them empty, over configurations that
+differ in every knob."""
 
 from __future__ import annotations
 
@@ -49,10 +49,22 @@ def test_node_time_reads_only_the_fields_its_cache_keys_on(tmp_path_factory, mon
     original = timing.node_time
     monkeypatch.setattr(timing, "node_time", lambda graph, cluster, config, *args, **kwargs: original(
         graph, cluster, _Recorder(config, read), *args, **kwargs))
-    timing._NODE_TIMES.clear()
+    timing.clear_caches()
     for graph, config in _cases(tmp_path_factory):
         timing.time_terms(graph, parse_cluster("2x8xH100"), WORKLOAD, config)
     assert read and read <= set(timing.NODE_TIME_FIELDS)
+
+
+def test_speed_for_reads_only_the_fields_its_cache_keys_on(tmp_path_factory, monkeypatch):
+    read: set[str] = set()
+    original = timing._speed_for
+    monkeypatch.setattr(timing, "_speed_for", lambda graph, cluster, config, **kwargs: original(
+        graph, cluster, _Recorder(config, read), **kwargs))
+    timing.clear_caches()
+    for graph, config in _cases(tmp_path_factory):
+        timing.time_terms(graph, parse_cluster("2x8xH100"), WORKLOAD, config)
+    timing.clear_caches()
+    assert read and read <= set(timing.SPEED_FIELDS)
 
 
 @pytest.mark.parametrize("order", [0, 1])
@@ -61,9 +73,9 @@ def test_time_terms_with_a_warm_cache_equal_those_with_an_empty_one(tmp_path_fac
     cases = _cases(tmp_path_factory)
     fresh = []
     for graph, config in cases:
-        timing._NODE_TIMES.clear()
+        timing.clear_caches()
         fresh.append(timing.time_terms(graph, cluster, WORKLOAD, config))
-    timing._NODE_TIMES.clear()
+    timing.clear_caches()
     indices = list(range(len(cases)))
     for k in itertools.chain(indices[::-1] if order else indices, indices):  # every case with the cache warmed
         graph, config = cases[k]
