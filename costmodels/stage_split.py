@@ -88,15 +88,18 @@ def megatron_split(layer_costs: Sequence[float], stages: int, *, first_extra: fl
     prefix = [0.0, *accumulate(layer_costs)]
     best: tuple[float, tuple[int, ...]] | None = None
     for last in range(n - middle, 0, -1):
-        for first in range(1, n - middle - last + 1):
-            if (n - first - last) % middle:
-                continue
+        last_cost = prefix[n] - prefix[n - last] + last_extra
+        if best is not None and last_cost >= best[0]:
+            continue
+        # the first sizes that leave the middle stages equal: first = n - last (mod middle), from 1 up
+        for first in range((n - last) % middle or middle, n - middle - last + 1, middle):
             size = (n - first - last) // middle
-            bounds = [0, *(first + size * k for k in range(middle + 1)), n]
-            costs = [prefix[bounds[k + 1]] - prefix[bounds[k]] for k in range(stages)]  # as `stage_costs` sums them
-            costs[0] += first_extra
-            costs[-1] += last_extra
-            worst = max(costs)
+            worst = max(prefix[first] + first_extra, last_cost)  # as `stage_costs` sums them
+            if best is not None and worst >= best[0]:
+                continue
+            for k in range(middle):
+                start = first + size * k
+                worst = max(worst, prefix[start + size] - prefix[start])
             if best is None or worst < best[0]:
                 best = worst, (first, *([size] * middle), last)
     if best is None:  # first = last = 1 leaves n - 2 >= middle layers; some split always exists
