@@ -83,6 +83,20 @@ def test_a_131k_token_sequence_runs_with_context_parallelism_on_the_gpus_given()
     assert plan.launchers
 
 
+@pytest.mark.slow
+def test_70b_full_fine_tuning_on_two_nodes_pipelines_without_offload():
+    # The case: on 2x8xH100 at 4096 tokens the plan relied on CPU optimizer offload. With Megatron's
+    # precision-aware optimizer allowed (bf16 moments: it changes the training, so it is never chosen unless allowed)
+    # a tensor- and pipeline-parallel layout holds the 70B model with no offload, as published recipes run it.
+    plan = solve("meta-llama/Llama-3.1-70B", "2x8xH100", seq_len=4096, optimizer=("adamw", "adamw-bf16"),
+                 time_limit=120)  # proved optimal on a loaded machine too
+    d = plan.decisions
+    assert d.pp > 1 and d.optimizer_offload == "none" and d.param_offload == "none"
+    assert d.tp * d.cp * d.pp * d.dp == 16
+    assert plan.estimate.memory.device_peak <= plan.inputs.cluster.gpu_memory_bytes * (1 - plan.inputs.headroom)
+    assert plan.solver.status == "OPTIMAL" and "megatron" in plan.launchers
+
+
 def test_context_parallel_ranks_shard_the_model_states_like_data_parallel_ones():
     # Weights are reduced and sharded over dp x cp (Megatron's distributed optimizer, torchtitan's dp_shard_cp):
     # cp=8 x dp=1 holds the states dp=8 does.
