@@ -67,7 +67,7 @@ def _untraced() -> Iterator[None]:
 def compile_forward(layer: torch.nn.Module) -> None:
     """Make `layer` run as torch.compile would train it: its forward becomes the partitioned forward graph
     (traced once per input signature, outside any recording), its backward the partitioned backward graph.
-    The module keeps its parameters, name and hooks; only `forward` is replaced."""
+    The module keeps its parameters, buffers, name and hooks; only `forward` is replaced."""
     from torch._functorch.aot_autograd import aot_function
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -75,7 +75,8 @@ def compile_forward(layer: torch.nn.Module) -> None:
     traced: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        names, params = zip(*layer.named_parameters(), strict=True)
+        # Buffers go in as inputs too (a torchtitan block's RoPE cache): a traced constant may not be fake.
+        names, params = zip(*layer.named_parameters(), *layer.named_buffers(), strict=True)
         leaves, spec = tree_flatten((args, kwargs))
         where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         key = (str(spec), *_signature(leaves))  # the call's structure and its values

@@ -79,8 +79,8 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
     graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                      op_selective=op_selective, compiled=compiled, liger=liger)
     if compiled:
-        graph = _eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
-                                                  lora=lora, use_cache=use_cache, op_selective=op_selective))
+        graph = eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
+                                                 lora=lora, use_cache=use_cache, op_selective=op_selective))
     if use_cache:
         store_cached(key, graph)
     return graph
@@ -105,7 +105,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, atten
     return assemble(resolved, study, dtype=dtype, autocast=autocast, lora=lora)
 
 
-def _eager_work(compiled: LayerGraph, eager: LayerGraph) -> LayerGraph:
+def eager_work(compiled: LayerGraph, eager: LayerGraph) -> LayerGraph:
     """A compiled lowering's memory with the eager trace's work (FLOPs, bytes moved, kernels). Inductor fuses the
     pointwise ops its partitioner recomputes in backward, which the unfused ATen graph would count as more kernels
     and traffic; the time model prices compiled work as the eager work fused (costmodels/compilation.py)."""

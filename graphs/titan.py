@@ -15,6 +15,9 @@ tensors like the HF path (`probe`, `fit`), with each trace layer wrapped by torc
 - the loss is torchtitan's: `ChunkedLossWrapper` (its shipped Llama 3 jobs; LM head and cross-entropy per
   sequence chunk, each chunk's backward run inside the loss call, so the head has no cost of its own and the loss
   node's forward holds the head's backward too) or the plain `cross_entropy_loss` (sum, fp32 upcast).
+Where the plan compiles (`compiled`), blocks without checkpointing are traced as torch.compile trains them
+(`compiled.compile_forward`, checked against a real Inductor compile of a torchtitan block on CPU); MoE blocks and
+the compiled loss stay eager (upper bounds: compiling only lowers what is saved).
 Tensor parallelism is measured like the HF path's, by a widened probe (torchtitan's TP plan is plain column- and
 row-wise); the embedding, head and loss are priced replicated, as on the HF path (no loss parallelism).
 """
@@ -64,26 +67,32 @@ _TP_STYLES = {"wqkv": ("colwise", 0), "w1": ("colwise", 0), "w3": ("colwise", 0)
               "wo": ("rowwise", 1), "w2": ("rowwise", 1), "tok_embeddings": ("embedding_rowwise", 0)}
 
 
-def lower_titan(model: str, *, dtype: str = "bfloat16", loss: str = "chunked", use_cache: bool = True) -> LayerGraph:
+def lower_titan(model: str, *, dtype: str = "bfloat16", loss: str = "chunked", use_cache: bool = True,
+                compiled: bool = False) -> LayerGraph:
     """Lower `model` (catalog id, local path or cached Hub id) through torchtitan's model code, with its
-    chunked (`LOSS_CHUNKS` chunks) or plain cross-entropy loss."""
-    return lower_titan_resolved(resolve(model), dtype=dtype, loss=loss, use_cache=use_cache)
+    chunked (`LOSS_CHUNKS` chunks) or plain cross-entropy loss; `compiled`: the blocks as torchtitan's
+    `[compile]` trains them (`trace_model`)."""
+    return lower_titan_resolved(resolve(model), dtype=dtype, loss=loss, use_cache=use_cache, compiled=compiled)
 
 
 @functools.lru_cache(maxsize=16)
 def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", loss: str = "chunked",
-                         use_cache: bool = True) -> LayerGraph:
+                         use_cache: bool = True, compiled: bool = False) -> LayerGraph:
     from .cache import cache_key, load_cached, store_cached
+    from .lower import eager_work
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} must be one of {LOSSES}")
     key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention=f"torchtitan/{loss}", lora=None,
-                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, TITAN_FORMAT, _titan_version_tag()))
+                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, TITAN_FORMAT, _titan_version_tag()),
+                    variants=("compiled",) if compiled else ())
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
-    graph = _measure(resolved, dtype=dtype, loss=loss)
+    graph = _measure(resolved, dtype=dtype, loss=loss, compiled=compiled)
+    if compiled:  # the memory as compiled, the work as eager (the time model fuses it: costmodels/compilation.py)
+        graph = eager_work(graph, lower_titan_resolved(resolved, dtype=dtype, loss=loss, use_cache=use_cache))
     if use_cache:
         store_cached(key, graph)
     return graph
@@ -96,7 +105,7 @@ def _titan_version_tag() -> int:
     return 1000 * major + minor
 
 
-def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
+def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) -> LayerGraph:
     from .lower import assemble, dims_of
     from .measure import Study, _versions, transformers_config
 
@@ -106,12 +115,15 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
     if family is None or (dims.experts and config.model_type != "qwen3_moe"):
         raise UnsupportedModel(f"torchtitan has no model for {config.model_type!r} ({resolved.id})",
                                f"fitplan lowers torchtitan's {', '.join(sorted(TITAN_FAMILIES))} models.")
+    if compiled and dims.experts:
+        raise UnsupportedModel(f"torchtitan's compiled MoE blocks are not traced ({resolved.id})",
+                               "A compiled MoE plan is priced on its eager blocks (compiling saves memory).")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_titan(titan_config(config, family=family, layers=dims.layers))
     kinds = _kinds(model)
     slots = [TraceSlot(None, Checkpoint.NONE)] + [TraceSlot(k, m) for k in sorted(set(kinds)) for m in TITAN_MODES]
     params = _param_tensors(model, dtype)
-    trace = trace_model(model, kinds, slots)
+    trace = trace_model(model, kinds, slots, compiled=compiled)
     _to_fake(trace, fake, getattr(torch, dtype))
 
     def run(b: int, s: int) -> Recording:
@@ -121,7 +133,8 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str) -> LayerGraph:
     base = run(PROBE_BATCH, PROBE_SEQ)
     # torchtitan shards MoE experts under TP with its own expert-tensor-parallel plan (moe_sharding.py), which
     # the widened probe does not model: its MoE models are lowered for TP 1 (their `tp_degrees`).
-    widened = None if dims.experts else _widened_run(config, family, dims, kinds, slots, fake, dtype=dtype, loss=loss)
+    widened = None if dims.experts else _widened_run(config, family, dims, kinds, slots, fake, dtype=dtype, loss=loss,
+                                                     compiled=compiled)
     probes = Probes(base, run(PROBE_BATCH, 2 * PROBE_SEQ), run(PROBE_BATCH, 3 * PROBE_SEQ),
                     run(2 * PROBE_BATCH, PROBE_SEQ), widened)
     costs = segment_costs(probes)
@@ -178,7 +191,7 @@ def _package_version(name: str) -> str:
 
 
 def _widened_run(config: Any, family: str, dims: ModelDims, kinds: list[int], slots: list[TraceSlot],
-                 fake: FakeTensorMode, *, dtype: str, loss: str) -> Recording | None:
+                 fake: FakeTensorMode, *, dtype: str, loss: str, compiled: bool) -> Recording | None:
     """The base probe on the model with `WIDEN_FACTOR` times the heads and FFN width, or None when its
     parameters did not grow exactly where torchtitan's TP plan shards them."""
     plain = build_titan(titan_config(config, family=family, layers=dims.layers))
@@ -190,7 +203,7 @@ def _widened_run(config: Any, family: str, dims: ModelDims, kinds: list[int], sl
                                              else 1) for n, p in before.items())
     if not grew:
         return None
-    trace = trace_model(wide, kinds, slots)
+    trace = trace_model(wide, kinds, slots, compiled=compiled)
     _to_fake(trace, fake, getattr(torch, dtype))
     with fake:
         return run_titan_pass(trace, slots, b=PROBE_BATCH, s=PROBE_SEQ, vocab=dims.vocab, loss=loss)
@@ -326,11 +339,17 @@ def _kinds(model: torch.nn.Module) -> list[int]:
     return [seen.setdefault(layer_signature(layer), len(seen)) for layer in model.layers.values()]
 
 
-def trace_model(model: torch.nn.Module, kinds: list[int], slots: list[TraceSlot]) -> torch.nn.Module:
-    """Swap the decoder stack for one block per slot, each wrapped by torchtitan's own checkpoint policy."""
+def trace_model(model: torch.nn.Module, kinds: list[int], slots: list[TraceSlot], *,
+                compiled: bool = False) -> torch.nn.Module:
+    """Swap the decoder stack for one block per slot, each wrapped by torchtitan's own checkpoint policy; with
+    `compiled`, the blocks without one run as torch.compile trains them (`compiled.compile_forward`: torchtitan's
+    `apply_compile` compiles each block on its own, after activation checkpointing wraps it; a checkpointed block
+    saves its input either way, as on the HF path)."""
     import copy
 
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from .compiled import compile_forward
 
     blocks = list(model.layers.values())
     stack = torch.nn.ModuleDict()
@@ -341,6 +360,8 @@ def trace_model(model: torch.nn.Module, kinds: list[int], slots: list[TraceSlot]
             block = FullAC(FullAC.Config())._wrap_block(block, base_fqn=f"layers.{j}")
         elif slot.mode is Checkpoint.OP_SELECTIVE:
             block = SelectiveAC(SelectiveAC.Config())._wrap_block(block, base_fqn=f"layers.{j}")
+        elif compiled:
+            compile_forward(block)
         stack[str(j)] = block
     trace = copy.copy(model)
     trace._modules = dict(model._modules)

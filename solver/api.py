@@ -152,20 +152,31 @@ def _graph_for(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | 
                     cache[key] = None
             if cache[key] is not None:
                 return cache[key]
-        if runtime == "torchtitan":  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out)
-            key = ("torchtitan", dtype)
-            if key not in cache:
-                from graphs.titan import lower_titan_resolved  # imports torch: only when torchtitan is planned
-
-                cache[key] = lower_titan_resolved(resolved, dtype=dtype)
-            return cache[key]
         compiled, liger = compile_credited(outer.config()), liger_lowering(outer.config())
+        if runtime == "torchtitan":  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out)
+            key = ("torchtitan", dtype, compiled)
+            if key not in cache:
+                cache[key] = _lower_titan(resolved, dtype=dtype, compiled=compiled)
+            return cache[key]
         key = (dtype, autocast, op_selective, compiled, liger)
         if key not in cache:
             cache[key] = _lower_hf(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                                    op_selective=op_selective, compiled=compiled, liger=liger)
         return cache[key]
     return graph
+
+
+def _lower_titan(resolved: ResolvedModel, *, dtype: str, compiled: bool) -> LayerGraph:
+    """torchtitan's own model code; a compiled one falls back to eager where its blocks are not traced compiled
+    (MoE: compiling saves memory, so eager prices it conservatively)."""
+    from graphs.titan import lower_titan_resolved  # imports torch: only when torchtitan is planned
+
+    try:
+        return lower_titan_resolved(resolved, dtype=dtype, compiled=compiled)
+    except UnsupportedModel:
+        if not compiled:
+            raise
+        return lower_titan_resolved(resolved, dtype=dtype)
 
 
 def _lower_hf(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,

@@ -195,3 +195,83 @@ def test_titan_moe_layers_carry_their_experts_and_stay_at_tp_1(graphs):
         assert sorted(p.shape for p in stacks) == sorted([(experts, width, hidden), (experts, hidden, width),
                                                           (experts, width, hidden)])
         assert layer.moe.expert_params == sum(p.numel for p in stacks)
+
+
+def _titan_block(folder: str) -> torch.nn.Module:
+    """torchtitan's first block of the config in `folder`, on the meta device."""
+    from graphs.measure import transformers_config
+    from graphs.sources import resolve
+    from graphs.titan import TITAN_FAMILIES, build_titan, titan_config
+
+    config = transformers_config(resolve(folder))
+    return build_titan(titan_config(config, family=TITAN_FAMILIES[config.model_type], layers=1))
+
+
+def _real_block_and_inputs(folder: str, b: int, s: int) -> tuple[torch.nn.Module, tuple, dict]:
+    """torchtitan's first block on real CPU bf16 tensors (values random: what is saved depends on shapes only), and
+    the inputs the model passes it, captured from a real forward."""
+    model = _titan_block(folder)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():  # parameters in the training dtype; the RoPE cache stays complex64
+            param.data = torch.randn_like(param, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+        for buffer in model.buffers():
+            buffer.copy_(torch.randn_like(buffer))
+    block = next(iter(model.layers.values()))
+    seen: list[tuple[tuple, dict]] = []
+    handle = block.register_forward_pre_hook(lambda _, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, model.lm_head.out_features, (b, s)), torch.arange(s).repeat(b, 1), None)
+    handle.remove()
+    args, kwargs = seen[0]
+    args = (args[0].detach().clone().requires_grad_(True), *args[1:])
+    return block, args, kwargs
+
+
+@pytest.mark.slow
+def test_a_compiled_titan_block_saves_what_inductor_saves(folders):
+    # The reference: a real `torch.compile(backend="inductor")` of torchtitan's block on CPU (kernels generated and
+    # run), tensor for tensor against the block as the compiled lowering traces it on fake tensors. Both run the CPU
+    # RMSNorm: the fused kernel's backward (`cuda_rms_norm`) has no CPU implementation to run for real.
+    from graphs.compiled import compile_forward
+    from graphs.titan import _to_fake
+    from tests.graphs.test_compiled import saved
+
+    torch.manual_seed(0)
+    block, args, kwargs = _real_block_and_inputs(folders["llama"], UNSEEN_B, UNSEEN_S)
+    leaves = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    outside = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers(), *leaves)}
+    real = saved(lambda: torch.compile(block, backend="inductor")(*args, **kwargs), outside)
+    eager = saved(lambda: block(*args, **kwargs), outside)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _titan_block(folders["llama"])
+    _to_fake(model, mode, torch.bfloat16)
+    fake_block = next(iter(model.layers.values()))
+    compile_forward(fake_block)
+    with mode:
+        fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        fargs[0].requires_grad_(True)
+        fkwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        fleaves = [t for t in (*fargs, *fkwargs.values()) if isinstance(t, torch.Tensor)]
+        outside = {id(t.untyped_storage()) for t in (*fake_block.parameters(), *fake_block.buffers(), *fleaves)}
+        fake = saved(lambda: fake_block(*fargs, **fkwargs), outside)
+    assert fake == real
+    assert sum(n for *_, n in fake) < sum(n for *_, n in eager)  # the partitioner recomputes the cheap ops
+
+
+@pytest.mark.slow
+def test_the_compiled_titan_lowering_saves_less_only_where_blocks_compile(folders, graphs):
+    # Blocks without checkpointing save what the compiled block saves (above); checkpointed ones their input either
+    # way; the work (FLOPs, bytes moved, kernels) stays the eager trace's, which the time model fuses.
+    compiled = lower_titan(folders["llama"], use_cache=False, compiled=True)
+    eager = graphs["llama"]
+    for plain, fused in zip(eager.decoder_layers(), compiled.decoder_layers(), strict=True):
+        assert fused.cost(Checkpoint.NONE).saved(UNSEEN_B, UNSEEN_S) < plain.cost(Checkpoint.NONE).saved(UNSEEN_B,
+                                                                                                        UNSEEN_S)
+        for mode in (Checkpoint.FULL, Checkpoint.OP_SELECTIVE):
+            assert fused.cost(mode).saved(UNSEEN_B, UNSEEN_S) == plain.cost(mode).saved(UNSEEN_B, UNSEEN_S)
+        for mode in TITAN_MODES:
+            assert fused.cost(mode).forward == plain.cost(mode).forward
+    with pytest.raises(UnsupportedModel, match="compiled MoE"):
+        lower_titan(folders["qwen3_moe"], use_cache=False, compiled=True)
