@@ -16,6 +16,7 @@ that step is passed over.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -347,18 +348,40 @@ def free_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs
 
 def block_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...],
                     runs: Runs) -> list[tuple[Checkpoint, ...]] | None:
-    """The fastest runnable per-stage block assignment that fits every rank (exhaustive: each mode, each k)."""
+    """The fastest runnable per-stage block assignment that fits every rank. For one mode, a larger block k (the
+    first k layers of every stage in it) never runs faster (more recompute: the simulated step never falls when a
+    stage slows) and never peaks higher (each layer moved out of no recompute keeps less), so that mode's best is
+    the smallest k that fits, found by bisection, or the first above it that a launcher runs; the modes' bests
+    (and no recompute) are then compared. `reference.every_block_recompute` tries every k; the tests compare."""
     largest = max(len(terms.layers) for rank in found.ranks for terms in rank.stage_terms)
-    best: tuple[int, list[tuple[Checkpoint, ...]]] | None = None
-    options = [(m, k) for m in modes if m is not Checkpoint.NONE for k in range(1, largest + 1)]
+    options = []
     if Checkpoint.NONE in modes:
-        options.insert(0, (Checkpoint.NONE, 0))
-    for mode, k in options:
-        rank_modes = stage_blocks(found, mode, k, modes)
-        if any(rank.table.peak_of(own) > rank.table.budget for rank, own in zip(found.ranks, rank_modes,
-                                                                                  strict=True)):
+        options.append(stage_blocks(found, Checkpoint.NONE, 0, modes))
+    for mode in modes:
+        if mode is Checkpoint.NONE or not blocks_fit(found, stage_blocks(found, mode, largest, modes)):
             continue
-        if not runs(found.config(rank_modes)):
+        low, high = 1, largest
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if blocks_fit(found, stage_blocks(found, mode, middle, modes)) else \
+                (middle + 1, high)
+        runnable = (blocks for k in range(low, largest + 1)
+                    if runs(found.config(blocks := stage_blocks(found, mode, k, modes))))
+        options.extend(itertools.islice(runnable, 1))
+    return fastest_fitting(found, options, runs)
+
+
+def blocks_fit(found: PipelineCandidate, rank_modes: list[tuple[Checkpoint, ...]]) -> bool:
+    """Whether every rank's peak with its modes fits its budget."""
+    return all(rank.table.peak_of(own) <= rank.table.budget for rank, own in zip(found.ranks, rank_modes, strict=True))
+
+
+def fastest_fitting(found: PipelineCandidate, options: list[list[tuple[Checkpoint, ...]]],
+                    runs: Runs) -> list[tuple[Checkpoint, ...]] | None:
+    """The first fastest of `options` that fits and a launcher runs, its step simulated (None if none does)."""
+    best: tuple[int, list[tuple[Checkpoint, ...]]] | None = None
+    for rank_modes in options:
+        if not blocks_fit(found, rank_modes) or not runs(found.config(rank_modes)):
             continue
         step = step_ticks(found, rank_modes)
         if best is None or step < best[0]:

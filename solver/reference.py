@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from graphs import Checkpoint
 
-from .pipeline_search import PipelineCandidate, Runs, registry_runs, step_ticks
+from .pipeline_search import PipelineCandidate, Runs, fastest_fitting, registry_runs, stage_blocks, step_ticks
 from .space import all_counts, canonical_modes
 from .tables import Table, objective, tie_weight
 
@@ -75,3 +75,14 @@ def enumerate_pipelines(candidates: list[PipelineCandidate], modes: tuple[Checkp
             if best is None or step < best.step_ticks:
                 best = PipelineBest(step, index, combination, 0)
     return None if best is None else PipelineBest(best.step_ticks, best.candidate, best.modes, evaluated)
+
+
+def every_block_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...],
+                          runs: Runs) -> list[tuple[Checkpoint, ...]] | None:
+    """`pipeline_search.block_recompute` by trying every mode and every block size k."""
+    largest = max(len(terms.layers) for rank in found.ranks for terms in rank.stage_terms)
+    options = [stage_blocks(found, m, k, modes) for m in modes if m is not Checkpoint.NONE
+               for k in range(1, largest + 1)]
+    if Checkpoint.NONE in modes:
+        options.insert(0, stage_blocks(found, Checkpoint.NONE, 0, modes))
+    return fastest_fitting(found, options, runs)

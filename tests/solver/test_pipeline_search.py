@@ -15,8 +15,8 @@ from costmodels.verdict import memory_budget
 from graphs import Checkpoint, resolve
 from solver.api import _graph_for
 from solver.pins import Pins
-from solver.pipeline_search import candidate, pipeline_search, step_ticks
-from solver.reference import enumerate_pipelines
+from solver.pipeline_search import block_recompute, candidate, pipeline_search, registry_runs, step_ticks
+from solver.reference import enumerate_pipelines, every_block_recompute
 from solver.space import Outer, outer_space
 from solver.tables import TICK_SECONDS
 
@@ -110,6 +110,26 @@ def test_pipeline_search_equals_brute_force_over_every_rank_assignment(seed):
         return
     assert result.status == "OPTIMAL"
     assert result.step_ticks == best.step_ticks
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_block_recompute_by_bisection_equals_trying_every_block(seed):
+    # Budgets from the leanest to the fastest peak, so that the best block size falls anywhere in each stage.
+    case = instance(seed)
+    graph_of, space = space_of(case)
+    modes = tuple(m for m in case["modes"] if m in space.modes)
+    compared = 0
+    for fraction in (0.0, 0.3, 0.7, 1.0):
+        headroom = tight(case, graph_of, space, modes, fraction)
+        for outer in space.pipelines[:4]:
+            found = candidate(outer, graph_of(outer), case["cluster"], case["workload"], headroom=headroom,
+                              modes=modes)
+            if found is None:
+                continue
+            runs = registry_runs(graph_of(outer))
+            assert block_recompute(found, modes, runs) == every_block_recompute(found, modes, runs)
+            compared += 1
+    assert compared
 
 
 def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute():
