@@ -95,7 +95,11 @@ def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages
     decoders = [i for i, layer in enumerate(nodes) if layer.role is Role.DECODER]
     first = sum(flops(layer) for layer in nodes[:decoders[0]])
     last = sum(flops(layer) for layer in nodes[decoders[-1] + 1:])
-    return megatron_split([flops(nodes[i]) for i in decoders], stages, first_extra=first, last_extra=last)
+    by_kind: dict[int, float] = {}  # layers of one kind cost the same
+    for i in decoders:
+        if nodes[i].kind not in by_kind:
+            by_kind[nodes[i].kind] = flops(nodes[i])
+    return megatron_split([by_kind[nodes[i].kind] for i in decoders], stages, first_extra=first, last_extra=last)
 
 
 def boundary_bytes(graph: LayerGraph, workload: Workload, config: Config) -> int:

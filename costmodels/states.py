@@ -4,6 +4,7 @@ parallelism, ZeRO/FSDP sharding and offload, plus the optimizer step's temporari
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from graphs import LayerGraph, ParamTensor
@@ -12,6 +13,7 @@ from . import optimizer_in_backward, optimizers, paging, precision
 from .config import Config, Offload, Precision
 from .engines import GradientSizes, rules_of
 from .expert_parallel import state_ranks
+from .identity_memo import IdentityMemo
 from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding
 
 Group = tuple[ParamTensor, int]
@@ -42,10 +44,22 @@ def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
     return (nbytes, 0, 0) if kind is Offload.NONE else (0, nbytes, 0) if kind is Offload.CPU else (0, 0, nbytes)
 
 
+# The configuration fields the model states read (a test checks it): they are cached on these, with the graph by
+# identity, since the solver asks for one rank's states under many configurations that differ elsewhere.
+STATE_FIELDS = ("cp", "dp", "engine", "ep", "grad_accum", "optimizer", "optimizer_in_backward", "optimizer_offload",
+                "param_offload", "precision", "tp", "zero")
+_STATES: IdentityMemo[ModelStates] = IdentityMemo()
+
+
 def model_states(graph: LayerGraph, config: Config) -> ModelStates:
     """The persistent states of one rank (the largest shard) and where they live, as the configured optimizer
     keeps them: a paged optimizer's large states in unified memory (`paging`), then, stepped in backward, no
     gradients between steps and one optimizer per tensor (`optimizer_in_backward`)."""
+    return _STATES.get((graph,), tuple(getattr(config, name) for name in STATE_FIELDS),
+                       lambda: _model_states(graph, config))
+
+
+def _model_states(graph: LayerGraph, config: Config) -> ModelStates:
     states = _held_states(graph, config)
     paged = paged_split(graph, config)
     if paged is not None:
@@ -66,11 +80,11 @@ def paged_split(graph: LayerGraph, config: Config) -> paging.PagedStates | None:
 def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     """The states of an optimizer that keeps everything on the device and steps after backward."""
     shard = sharding(config)
-    trainable = list(graph.tensor_groups(trainable=True))
-    frozen = list(graph.tensor_groups(trainable=False))
+    # the graph's own tuples: `local_elements` caches their counts across configurations
+    trainable, frozen = graph.tensor_groups(trainable=True), graph.tensor_groups(trainable=False)
     tp, dp, engine, prec = config.tp, shard_ranks(config), config.engine, config.precision
 
-    def count(ts: list[Group], sharded: bool) -> int:
+    def count(ts: Sequence[Group], sharded: bool) -> int:
         return local_elements(ts, tp=tp, dp=dp, engine=engine, sharded=sharded, ep=config.ep)
 
     sharded_params, persistent_params = _param_bytes(graph, config, trainable, frozen)
@@ -120,7 +134,7 @@ def fp8_weight_cache(graph: LayerGraph, config: Config) -> int:
     return weights + sum(n for _, n in linears) * FP8_SCALED_TENSORS_PER_LINEAR * FP8_AMAX_HISTORY * 4
 
 
-def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tuple[int, ...], int]]:
+def _optimizer_shapes(config: Config, trainable: Sequence[Group]) -> list[tuple[tuple[int, ...], int]]:
     """(shape, count) the optimizer sees on one rank: FSDP2's DTensor shards, or DeepSpeed's flat partitions."""
     tp, dp, engine, ep = config.tp, shard_ranks(config), config.engine, config.ep
     if not rules_of(engine).per_tensor_dim_shards and sharding(config).optimizer > 1:
@@ -129,7 +143,7 @@ def _optimizer_shapes(config: Config, trainable: list[Group]) -> list[tuple[tupl
     return [(local_shape(t, tp=tp, dp=dp, engine=engine, ep=ep), n) for t, n in trainable]
 
 
-def _optimizer_bytes(config: Config, trainable: list[Group]) -> int:
+def _optimizer_bytes(config: Config, trainable: Sequence[Group]) -> int:
     local = _optimizer_shapes(config, trainable)
     itemsize = precision.state_itemsize(config.precision)
     return (sum(n * optimizers.state_bytes(config.optimizer, shape, itemsize) for shape, n in local)
@@ -137,7 +151,8 @@ def _optimizer_bytes(config: Config, trainable: list[Group]) -> int:
             + optimizers.fixed_state_bytes(config.optimizer))
 
 
-def _param_bytes(graph: LayerGraph, config: Config, trainable: list[Group], frozen: list[Group]) -> tuple[int, int]:
+def _param_bytes(graph: LayerGraph, config: Config, trainable: Sequence[Group],
+                 frozen: Sequence[Group]) -> tuple[int, int]:
     """(partitioned, persistent) parameter bytes per rank."""
     shard = sharding(config)
     tp, dp, engine, prec = config.tp, shard_ranks(config), config.engine, config.precision

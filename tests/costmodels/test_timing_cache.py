@@ -1,6 +1,6 @@
-"""The caches of `timing.time_terms` are exact: `node_time` and `speed_for` read only the configuration fields their
-caches key on, and time terms with the caches warm equal those computed with them empty, over configurations that
-differ in every knob."""
+"""The caches of the cost models are exact: `node_time`, `speed_for` and `model_states` read only the configuration
+fields their caches key on, and time terms with the caches warm equal those computed with them empty, over
+configurations that differ in every knob."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import itertools
 
 import pytest
 
+import costmodels.states as states
 import costmodels.timing as timing
-from costmodels import Config, Engine, Offload, Precision, Workload, parse_cluster
+from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, parse_cluster
 from costmodels.config import ContextParallel
 from graphs import resolve
 from solver.api import _graph_for
@@ -24,6 +25,10 @@ DENSE = [dict(tp=2, dp=8, sequence_parallel=True), dict(tp=1, dp=8, cp=2),
          dict(tp=1, dp=16, engine=Engine.DEEPSPEED, zero=3, optimizer_offload=Offload.CPU),
          dict(tp=4, dp=4, engine=Engine.MEGATRON, zero=1, compile=True)]
 MOE = [dict(tp=1, dp=16, ep=8, engine=Engine.MEGATRON), dict(tp=1, dp=16, ep=4, engine=Engine.MEGATRON, zero=1)]
+# and the optimizers and offloads that change what the states hold
+STATES = [dict(dp=16, engine=Engine.DEEPSPEED, zero=2, optimizer_offload=Offload.CPU, grad_accum=4),
+          dict(dp=16, engine=Engine.DEEPSPEED, zero=3, optimizer_offload=Offload.CPU, param_offload=Offload.CPU),
+          dict(dp=1, optimizer=Optimizer.PAGED_ADAMW_8BIT), dict(dp=1, optimizer_in_backward=True)]
 
 
 class _Recorder:
@@ -80,3 +85,14 @@ def test_time_terms_with_a_warm_cache_equal_those_with_an_empty_one(tmp_path_fac
     for k in itertools.chain(indices[::-1] if order else indices, indices):  # every case with the cache warmed
         graph, config = cases[k]
         assert timing.time_terms(graph, cluster, WORKLOAD, config) == fresh[k]
+
+
+def test_model_states_read_only_the_fields_their_cache_keys_on(tmp_path_factory):
+    read: set[str] = set()
+    cases = _cases(tmp_path_factory)
+    dense = cases[0][0]
+    for graph, config in [*cases, *((dense, Config(**c)) for c in STATES)]:
+        expected = states._model_states(graph, config)
+        assert states._model_states(graph, _Recorder(config, read)) == expected
+        assert states.model_states(graph, config) == expected  # warm or cold, the same
+    assert read and read <= set(states.STATE_FIELDS)
