@@ -95,8 +95,12 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
     its stages' time terms already bound its step at `beat` ticks or more (`timed_bound`). `memo` keeps time terms
     across configurations (`slice_terms`)."""
     config = outer.config()
-    slices = rank_slices(graph, workload, config)
     budget = memory_budget(cluster, config, headroom)
+    # The ranks' states together hold at least the whole model's (its tensors split by stage, each rank with its
+    # own optimizer), so the fullest rank holds at least 1/pp of them: refused here without slicing the model.
+    if model_states(graph, config).gpu_total > budget * config.pp:
+        return None
+    slices = rank_slices(graph, workload, config)
     for slice_ in slices:  # the states alone, before any timing: most configurations that cannot fit stop here
         states = model_states(slice_.graph, config)
         if states.gpu_total + states.step_temp + slice_.buffers > budget:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -130,6 +131,23 @@ def test_block_recompute_by_bisection_equals_trying_every_block(seed):
             assert block_recompute(found, modes, runs) == every_block_recompute(found, modes, runs)
             compared += 1
     assert compared
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_ranks_states_together_hold_at_least_the_whole_models(seed):
+    # What lets `candidate` refuse a configuration whose whole-model states exceed pp budgets without slicing it.
+    from costmodels.pipeline_stages import rank_slices
+    from costmodels.states import model_states
+
+    case = instance(seed)
+    graph_of, space = space_of(case)
+    for outer in space.pipelines:
+        for engine, zero in ((outer.engine, outer.zero), (Engine.MEGATRON, 1), (Engine.FSDP2, 2)):
+            config = replace(outer, engine=engine, zero=zero).config()
+            graph = graph_of(outer)
+            ranks = [model_states(s.graph, config) for s in rank_slices(graph, case["workload"], config)]
+            whole = model_states(graph, config)
+            assert sum(r.gpu_total for r in ranks) >= whole.gpu_total
 
 
 def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute():
