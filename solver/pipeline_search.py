@@ -140,8 +140,7 @@ def timed_bound(outer: Outer, timed: list[tuple[RankSlice, tuple[TimeTerms, ...]
     stages: dict[int, tuple[float, float]] = {}
     for slice_, terms, _ in timed:
         for stage, own in zip(slice_.stages, terms, strict=True):
-            fastest = sum(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
-                          for options in own.layers)
+            fastest = sum(fastest_layers(outer, own, modes))
             in_schedule = own.fixed.step_time - own.outside + fastest
             stages[stage] = (own.forward, max(0.0, in_schedule / outer.grad_accum - own.forward))
     order = [stages[s] for s in range(len(stages))]
@@ -259,10 +258,19 @@ def fastest_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload:
     key = compute_signature(outer)
     if key not in memo:
         terms = time_terms(graph, cluster, workload, compute_key(outer).config())
-        layers = tuple(min(t.total for mode, t in options if mode in modes and outer.runs(mode))
-                       for options in terms.layers)
+        layers = fastest_layers(outer, terms, modes)
         memo[key] = FastestCompute(total=terms.fixed.step_time - terms.outside + sum(layers), layers=layers)
     return memo[key]
+
+
+def fastest_layers(outer: Outer, terms: TimeTerms, modes: tuple[Checkpoint, ...]) -> tuple[float, ...]:
+    """Each decoder layer's time in its fastest of `modes` that `outer` runs (layers of one kind share their
+    options, so each kind is compared once)."""
+    by_options: dict[int, float] = {}
+    for options in terms.layers:
+        if id(options) not in by_options:
+            by_options[id(options)] = min(t.total for mode, t in options if mode in modes and outer.runs(mode))
+    return tuple(by_options[id(options)] for options in terms.layers)
 
 
 def edge_compute(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload,
