@@ -265,10 +265,14 @@ def test_a_compiled_titan_block_saves_what_inductor_saves(arch, folders):
 
 @pytest.mark.slow
 def test_the_compiled_titan_lowering_saves_less_only_where_blocks_compile(folders, graphs):
-    # Blocks without checkpointing save what the compiled block saves (above); checkpointed ones their input either
-    # way; the work (FLOPs, bytes moved, kernels) stays the eager trace's, which the time model fuses.
+    # At a shape the probes never used, each layer saves what saved-tensor hooks see it save in torchtitan's own model
+    # with every block compiled (the compiled block checked against Inductor above); checkpointed blocks save what
+    # they save eager; the work (FLOPs, bytes moved, kernels) stays the eager trace's, which the time model fuses.
     compiled = lower_titan(folders["llama"], use_cache=False, compiled=True)
     eager = graphs["llama"]
+    ref = layer_reference(folders["llama"], b=UNSEEN_B, s=UNSEEN_S, dtype=torch.bfloat16, mode=Checkpoint.NONE,
+                          compiled=True)
+    assert [layer.cost(Checkpoint.NONE).saved(UNSEEN_B, UNSEEN_S) for layer in compiled.decoder_layers()] == ref.hooked
     for plain, fused in zip(eager.decoder_layers(), compiled.decoder_layers(), strict=True):
         assert fused.cost(Checkpoint.NONE).saved(UNSEEN_B, UNSEEN_S) < plain.cost(Checkpoint.NONE).saved(UNSEEN_B,
                                                                                                         UNSEEN_S)

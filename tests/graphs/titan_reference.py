@@ -93,10 +93,18 @@ class LayerReference:
     """Bytes saved-tensor hooks saw each layer save (storages counted once, on the first layer)."""
 
 
-def layer_reference(folder: str, *, b: int, s: int, dtype: torch.dtype, mode: Checkpoint) -> LayerReference:
+def layer_reference(folder: str, *, b: int, s: int, dtype: torch.dtype, mode: Checkpoint,
+                    compiled: bool = False) -> LayerReference:
+    """`compiled`: every block runs as torch.compile trains it (`graphs.compiled.compile_forward`, itself checked
+    against a real Inductor compile), as torchtitan's `apply_compile` compiles each block."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model = reference_model(folder, dtype=dtype, mode=mode, fake=fake, seq_len=s)
     layers = list(model.layers.values())
+    if compiled:
+        from graphs.compiled import compile_forward
+
+        for layer in layers:
+            compile_forward(layer)
     existing = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     stack, owner, nbytes, keep = ["outside"], {}, {}, []
 
