@@ -80,6 +80,12 @@ class MemoryTerms:
         n = len(self.nodes)
         return self.spans or (Span(0, n, self.start, self.forward_only, n, 0),)
 
+    def kept_base(self, span: Span) -> int:
+        """The model-wide bytes a micro-batch of the stage keeps after its forward: its start, less what is gone
+        once its last decoder layer has run (when it has one)."""
+        decoders = any(options[0][1].decoder for options in self.nodes[span.first:span.stop])
+        return span.start - (span.forward_only if decoders else 0)
+
     def moment_list(self) -> tuple[Moment, ...]:
         """The moments, a lone micro-batch's forward and backward when none are given."""
         return self.moments or _ALONE
@@ -162,10 +168,8 @@ def held_by_stage(terms: MemoryTerms, nodes: list[NodeMemory]) -> list[tuple[int
     still kept after a zero-bubble input step): `activations.walk`'s live set then."""
     held = []
     for span in terms.stage_spans():
-        own = nodes[span.first:span.stop]
-        decoders = any(node.decoder for node in own)
-        kept = [node.fwd_net - node.released_after_forward for node in own]
-        full = span.start - (span.forward_only if decoders else 0) + sum(kept)
+        kept = [node.fwd_net - node.released_after_forward for node in nodes[span.first:span.stop]]
+        full = terms.kept_base(span) + sum(kept)
         held.append((full, full - sum(kept[span.input_frees_from - span.first:])))
     return held
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from costmodels.memory import MemoryTerms, Span
+from costmodels.memory import MemoryTerms
 from graphs import Checkpoint, FitplanError
 
 from .space import CHECKPOINTED
@@ -229,15 +229,9 @@ def _held(terms: MemoryTerms, sums: dict[str, _Sums]) -> list[tuple[cp_model.Lin
 
     held = []
     for span in terms.stage_spans():
-        full = _base(terms, span) + kept(span.first, span.stop)
+        full = terms.kept_base(span) + kept(span.first, span.stop)
         held.append((full, full - kept(span.input_frees_from, span.stop)))
     return held
-
-
-def _base(terms: MemoryTerms, span: Span) -> int:
-    """The model-wide bytes a micro-batch of the stage keeps after its forward."""
-    decoders = any(options[0][1].decoder for options in terms.nodes[span.first:span.stop])
-    return span.start - (span.forward_only if decoders else 0)
 
 
 def _others(pm: PlanModel, k: int, terms: MemoryTerms, held: list[tuple[cp_model.LinearExpr, cp_model.LinearExpr]]
@@ -245,8 +239,8 @@ def _others(pm: PlanModel, k: int, terms: MemoryTerms, held: list[tuple[cp_model
     """Per (running stage, forward), the bytes the other in-flight micro-batches hold plus the step's buffers
     (`memory.others_at_most`): the moment's sum where one moment gives it, else a variable at least each
     moment's, which the events then bound."""
-    ranges = [(_held_range(terms, span.first, span.stop, _base(terms, span)),
-               _held_range(terms, span.first, span.input_frees_from, _base(terms, span)))
+    ranges = [(_held_range(terms, span.first, span.stop, terms.kept_base(span)),
+               _held_range(terms, span.first, span.input_frees_from, terms.kept_base(span)))
               for span in terms.stage_spans()]
     groups: dict[tuple[int, bool], list[tuple[cp_model.LinearExprT, int, int]]] = {}
     for moment in terms.moment_list():

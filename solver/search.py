@@ -151,16 +151,16 @@ def peak_lower_bound(table: Table, modes: tuple[Checkpoint, ...]) -> int:
     least = _least_others(terms, nodes)
     best = terms.states.step_temp + terms.buffers + terms.states.accumulating_grads  # the optimizer step
     per_key = Counter((moment.stage, moment.forward) for moment in terms.moment_list())
+    kept = [0, *itertools.accumulate(extra[1] for extra in terms.extra)]  # the engine's bytes kept to backward
     for (t, forward), moment in _largest_moments(terms.moment_list()).items():
         weights, constant = [0] * len(nodes), 0
         for span, full, after in zip(spans, moment.full, moment.after_input, strict=True):
-            decoders = any(options[0].decoder for options in nodes[span.first:span.stop])
-            constant += (full + after) * (span.start - (span.forward_only if decoders else 0))
+            constant += (full + after) * terms.kept_base(span)
             for i in range(span.first, span.stop):
                 weights[i] = full + (after if i < span.input_frees_from else 0)
-        best = max(best, _events_bound(terms, nodes, t, forward, weights, constant))
+        best = max(best, _events_bound(terms, nodes, kept, t, forward, weights, constant))
         if per_key[t, forward] > 1:  # with one moment, the bound above is at least this one
-            best = max(best, _events_bound(terms, nodes, t, forward, [0] * len(nodes), least[t, forward]))
+            best = max(best, _events_bound(terms, nodes, kept, t, forward, [0] * len(nodes), least[t, forward]))
     return terms.states.gpu_total + best
 
 
@@ -174,15 +174,13 @@ def _least_others(terms: MemoryTerms, nodes: list[list[NodeMemory]]) -> dict[tup
     return others_at_most(terms, [min(options, key=_held) for options in nodes])
 
 
-def _events_bound(terms: MemoryTerms, nodes: list[list[NodeMemory]], t: int, forward: bool, weights: list[int],
-                  constant: int) -> int:
+def _events_bound(terms: MemoryTerms, nodes: list[list[NodeMemory]], kept: list[int], t: int, forward: bool,
+                  weights: list[int], constant: int) -> int:
     """The largest of stage t's forward (or backward) events over the walks, each node in the mode that adds
-    least to it, with `weights[i]` other micro-batches holding node i's kept bytes and `constant` more bytes."""
+    least to it, with `weights[i]` other micro-batches holding node i's kept bytes and `constant` more bytes
+    (`kept[i]`: the engine's bytes the nodes before i keep to backward)."""
     span = terms.stage_spans()[t]
     first, stop = span.first, span.stop
-    kept = [0]
-    for extra in terms.extra:
-        kept.append(kept[-1] + extra[1])
     decoders = [i for i in range(first, stop) if nodes[i][0].decoder]
     last = decoders[-1] if decoders else -1
     outside = sum(min(weights[i] * _held(o) for o in nodes[i]) for i in (*range(first), *range(stop, len(nodes))))
