@@ -144,17 +144,29 @@ class _Pareto:
         return PeakPoly(tuple(sorted(self.kept, key=lambda p: p.terms)))
 
 
-def segment_costs(probes: Probes) -> dict[str, ModeCost]:
-    """Costs of every scope of the trace model (trace layers are named "layers.<i>")."""
+def segment_costs(probes: Probes, *, module_held: bool = False) -> dict[str, ModeCost]:
+    """Costs of every scope of the trace model (trace layers are named "layers.<i>"). A scope's saved bytes are
+    the storages only it saved for backward. With `module_held` (megatron's MoE layers), only those still alive
+    when backward starts (autograd drops what a dead branch saved: megatron's aux-loss top-k), and also the
+    storages its forward made that nothing saved and that outlive the forward, which a module keeps as attributes
+    until its next forward or its recompute (megatron's MoE dispatcher keeps the routing map, probabilities,
+    permutation and counts)."""
     rec = probes.base
     sizes = storage_polys(probes)
     works = op_works(probes)
     line = _timeline(rec, sizes)
     spans = segments(rec)
+    first_backward = next((k for k, op in enumerate(rec.ops) if op.backward), len(rec.ops))
     saved: dict[str, Poly] = {}
     for i, st in enumerate(rec.storages):
-        if len(st.savers) == 1 and i not in rec.global_storages:
+        if i in rec.global_storages or (module_held and st.free_after is not None and st.free_after <= first_backward):
+            continue
+        op = rec.ops[st.alloc_op]
+        if len(st.savers) == 1:
             saved[st.savers[0]] = saved.get(st.savers[0], ZERO) + sizes[i]
+        elif module_held and not st.savers and not op.backward \
+                and op.scope.startswith("layers."):
+            saved[op.scope] = saved.get(op.scope, ZERO) + sizes[i]
     released: dict[str, Poly] = {}
     for i in released_after_forward(rec):
         scope = rec.ops[rec.storages[i].alloc_op].scope

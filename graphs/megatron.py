@@ -47,7 +47,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .errors import UnsupportedModel
 from .fit import Probes, model_wide_bytes, segment_costs
 from .graph import LayerGraph, ModelDims
-from .layer import Checkpoint, ParamTensor
+from .layer import Checkpoint, MoE, ParamTensor
+from .megatron_moe import MEGATRON_MOE_TYPES, DroplessRouting, moe_runtime, moe_settings, step_state
 from .poly import Poly
 from .probe import Recording, TraceSlot, model_wide
 from .recorder import Recorder, ScopeTracker, marking_recompute
@@ -62,12 +63,12 @@ KERNELS = {"local": MEGATRON_ATTENTION, "te": TE_ATTENTION}
 MEGATRON_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
 # HF model types lowered as megatron-core Llama-style GPT models (RMSNorm, SwiGLU, RoPE, GQA; Qwen2 adds the QKV
 # bias). Mistral is left out: its sliding window would need megatron's `window_size`, not set here.
-MEGATRON_TYPES = ("llama", "qwen2")
+MEGATRON_TYPES = ("llama", "qwen2", *MEGATRON_MOE_TYPES)
 PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2
 # Bump when this module's output changes meaning (part of the cache key).
-MEGATRON_FORMAT = 3
+MEGATRON_FORMAT = 4
 # megatron-core's TP layers: ColumnParallelLinear shards output rows, RowParallelLinear input columns.
 _TP_STYLES = {"linear_qkv": ("colwise", 0), "linear_fc1": ("colwise", 0), "output_layer": ("colwise", 0),
               "linear_proj": ("rowwise", 1), "linear_fc2": ("rowwise", 1),
@@ -113,9 +114,12 @@ def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph
 
     config = transformers_config(resolved)
     dims = dims_of(config)
-    if config.model_type not in MEGATRON_TYPES or dims.experts:
+    sliding = getattr(config.get_text_config(), "sliding_window", None)
+    if config.model_type not in MEGATRON_TYPES or bool(dims.experts) != (config.model_type in MEGATRON_MOE_TYPES) \
+            or sliding is not None:
         raise UnsupportedModel(f"megatron-core's local GPT spec is not lowered for {config.model_type!r} "
-                               f"({resolved.id})", f"The Megatron lowering runs {', '.join(MEGATRON_TYPES)} (dense).")
+                               f"({resolved.id})", f"The Megatron lowering runs {', '.join(MEGATRON_TYPES)} (without a "
+                               "sliding window).")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     torch_dtype = getattr(torch, dtype)
     # Megatron's GPT layers are all alike (one kind); the trace model has one layer per slot.
@@ -132,7 +136,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph
 
     probes = Probes(run(PROBE_BATCH, PROBE_SEQ), run(PROBE_BATCH, 2 * PROBE_SEQ), run(PROBE_BATCH, 3 * PROBE_SEQ),
                     run(2 * PROBE_BATCH, PROBE_SEQ), run(PROBE_BATCH, PROBE_SEQ, wide))
-    costs = segment_costs(probes)
+    costs = segment_costs(probes, module_held=bool(dims.experts))
     itemsize = torch.finfo(torch_dtype).bits // 8
     wide_bytes = model_wide_bytes(probes)
     wide_bytes["shared"] = wide_bytes["shared"] + rope_table_bytes(dims.head_dim)
@@ -142,7 +146,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph
     study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention=KERNELS[kernels],
                   dims=dims, itemsize=itemsize, params=params, kinds=kinds,
                   slot_scopes={(s.kind, s.mode): f"layers.{j}" for j, s in enumerate(slots) if s.kind is not None},
-                  costs=costs, rowwise_modules=[2] * dims.layers, moe={},
+                  costs=costs, rowwise_modules=[2] * dims.layers, moe=_moe(params, dims),
                   model_wide=wide_bytes, widened=True, tp_degrees=_tp_degrees(dims),
                   versions=(*_versions(), ("megatron-core", _package_version("megatron-core"))))
     graph = assemble(resolved, study, dtype=dtype, autocast=None, lora=None)
@@ -178,7 +182,9 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
 
     text = config.get_text_config()
     dims = dims_of(config)
-    return TransformerConfig(
+    moe = moe_settings(text, experts=dims.experts, top_k=dims.top_k, ffn_hidden=dims.intermediate * widen) \
+        if dims.experts else {}
+    return TransformerConfig(**moe,
         num_layers=layers, hidden_size=dims.hidden, ffn_hidden_size=dims.intermediate * widen,
         num_attention_heads=dims.heads * widen, num_query_groups=dims.kv_heads * widen, kv_channels=dims.head_dim,
         normalization="RMSNorm", layernorm_epsilon=float(getattr(text, "rms_norm_eps", 1e-5)),
@@ -205,7 +211,8 @@ def build_megatron(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloa
 
     text = config.get_text_config()
     scaling = _llama_scaling(text)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    experts = int(getattr(text, "num_local_experts", 0) or 0) or None
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
     if kernels == "te":
         from .te_kernels import FlashCoreAttention
 
@@ -275,21 +282,22 @@ def to_fake(model: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype) ->
 
 
 def prepare_step(model: torch.nn.Module, *, b: int, s: int) -> list[torch.Tensor]:
-    """Make what megatron keeps for the whole run before the recorded pass: the RoPE table and the local
-    attention's global buffer (call under the fake mode); returns them so the recorder treats them as existing."""
+    """Make what megatron keeps for the whole run before the recorded pass: the RoPE table, the local
+    attention's global buffer and an MoE model's aux-loss state (`megatron_moe.step_state`), under the fake mode;
+    returns them so the recorder treats them as existing."""
     from megatron.core import parallel_state
     from megatron.core.utils import GlobalMemoryBuffer
 
     model.rotary_pos_emb.forward.cache_clear()
-    table = model.rotary_pos_emb(s)
+    table = [model.rotary_pos_emb(s), *step_state(model)]
     parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
     attention = next((m for m in model.modules() if type(m).__name__ == "DotProductAttention"), None)
     if attention is None:  # TE's flash attention uses no global buffer
-        return [table]
+        return table
     dtype = next(p for p in model.decoder.parameters()).dtype
     heads = attention.num_attention_heads_per_partition
     buffer = parallel_state.get_global_memory_buffer().get_tensor((b * heads, s, s), dtype, "mpu")
-    return [table, buffer]
+    return [*table, buffer]
 
 
 def megatron_loss(model: torch.nn.Module, b: int, s: int, vocab: int) -> torch.Tensor:
@@ -326,7 +334,7 @@ def run_megatron_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int,
             boundary.append(recorder.storage_index(hidden))
 
     handle = layers[0].register_forward_pre_hook(note_boundary, with_kwargs=True)
-    with marking_recompute(recorder, *_recomputed(layers)), cuda_rms_norm(), recorder:
+    with routing(model), marking_recompute(recorder, *_recomputed(layers)), cuda_rms_norm(), recorder:
         with tracker.active():
             with recorder.saving():
                 loss = megatron_loss(model, b, s, vocab)
@@ -339,6 +347,13 @@ def run_megatron_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int,
     names = {"embedding": tracker.dynamic_names.get(id(model.embedding), "embed"),
              "decoder": tracker.dynamic_names.get(id(model.decoder.final_layernorm), "norm")}
     return Recording(b, s, recorder.ops, recorder.storages, lifetimes, names)
+
+
+def routing(model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """`DroplessRouting` for a model with MoE layers (enter it inside the fake mode and outside any recorder or
+    memory tracker), else nothing."""
+    experts = model.config.num_moe_experts
+    return DroplessRouting(experts, model.config.moe_router_topk) if experts else contextlib.nullcontext()
 
 
 def _recomputed(layers: list[torch.nn.Module]) -> tuple[list[torch.nn.Module], dict[torch.nn.Module, str]]:
@@ -374,8 +389,9 @@ def megatron_runtime(kernels: str = "local") -> Iterator[None]:
 def cpu_runtime() -> Iterator[None]:
     """megatron-core 0.16 on a CPU-only torch, one rank: a 1-rank gloo group (file store) with model parallel
     state when none exists, and its CUDA-only calls redirected: `torch.cuda.current_device()` (RoPE, global
-    buffer), the CUDA RNG states saved by `CheckpointFunction` and forked around dropout, and the causal mask
-    built on "cuda" (`get_default_causal_mask`). Everything is restored on exit."""
+    buffer), the CUDA RNG states saved by `CheckpointFunction` and forked around dropout, the causal mask
+    built on "cuda" (`get_default_causal_mask`) and the MoE dispatcher's (`megatron_moe.moe_runtime`).
+    Everything is restored on exit."""
     import tempfile
     import warnings
 
@@ -390,7 +406,7 @@ def cpu_runtime() -> Iterator[None]:
     started = not dist.is_initialized()
     saved = (torch.cuda.current_device, mrandom._get_all_rng_states, mrandom._set_all_rng_states,
              fused_softmax.get_default_causal_mask)
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder:
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder, moe_runtime():
         warnings.filterwarnings("ignore", category=UserWarning)
         if started:
             dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
@@ -414,14 +430,22 @@ def cpu_runtime() -> Iterator[None]:
 
 
 def _param_tensors(model: torch.nn.Module, dtype: str) -> list[ParamTensor]:
-    """Every parameter once, owned by its graph node, with megatron-core's TP split."""
+    """Every parameter once, owned by its graph node, with megatron-core's TP split. The experts of an MoE layer
+    (`SequentialMLP`: one `linear_fc1` and `linear_fc2` per expert) are recorded as one (experts, out, in) stack
+    per projection, as transformers' fused experts are, so that expert parallelism shards them alike
+    (`costmodels.expert_parallel.is_expert_stack`); TP splits a stack's `out` (fc1) or `in` (fc2)."""
     itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
     tensors, seen = [], set()
+    stacks: dict[str, list[tuple[int, ...]]] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
         seen.add(id(param))
         parts = fqn.split(".")
+        if ".experts.local_experts." in fqn:
+            head, _, tail = fqn.partition(".local_experts.")
+            stacks.setdefault(f"{head}.{tail.partition('.')[2]}", []).append(tuple(int(d) for d in param.shape))
+            continue
         if parts[0] == "embedding":
             node = "embed"
         elif parts[0] == "output_layer":
@@ -433,7 +457,20 @@ def _param_tensors(model: torch.nn.Module, dtype: str) -> list[ParamTensor]:
         style, dim = _TP_STYLES.get(parts[-2], ("replicate", None))
         tensors.append(ParamTensor(name=fqn, node=node, shape=tuple(int(d) for d in param.shape), trainable=True,
                                    itemsize=itemsize, tp_style=style, tp_dim=dim))
+    for name, shapes in stacks.items():
+        if len(set(shapes)) != 1 or len(shapes[0]) != 2:
+            raise UnsupportedModel(f"megatron-core experts of unequal or non-matrix shapes in {name}: {shapes}")
+        style, dim = _TP_STYLES.get(name.split(".")[-2], ("replicate", None))
+        tensors.append(ParamTensor(name=name, node=f"layers.{name.split('.')[2]}", shape=(len(shapes), *shapes[0]),
+                                   trainable=True, itemsize=itemsize, tp_style=style,
+                                   tp_dim=None if dim is None else dim + 1))
     return tensors
+
+
+def _moe(params: list[ParamTensor], dims: ModelDims) -> dict[int, MoE]:
+    """The MoE facts of the (one) layer kind: its routed experts' parameter elements."""
+    experts = sum(p.numel for p in params if p.node == "layers.0" and len(p.shape) == 3)
+    return {0: MoE(experts=dims.experts, top_k=dims.top_k, expert_params=experts)} if dims.experts else {}
 
 
 __all__ = ["KERNELS", "MEGATRON_MODES", "MEGATRON_TYPES", "TE_ATTENTION", "build_megatron", "cpu_runtime",

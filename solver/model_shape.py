@@ -40,6 +40,8 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
         tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", _traced_tied(graph)))),
         linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts,
         top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0,
+        aux_loss_coeff=float(text.get("router_aux_loss_coef", _class_default(graph.model_type, "router_aux_loss_coef",
+                                                                            0.0)) or 0.0) if dims.experts else 0.0,
         qk_norm=graph.model_type in _QK_NORM)
 
 

@@ -69,6 +69,8 @@ class ModelShape:
     """Experts each token is routed to."""
     expert_ffn_hidden: int = 0
     """FFN width of one expert (0: ffn_hidden, as in Mixtral)."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the router's load-balancing loss the model was trained with (config.json `router_aux_loss_coef`)."""
     qk_norm: bool = False
     """A norm over each head's queries and keys before RoPE (Qwen3)."""
 

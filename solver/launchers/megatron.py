@@ -29,7 +29,7 @@ KNOWN_FLAGS = frozenset({
     "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--context-parallel-size",
     "--cp-comm-type", "--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-    "--moe-token-dispatcher-type", "--qk-layernorm",
+    "--moe-token-dispatcher-type", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--qk-layernorm",
     # the precision-aware optimizer (_add_training_args; core_v0.16.1)
     "--use-precision-aware-optimizer", "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 })
@@ -97,7 +97,8 @@ def pipeline_arguments(d: Decisions, layers: int) -> list[str]:
 
 def expert_arguments(plan: Plan) -> list[str]:
     """A mixture-of-experts model's router and experts, and the expert-parallel degree (the all-to-all token
-    dispatcher, whose dispatch and combine fitplan prices)."""
+    dispatcher, whose dispatch and combine fitplan prices; the load-balancing aux loss at the model's own weight,
+    which `graphs.megatron_moe` traces)."""
     d, shape = plan.decisions, plan.inputs.shape
     experts = 0 if shape is None else shape.experts
     if not experts:
@@ -108,6 +109,7 @@ def expert_arguments(plan: Plan) -> list[str]:
         raise FitplanError(f"ep={d.ep} does not divide the model's {experts} experts.", "Re-plan.")
     return ["--num-experts", str(experts), "--moe-router-topk", str(shape.top_k), "--moe-ffn-hidden-size",
             str(shape.expert_ffn_hidden or shape.ffn_hidden), "--moe-token-dispatcher-type", "alltoall",
+            "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(shape.aux_loss_coeff),
             "--expert-model-parallel-size", str(d.ep)]
 
 

@@ -52,6 +52,17 @@ def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    values = {**tiny_values("mixtral"), "num_hidden_layers": 2}
+    return str(write_config(tmp_path_factory.mktemp("megatron") / "mixtral", values))
+
+
+@pytest.fixture(scope="module")
+def mixtral_graphs(mixtral_folder: str) -> dict[str, LayerGraph]:
+    return {kernels: mg.lower_megatron(mixtral_folder, use_cache=False, kernels=kernels) for kernels in KERNELS}
+
+
+@pytest.fixture(scope="module")
 def graphs(folder: str) -> dict[str, LayerGraph]:
     return {kernels: mg.lower_megatron(folder, use_cache=False, kernels=kernels) for kernels in KERNELS}
 
@@ -69,9 +80,14 @@ def _reference(folder: str, mode: Checkpoint, fake: FakeTensorMode, kernels: str
 
 
 def _kept(model: torch.nn.Module) -> list[Any]:
+    """What megatron made at the first step and keeps: the attention global buffer and, for MoE models, the aux
+    loss's backward scale and logging buffer."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
-    return [*parallel_state.get_global_memory_buffer().buffer.values()]
+    moe = [MoEAuxLossAutoScaler.main_loss_backward_scale,
+           *(entry["values"] for entry in get_moe_layer_wise_logging_tracker().values())]
+    return [*parallel_state.get_global_memory_buffer().buffer.values(), *(t for t in moe if t is not None)]
 
 
 def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int, kernels: str = "local") -> list[int]:
@@ -81,7 +97,7 @@ def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int, kernels: str =
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model = _reference(folder, mode, fake, kernels)
         layers = list(model.decoder.layers)
-        with fake, cuda_rms_norm():
+        with fake, cuda_rms_norm(), mg.routing(model):
             kept = mg.prepare_step(model, b=b, s=s)
             tracker = MemTracker()
             tracker.track_external(model, *kept)
@@ -99,7 +115,7 @@ def step_peak(folder: str, mode: Checkpoint, *, b: int, s: int, kernels: str) ->
     with mg.megatron_runtime(kernels):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model = _reference(folder, mode, fake, kernels)
-        with fake, cuda_rms_norm():
+        with fake, cuda_rms_norm(), mg.routing(model):
             optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
 
             def step() -> None:
@@ -153,6 +169,55 @@ def test_megatron_qwen2_allocated_peak_matches_memtracker_over_a_training_step(m
     predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
     measured = step_peak(qwen2_folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
     assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_megatron_mixtral_saved_bytes_and_peak_match_memtracker(mode, kernels, mixtral_folder, mixtral_graphs):
+    # Mixtral: every MLP an MoE layer (router, dropless all-to-all dispatch, SequentialMLP experts, aux loss), each
+    # run by megatron-core itself under `DroplessRouting` (balanced counts; see the next test for real routing).
+    graph = mixtral_graphs[kernels]
+    assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S) for layer in graph.decoder_layers()] == \
+        layer_saved(mixtral_folder, mode, b=UNSEEN_B, s=UNSEEN_S, kernels=kernels)
+    config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
+                    checkpoint=(mode,) * 2)
+    predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
+    measured = step_peak(mixtral_folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
+    assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_dropless_routing_saves_what_real_routing_saves(mode, mixtral_folder):
+    # The balanced split `DroplessRouting` answers is not what a router picks; what each MoE layer keeps for
+    # backward must not depend on it. Real megatron-core on real CPU tensors (random weights, so an uneven split,
+    # masked_select and .tolist() on real values) keeps exactly the bytes of the fake trace.
+    fake = layer_saved(mixtral_folder, mode, b=UNSEEN_B, s=UNSEEN_S)
+    with mg.megatron_runtime("local"):
+        model = mg.build_megatron(transformers_config(resolve(mixtral_folder)), layers=2,
+                                  granularity=GRANULARITY[mode])
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        model.bfloat16()
+        counts = []
+        for expert in model.decoder.layers[0].mlp.experts.local_experts:
+            expert.register_forward_pre_hook(lambda module, args: counts.append(args[0].shape[0]))
+        layers = list(model.decoder.layers)
+        with cuda_rms_norm():
+            tracker = MemTracker()
+            tracker.track_external(model, *mg.prepare_step(model, b=UNSEEN_B, s=UNSEEN_S))
+            with tracker:
+                loss = mg.megatron_loss(model, UNSEEN_B, UNSEEN_S, model.vocab_size)
+            stats = [tracker.memory_tracking[layer].snapshots for layer in layers]
+            del loss
+    real = [_total(st["Post-Forward"][-1]) - _total(st["Pre-Forward"][-1]) for st in stats]
+    top_k = tiny_values("mixtral")["num_experts_per_tok"]
+    assert sum(counts) == UNSEEN_B * UNSEEN_S * top_k and len(set(counts)) > 1  # the real split is uneven
+    assert real == fake
 
 
 def test_selective_recompute_frees_exactly_the_local_attention_scores(graph):

@@ -224,7 +224,7 @@ def test_megatron_engine_estimate_without_a_plan_uses_the_megatron_lowering_too(
     ("Qwen/Qwen2.5-7B", None, None, True),
     ("meta-llama/Llama-3.1-8B", "lora", None, False),  # Megatron runs no PEFT adapters
     ("meta-llama/Llama-3.1-8B", None, "eager", False),  # a pinned HF attention is the HF code's
-    ("mistralai/Mixtral-8x7B-v0.1", None, None, False),  # MoE: not lowered through megatron-core yet
+    ("mistralai/Mixtral-8x7B-v0.1", None, None, True),  # MoE layers through megatron_moe
     ("google/gemma-2-2b", None, None, False),
 ])
 def test_which_models_megatron_prices_on_its_own_layers(model, lora, attention, expected):
