@@ -48,7 +48,14 @@ from .errors import UnsupportedModel
 from .fit import Probes, model_wide_bytes, segment_costs
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, MoE, ParamTensor
-from .megatron_moe import MEGATRON_MOE_TYPES, DroplessRouting, moe_runtime, moe_settings, step_state
+from .megatron_moe import (
+    MEGATRON_MOE_TYPES,
+    DroplessRouting,
+    every_layer_routed,
+    moe_runtime,
+    moe_settings,
+    step_state,
+)
 from .poly import Poly
 from .probe import Recording, TraceSlot, model_wide
 from .recorder import Recorder, ScopeTracker, marking_recompute
@@ -62,8 +69,10 @@ KERNELS = {"local": MEGATRON_ATTENTION, "te": TE_ATTENTION}
 # Megatron's recompute granularities: none, "full" (uniform, one layer each) and "selective" (attention core).
 MEGATRON_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
 # HF model types lowered as megatron-core Llama-style GPT models (RMSNorm, SwiGLU, RoPE, GQA; Qwen2 adds the QKV
-# bias). Mistral is left out: its sliding window would need megatron's `window_size`, not set here.
-MEGATRON_TYPES = ("llama", "qwen2", *MEGATRON_MOE_TYPES)
+# bias, Qwen3 the per-head query/key RMSNorm, `qk_layernorm`). Mistral is left out: its sliding window would need
+# megatron's `window_size`, not set here.
+MEGATRON_TYPES = ("llama", "qwen2", "qwen3", *MEGATRON_MOE_TYPES)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2
@@ -114,9 +123,10 @@ def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph
 
     config = transformers_config(resolved)
     dims = dims_of(config)
-    sliding = getattr(config.get_text_config(), "sliding_window", None)
+    text = config.get_text_config()
+    windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
     if config.model_type not in MEGATRON_TYPES or bool(dims.experts) != (config.model_type in MEGATRON_MOE_TYPES) \
-            or sliding is not None:
+            or windowed or not every_layer_routed(text):
         raise UnsupportedModel(f"megatron-core's local GPT spec is not lowered for {config.model_type!r} "
                                f"({resolved.id})", f"The Megatron lowering runs {', '.join(MEGATRON_TYPES)} (without a "
                                "sliding window).")
@@ -182,7 +192,8 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
 
     text = config.get_text_config()
     dims = dims_of(config)
-    moe = moe_settings(text, experts=dims.experts, top_k=dims.top_k, ffn_hidden=dims.intermediate * widen) \
+    expert_ffn = int(getattr(text, "moe_intermediate_size", 0) or dims.intermediate)
+    moe = moe_settings(text, experts=dims.experts, top_k=dims.top_k, ffn_hidden=expert_ffn * widen) \
         if dims.experts else {}
     return TransformerConfig(**moe,
         num_layers=layers, hidden_size=dims.hidden, ffn_hidden_size=dims.intermediate * widen,
@@ -190,6 +201,7 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
         normalization="RMSNorm", layernorm_epsilon=float(getattr(text, "rms_norm_eps", 1e-5)),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=bool(getattr(text, "attention_bias", False) or config.model_type == "qwen2"),
+        qk_layernorm=config.model_type in QK_NORM_TYPES,
         hidden_dropout=0.0, attention_dropout=float(getattr(text, "attention_dropout", 0.0)),
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         recompute_granularity=granularity, recompute_method="uniform" if granularity == "full" else None,
@@ -207,12 +219,13 @@ def build_megatron(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloa
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from .lower import dims_of
     from .titan import _llama_scaling, _rope_theta
 
     text = config.get_text_config()
     scaling = _llama_scaling(text)
-    experts = int(getattr(text, "num_local_experts", 0) or 0) or None
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=dims_of(config).experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=config.model_type in QK_NORM_TYPES, normalization="RMSNorm")
     if kernels == "te":
         from .te_kernels import FlashCoreAttention
 

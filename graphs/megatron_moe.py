@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 # HF model types lowered as megatron-core GPT models with MoE layers in every block (Mixtral: Llama-style attention,
-# every MLP routed over SwiGLU experts, no shared expert).
-MEGATRON_MOE_TYPES = ("mixtral",)
+# every MLP routed over SwiGLU experts, no shared expert; Qwen3-MoE: the same with Qwen3's query/key norm).
+MEGATRON_MOE_TYPES = ("mixtral", "qwen3_moe")
 
 
 def moe_settings(text: Any, *, experts: int, top_k: int, ffn_hidden: int) -> dict[str, Any]:
@@ -39,7 +39,21 @@ def moe_settings(text: Any, *, experts: int, top_k: int, ffn_hidden: int) -> dic
     SequentialMLP experts."""
     return {"num_moe_experts": experts, "moe_router_topk": top_k, "moe_ffn_hidden_size": ffn_hidden,
             "moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type": "aux_loss",
-            "moe_aux_loss_coeff": aux_loss_coeff(text), "moe_grouped_gemm": False, "moe_permute_fusion": False}
+            "moe_aux_loss_coeff": aux_loss_coeff(text), "moe_router_pre_softmax": router_pre_softmax(text),
+            "moe_grouped_gemm": False, "moe_permute_fusion": False}
+
+
+def router_pre_softmax(text: Any) -> bool:
+    """Whether the router weighs the top k by the softmax over all experts (megatron's `moe_router_pre_softmax`),
+    as Qwen3-MoE does with `norm_topk_prob` off; with it on, and in Mixtral, the weights are renormalised over the
+    top k, which is megatron's default softmax over the top-k logits."""
+    return getattr(text, "model_type", "") == "qwen3_moe" and not getattr(text, "norm_topk_prob", True)
+
+
+def every_layer_routed(text: Any) -> bool:
+    """Whether every decoder layer is an MoE layer, the only layout lowered here (Qwen3-MoE's
+    `decoder_sparse_step` and `mlp_only_layers` can make some dense)."""
+    return int(getattr(text, "decoder_sparse_step", 1) or 1) == 1 and not getattr(text, "mlp_only_layers", None)
 
 
 def aux_loss_coeff(text: Any) -> float:
@@ -157,5 +171,5 @@ def _active_routing() -> DroplessRouting | None:
     return next((mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, DroplessRouting)), None)
 
 
-__all__ = ["MEGATRON_MOE_TYPES", "DroplessRouting", "aux_loss_coeff", "balanced_counts", "moe_runtime",
-           "moe_settings", "step_state"]
+__all__ = ["MEGATRON_MOE_TYPES", "DroplessRouting", "aux_loss_coeff", "balanced_counts", "every_layer_routed",
+           "moe_runtime", "moe_settings", "router_pre_softmax", "step_state"]

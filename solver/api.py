@@ -124,9 +124,9 @@ def _workload(resolved: ResolvedModel, cluster: Cluster, seq_len: int | None, gl
 
 def megatron_lowered(resolved: ResolvedModel, lora: LoraSpec | None, attention: str | None) -> bool:
     """Whether Megatron's engine is priced on megatron-core's own GPT layers with the kernels a default Megatron-LM
-    run uses (`graphs.megatron`, kernels="te"): dense Llama-style models without LoRA (Megatron runs no PEFT) or a
-    pinned HF attention, with megatron-core installed (fitplan's `dev` extra has it, as it has torchtitan). Other
-    models keep the HF lowering, which the plan's notes say."""
+    run uses (`graphs.megatron`, kernels="te"): Llama-style models, dense or MoE, without LoRA (Megatron runs no
+    PEFT) or a pinned HF attention, with megatron-core installed (fitplan's `dev` extra has it, as it has
+    torchtitan). Other models keep the HF lowering, which the plan's notes say."""
     return (lora is None and attention in (None, MEGATRON_PRICED)
             and resolved.as_dict().get("model_type") in MEGATRON_TYPES
             and importlib.util.find_spec("megatron") is not None)

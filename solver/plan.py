@@ -71,6 +71,8 @@ class ModelShape:
     """FFN width of one expert (0: ffn_hidden, as in Mixtral)."""
     aux_loss_coeff: float = 0.0
     """Weight of the router's load-balancing loss the model was trained with (config.json `router_aux_loss_coef`)."""
+    router_pre_softmax: bool = False
+    """Top-k weights from the softmax over all experts, not renormalised (Qwen3-MoE without `norm_topk_prob`)."""
     qk_norm: bool = False
     """A norm over each head's queries and keys before RoPE (Qwen3)."""
 

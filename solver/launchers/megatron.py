@@ -29,7 +29,8 @@ KNOWN_FLAGS = frozenset({
     "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--context-parallel-size",
     "--cp-comm-type", "--expert-model-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-    "--moe-token-dispatcher-type", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--qk-layernorm",
+    "--moe-token-dispatcher-type", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+    "--moe-router-pre-softmax", "--qk-layernorm",
     # the precision-aware optimizer (_add_training_args; core_v0.16.1)
     "--use-precision-aware-optimizer", "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 })
@@ -110,6 +111,7 @@ def expert_arguments(plan: Plan) -> list[str]:
     return ["--num-experts", str(experts), "--moe-router-topk", str(shape.top_k), "--moe-ffn-hidden-size",
             str(shape.expert_ffn_hidden or shape.ffn_hidden), "--moe-token-dispatcher-type", "alltoall",
             "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(shape.aux_loss_coeff),
+            *(["--moe-router-pre-softmax"] if shape.router_pre_softmax else []),
             "--expert-model-parallel-size", str(d.ep)]
 
 

@@ -52,14 +52,22 @@ def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    values = {**tiny_values("mixtral"), "num_hidden_layers": 2}
-    return str(write_config(tmp_path_factory.mktemp("megatron") / "mixtral", values))
+def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Two-layer tiny configs of the other architectures megatron-core's GPT layers run."""
+    root = tmp_path_factory.mktemp("megatron")
+    return {arch: str(write_config(root / arch, {**tiny_values(arch), "num_hidden_layers": 2}))
+            for arch in ("qwen3", "mixtral", "qwen3_moe")}
 
 
 @pytest.fixture(scope="module")
-def mixtral_graphs(mixtral_folder: str) -> dict[str, LayerGraph]:
-    return {kernels: mg.lower_megatron(mixtral_folder, use_cache=False, kernels=kernels) for kernels in KERNELS}
+def mixtral_folder(tiny_folders: dict[str, str]) -> str:
+    return tiny_folders["mixtral"]
+
+
+@pytest.fixture(scope="module")
+def moe_graphs(tiny_folders: dict[str, str]) -> dict[tuple[str, str], LayerGraph]:
+    return {(arch, kernels): mg.lower_megatron(tiny_folders[arch], use_cache=False, kernels=kernels)
+            for arch in ("mixtral", "qwen3_moe") for kernels in KERNELS}
 
 
 @pytest.fixture(scope="module")
@@ -174,16 +182,34 @@ def test_megatron_qwen2_allocated_peak_matches_memtracker_over_a_training_step(m
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
-def test_megatron_mixtral_saved_bytes_and_peak_match_memtracker(mode, kernels, mixtral_folder, mixtral_graphs):
-    # Mixtral: every MLP an MoE layer (router, dropless all-to-all dispatch, SequentialMLP experts, aux loss), each
-    # run by megatron-core itself under `DroplessRouting` (balanced counts; see the next test for real routing).
-    graph = mixtral_graphs[kernels]
+def test_megatron_qwen3_allocated_peak_matches_memtracker_over_a_training_step(mode, kernels, tiny_folders):
+    # Qwen3: megatron's `qk_layernorm` (RMSNorm over each head's queries and keys), no QKV bias.
+    folder = tiny_folders["qwen3"]
+    graph = mg.lower_megatron(folder, use_cache=False, kernels=kernels)
     assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S) for layer in graph.decoder_layers()] == \
-        layer_saved(mixtral_folder, mode, b=UNSEEN_B, s=UNSEEN_S, kernels=kernels)
+        layer_saved(folder, mode, b=UNSEEN_B, s=UNSEEN_S, kernels=kernels)
     config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
                     checkpoint=(mode,) * 2)
     predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
-    measured = step_peak(mixtral_folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
+    measured = step_peak(folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
+    assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
+def test_megatron_moe_saved_bytes_and_peak_match_memtracker(mode, kernels, arch, tiny_folders, moe_graphs):
+    # Every MLP an MoE layer (router, dropless all-to-all dispatch, SequentialMLP experts, aux loss; Qwen3-MoE with
+    # the query/key norm), run by megatron-core itself under `DroplessRouting` (balanced counts; the next test
+    # checks them against real routing).
+    graph, folder = moe_graphs[arch, kernels], tiny_folders[arch]
+    assert [layer.cost(mode).saved(UNSEEN_B, UNSEEN_S) for layer in graph.decoder_layers()] == \
+        layer_saved(folder, mode, b=UNSEEN_B, s=UNSEEN_S, kernels=kernels)
+    config = Config(engine=Engine.DDP, precision=Precision.BF16, optimizer=Optimizer.ADAMW, micro_batch=STEP_B,
+                    checkpoint=(mode,) * 2)
+    predicted = estimate(graph, parse_cluster("1xCPU"), Workload(seq_len=STEP_S, global_batch=STEP_B), config)
+    measured = step_peak(folder, mode, b=STEP_B, s=STEP_S, kernels=kernels)
     assert predicted.memory.allocated_peak == pytest.approx(measured, rel=TOLERANCE)
 
 

@@ -225,6 +225,8 @@ def test_megatron_engine_estimate_without_a_plan_uses_the_megatron_lowering_too(
     ("meta-llama/Llama-3.1-8B", "lora", None, False),  # Megatron runs no PEFT adapters
     ("meta-llama/Llama-3.1-8B", None, "eager", False),  # a pinned HF attention is the HF code's
     ("mistralai/Mixtral-8x7B-v0.1", None, None, True),  # MoE layers through megatron_moe
+    ("Qwen/Qwen3-30B-A3B", None, None, True),
+    ("mistralai/Mistral-7B-v0.1", None, None, False),  # a sliding window: megatron's window_size is not set
     ("google/gemma-2-2b", None, None, False),
 ])
 def test_which_models_megatron_prices_on_its_own_layers(model, lora, attention, expected):
