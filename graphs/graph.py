@@ -28,6 +28,14 @@ class ModelDims:
     experts: int = 0
     top_k: int = 0
 
+    def moe_by_kind(self, expert_params: dict[int, int]) -> dict[int, MoE]:
+        """The MoE facts of each layer kind whose routed experts hold `expert_params[kind]` elements (kinds with
+        none are dense)."""
+        if not self.experts:
+            return {}
+        return {kind: MoE(experts=self.experts, top_k=self.top_k, expert_params=count)
+                for kind, count in expert_params.items() if count}
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LayerGraph:

@@ -196,13 +196,8 @@ def _count_rowwise(parts: ModelParts, index: int, plan: dict[str, str]) -> int:
 
 
 def _moe(parts: ModelParts, kinds: list[int], dims: ModelDims) -> dict[int, MoE]:
-    result = {}
-    for kind in set(kinds):
-        layer = parts.layers[kinds.index(kind)]
-        expert = sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}")
-        if expert and dims.experts:
-            result[kind] = MoE(experts=dims.experts, top_k=dims.top_k, expert_params=expert)
-    return result
+    return dims.moe_by_kind({kind: sum(p.numel() for name, p in parts.layers[kinds.index(kind)].named_parameters()
+                                       if ".experts." in f".{name}") for kind in set(kinds)})
 
 
 def _clean(plan: dict[str, str]) -> bool:

@@ -482,8 +482,7 @@ def _param_tensors(model: torch.nn.Module, dtype: str) -> list[ParamTensor]:
 
 def _moe(params: list[ParamTensor], dims: ModelDims) -> dict[int, MoE]:
     """The MoE facts of the (one) layer kind: its routed experts' parameter elements."""
-    experts = sum(p.numel for p in params if p.node == "layers.0" and len(p.shape) == 3)
-    return {0: MoE(experts=dims.experts, top_k=dims.top_k, expert_params=experts)} if dims.experts else {}
+    return dims.moe_by_kind({0: sum(p.numel for p in params if p.node == "layers.0" and len(p.shape) == 3)})
 
 
 __all__ = ["KERNELS", "MEGATRON_MODES", "MEGATRON_TYPES", "TE_ATTENTION", "build_megatron", "cpu_runtime",

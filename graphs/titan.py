@@ -288,14 +288,9 @@ def _moe_config(text: Any, hidden: int, widen: int) -> Any:
 
 def _moe(model: torch.nn.Module, kinds: list[int], dims: ModelDims) -> dict[int, MoE]:
     """Per layer kind with routed experts, their count, top-k and parameter elements."""
-    result = {}
     blocks = list(model.layers.values())
-    for kind in set(kinds):
-        block = blocks[kinds.index(kind)]
-        expert = sum(p.numel() for name, p in block.named_parameters() if "routed_experts." in name)
-        if expert:
-            result[kind] = MoE(experts=dims.experts, top_k=dims.top_k, expert_params=expert)
-    return result
+    return dims.moe_by_kind({kind: sum(p.numel() for name, p in blocks[kinds.index(kind)].named_parameters()
+                                       if "routed_experts." in name) for kind in set(kinds)})
 
 
 def _llama_classes() -> tuple[Any, Any]:
