@@ -235,9 +235,10 @@ def test_a_compiled_titan_block_saves_what_inductor_saves(arch, folders):
     # run), tensor for tensor against the block as the compiled lowering traces it on fake tensors. Both run the CPU
     # RMSNorm: the fused kernel's backward (`cuda_rms_norm`) has no CPU implementation to run for real. The MoE
     # block is left out: traced as torchtitan compiles it (fullgraph, `capture_scalar_outputs`), Dynamo with
-    # AOTAutograd and Inductor's partitioner saves exactly what the fake compiled block saves, but Inductor's own
-    # buffers then keep one more (tokens, hidden) activation per block (checked at b=3, s=80 on Qwen3-MoE), which
-    # is why the lowering refuses it compiled and prices it eager.
+    # AOTAutograd and Inductor's partitioner saves exactly what the fake compiled block saves, but Inductor's
+    # generated forward then returns one more (tokens, hidden) buffer per block: the base its fused kernel writes
+    # for torchtitan's `deterministic_scatter_add` (the combine), an extern kernel (checked at b=3, s=80 on
+    # Qwen3-MoE, CPU Inductor). That is why the lowering refuses it compiled and prices it eager.
     from graphs.compiled import compile_forward
     from graphs.titan import _to_fake
     from tests.graphs.test_compiled import saved
