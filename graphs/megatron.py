@@ -24,7 +24,9 @@ megatron-core 0.16; each correction or choice is named where it is applied:
   RNG tracker around dropout (p = 0 for Llama) and in `CheckpointFunction`, `get_default_causal_mask` on "cuda".
 Megatron-LM runs this spec with `--transformer-impl local` (its default is Transformer Engine) and these fusions
 off (`--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-gradient-accumulation-fusion`);
-dropout is the HF config's (0 for Llama and Qwen2; Megatron-LM's flag defaults are 0.1).
+dropout is the HF config's (0 for Llama and Qwen2; Megatron-LM's flag defaults are 0.1). Qwen3 adds megatron's
+`qk_layernorm`; in Mixtral and Qwen3-MoE every MLP is megatron-core's `MoELayer` as the Megatron launcher runs it,
+its data-dependent routing answered on fake tensors as `megatron_moe.py` explains.
 The loss is megatron's `vocab_parallel_cross_entropy` (fp32 upcast of the logits) summed over tokens. Tensor
 parallelism is measured by a widened probe like the other lowerings (no sequence parallelism, loss replicated).
 
@@ -486,4 +488,4 @@ def _moe(params: list[ParamTensor], dims: ModelDims) -> dict[int, MoE]:
 
 
 __all__ = ["KERNELS", "MEGATRON_MODES", "MEGATRON_TYPES", "TE_ATTENTION", "build_megatron", "cpu_runtime",
-           "lower_megatron", "megatron_config", "megatron_runtime", "run_megatron_pass", "trace_model"]
+           "lower_megatron", "megatron_config", "megatron_runtime", "routing", "run_megatron_pass", "trace_model"]
