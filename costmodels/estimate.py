@@ -189,7 +189,9 @@ def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
                      if graph.runtime == "megatron" else
                      "checkpointed layers are recomputed with torch.utils.checkpoint (non-reentrant)")
     if any(layer.role is Role.DECODER and layer.moe for layer in graph.nodes()):
-        notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)")
+        notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)" + (
+            "; so does the momentary peak inside one expert (megatron-core's experts split the tokens between "
+            "them: graphs/megatron_moe.py)" if graph.runtime == "megatron" else ""))
     return tuple(notes) + context_parallel.notes(config) + expert_notes(config) + _saver_notes(config)
 
 
