@@ -86,6 +86,9 @@ def check_megatron_reads(plan: Plan, args: Any, config: Any) -> None:
         assert (config.moe_router_topk, config.moe_ffn_hidden_size) == \
             (shape.top_k, shape.expert_ffn_hidden or shape.ffn_hidden)
         assert config.moe_token_dispatcher_type == "alltoall"
+        # the router as graphs/megatron_moe traces it: the aux loss at the model's weight, pre-softmax or not
+        assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff, config.moe_router_pre_softmax) == \
+            ("aux_loss", shape.aux_loss_coeff, shape.router_pre_softmax)
 
 
 def test_llama_405b_pipeline_plan_passes_megatron_validation(small, tmp_path, monkeypatch):
