@@ -76,11 +76,16 @@ class _Timeline:
     grads_at: list[Poly]  # gradient bytes allocated by each op
 
 
+def first_backward(rec: Recording) -> int:
+    """Index of the pass's first backward op (the op count when there is none): where backward starts."""
+    return next((k for k, op in enumerate(rec.ops) if op.backward), len(rec.ops))
+
+
 def released_after_forward(rec: Recording) -> set[int]:
     """Storages that die when the forward call returns (autocast's cast cache, the top-level forward's locals):
     they stay alive through the rest of the forward wherever they were made, and go before backward starts."""
-    first_backward = next((k for k, op in enumerate(rec.ops) if op.backward), len(rec.ops))
-    return {i for i, st in enumerate(rec.storages) if st.free_after == first_backward and not st.grad
+    start = first_backward(rec)
+    return {i for i, st in enumerate(rec.storages) if st.free_after == start and not st.grad
             and i not in rec.global_storages}
 
 
@@ -156,10 +161,10 @@ def segment_costs(probes: Probes, *, module_held: bool = False) -> dict[str, Mod
     works = op_works(probes)
     line = _timeline(rec, sizes)
     spans = segments(rec)
-    first_backward = next((k for k, op in enumerate(rec.ops) if op.backward), len(rec.ops))
+    backward = first_backward(rec)
     saved: dict[str, Poly] = {}
     for i, st in enumerate(rec.storages):
-        if i in rec.global_storages or (module_held and st.free_after is not None and st.free_after <= first_backward):
+        if i in rec.global_storages or (module_held and st.free_after is not None and st.free_after <= backward):
             continue
         op = rec.ops[st.alloc_op]
         if len(st.savers) == 1:

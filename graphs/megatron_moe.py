@@ -39,15 +39,17 @@ def moe_settings(text: Any, *, experts: int, top_k: int, ffn_hidden: int) -> dic
     SequentialMLP experts."""
     return {"num_moe_experts": experts, "moe_router_topk": top_k, "moe_ffn_hidden_size": ffn_hidden,
             "moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type": "aux_loss",
-            "moe_aux_loss_coeff": aux_loss_coeff(text), "moe_router_pre_softmax": router_pre_softmax(text),
+            "moe_aux_loss_coeff": aux_loss_coeff(text),
+            "moe_router_pre_softmax": router_pre_softmax(text.model_type, getattr(text, "norm_topk_prob", True)),
             "moe_grouped_gemm": False, "moe_permute_fusion": False}
 
 
-def router_pre_softmax(text: Any) -> bool:
+def router_pre_softmax(model_type: str, norm_topk_prob: bool) -> bool:
     """Whether the router weighs the top k by the softmax over all experts (megatron's `moe_router_pre_softmax`),
     as Qwen3-MoE does with `norm_topk_prob` off; with it on, and in Mixtral, the weights are renormalised over the
-    top k, which is megatron's default softmax over the top-k logits."""
-    return getattr(text, "model_type", "") == "qwen3_moe" and not getattr(text, "norm_topk_prob", True)
+    top k, which is megatron's default softmax over the top-k logits. The lowering and the Megatron launcher's
+    model shape (`solver.model_shape`) both ask here."""
+    return model_type == "qwen3_moe" and not norm_topk_prob
 
 
 def every_layer_routed(text: Any) -> bool:

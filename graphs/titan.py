@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import UnsupportedModel
-from .fit import Probes, model_wide_bytes, segment_costs, storage_polys
+from .fit import Probes, first_backward, model_wide_bytes, segment_costs, storage_polys
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, ModeCost, MoE, ParamTensor
 from .poly import Poly
@@ -175,7 +175,7 @@ def kept_after_forward(probes: Probes, scope: str) -> Poly:
     """Bytes `scope` saved that are still alive when backward starts: the chunked loss runs each chunk's
     backward inside its forward, which frees that chunk's saved logits again."""
     rec = probes.base
-    end = next(k for k, op in enumerate(rec.ops) if op.backward)  # backward starts: what is still alive
+    end = first_backward(rec)  # backward starts: what is still alive
     sizes = storage_polys(probes)
     kept = Poly()
     for i, st in enumerate(rec.storages):

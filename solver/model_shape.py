@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphs import LayerGraph, Role
+from graphs.megatron_moe import router_pre_softmax
 
 from .plan import ModelShape
 
@@ -42,8 +43,8 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
         top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0,
         aux_loss_coeff=float(text.get("router_aux_loss_coef", _class_default(graph.model_type, "router_aux_loss_coef",
                                                                             0.0)) or 0.0) if dims.experts else 0.0,
-        router_pre_softmax=graph.model_type == "qwen3_moe" and not text.get(
-            "norm_topk_prob", _class_default(graph.model_type, "norm_topk_prob", True)),
+        router_pre_softmax=router_pre_softmax(graph.model_type, bool(text.get(
+            "norm_topk_prob", _class_default(graph.model_type, "norm_topk_prob", True)))),
         qk_norm=graph.model_type in _QK_NORM)
 
 

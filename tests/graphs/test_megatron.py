@@ -55,11 +55,6 @@ def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def mixtral_folder(tiny_folders: dict[str, str]) -> str:
-    return tiny_folders["mixtral"]
-
-
-@pytest.fixture(scope="module")
 def moe_graphs(tiny_folders: dict[str, str]) -> dict[tuple[str, str], LayerGraph]:
     return {(arch, kernels): mg.lower_megatron(tiny_folders[arch], use_cache=False, kernels=kernels)
             for arch in ("mixtral", "qwen3_moe") for kernels in KERNELS}
@@ -99,15 +94,20 @@ def layer_saved(folder: str, mode: Checkpoint, *, b: int, s: int, kernels: str =
     with mg.megatron_runtime(kernels):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model = _reference(folder, mode, fake, kernels)
-        layers = list(model.decoder.layers)
         with fake, cuda_rms_norm(), mg.routing(model):
-            kept = mg.prepare_step(model, b=b, s=s)
-            tracker = MemTracker()
-            tracker.track_external(model, *kept)
-            with tracker:
-                loss = mg.megatron_loss(model, b, s, model.vocab_size)
-            stats = [tracker.memory_tracking[layer].snapshots for layer in layers]
-            del loss
+            return kept_by_layers(model, b=b, s=s)
+
+
+def kept_by_layers(model: torch.nn.Module, *, b: int, s: int) -> list[int]:
+    """MemTracker's Post-Forward minus Pre-Forward of each decoder layer over one forward with labels (inside
+    megatron's runtime, on fake or real tensors)."""
+    layers = list(model.decoder.layers)
+    tracker = MemTracker()
+    tracker.track_external(model, *mg.prepare_step(model, b=b, s=s))
+    with tracker:
+        loss = mg.megatron_loss(model, b, s, model.vocab_size)
+    stats = [tracker.memory_tracking[layer].snapshots for layer in layers]
+    del loss
     return [_total(st["Post-Forward"][-1]) - _total(st["Pre-Forward"][-1]) for st in stats]
 
 
@@ -197,13 +197,14 @@ def assert_matches_megatron(graph: LayerGraph, folder: str, mode: Checkpoint, ke
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
-def test_dropless_routing_saves_what_real_routing_saves(mode, mixtral_folder):
+def test_dropless_routing_saves_what_real_routing_saves(mode, tiny_folders):
     # The balanced split `DroplessRouting` answers is not what a router picks; what each MoE layer keeps for
     # backward must not depend on it. Real megatron-core on real CPU tensors (random weights, so an uneven split,
     # masked_select and .tolist() on real values) keeps exactly the bytes of the fake trace.
-    fake = layer_saved(mixtral_folder, mode, b=UNSEEN_B, s=UNSEEN_S)
+    folder = tiny_folders["mixtral"]
+    fake = layer_saved(folder, mode, b=UNSEEN_B, s=UNSEEN_S)
     with mg.megatron_runtime("local"):
-        model = mg.build_megatron(transformers_config(resolve(mixtral_folder)), layers=2,
+        model = mg.build_megatron(transformers_config(resolve(folder)), layers=2,
                                   granularity=GRANULARITY[mode])
         model.to_empty(device="cpu")
         generator = torch.Generator().manual_seed(0)
@@ -214,15 +215,8 @@ def test_dropless_routing_saves_what_real_routing_saves(mode, mixtral_folder):
         counts = []
         for expert in model.decoder.layers[0].mlp.experts.local_experts:
             expert.register_forward_pre_hook(lambda module, args: counts.append(args[0].shape[0]))
-        layers = list(model.decoder.layers)
         with cuda_rms_norm():
-            tracker = MemTracker()
-            tracker.track_external(model, *mg.prepare_step(model, b=UNSEEN_B, s=UNSEEN_S))
-            with tracker:
-                loss = mg.megatron_loss(model, UNSEEN_B, UNSEEN_S, model.vocab_size)
-            stats = [tracker.memory_tracking[layer].snapshots for layer in layers]
-            del loss
-    real = [_total(st["Post-Forward"][-1]) - _total(st["Pre-Forward"][-1]) for st in stats]
+            real = kept_by_layers(model, b=UNSEEN_B, s=UNSEEN_S)
     top_k = tiny_values("mixtral")["num_experts_per_tok"]
     assert sum(counts) == UNSEEN_B * UNSEEN_S * top_k and len(set(counts)) > 1  # the real split is uneven
     assert real == fake
