@@ -402,12 +402,11 @@ def megatron_runtime(kernels: str = "local") -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_runtime() -> Iterator[None]:
-    """megatron-core 0.16 on a CPU-only torch, one rank: a 1-rank gloo group (file store) with model parallel
+    """megatron-core 0.16 on a CPU-only torch, one rank: a 1-rank group (torch's fake backend) with model parallel
     state when none exists, and its CUDA-only calls redirected: `torch.cuda.current_device()` (RoPE, global
     buffer), the CUDA RNG states saved by `CheckpointFunction` and forked around dropout, the causal mask
     built on "cuda" (`get_default_causal_mask`) and the MoE dispatcher's (`megatron_moe.moe_runtime`).
     Everything is restored on exit."""
-    import tempfile
     import warnings
 
     import torch.distributed as dist
@@ -417,16 +416,20 @@ def cpu_runtime() -> Iterator[None]:
         from megatron.core import parallel_state
         from megatron.core.fusions import fused_softmax
         from megatron.core.tensor_parallel import random as mrandom
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     started = not dist.is_initialized()
     saved = (torch.cuda.current_device, mrandom._get_all_rng_states, mrandom._set_all_rng_states,
              fused_softmax.get_default_causal_mask)
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder, moe_runtime():
+    with warnings.catch_warnings(), moe_runtime():
         warnings.filterwarnings("ignore", category=UserWarning)
         if started:
-            dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+            # torch's fake backend: a one-rank group without a gloo context. megatron-core keeps references to its
+            # groups after `destroy_process_group`, so each gloo lowering left 17 contexts (51 polling threads)
+            # alive in the process.
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
+            parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
         tracker = mrandom.get_cuda_rng_tracker()
         tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
         torch.cuda.current_device = lambda: "cpu"
