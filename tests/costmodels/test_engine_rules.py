@@ -37,9 +37,18 @@ def test_deepspeed_stages_shard_what_deepspeeds_stage_classes_partition():
     assert rules.reshards(stages.weights) and not rules.per_tensor_dim_shards
 
 
-def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings(tmp_path):
+def one_rank_group() -> None:
+    """A one-rank default group on torch's fake backend: the device mesh keeps its groups referenced after
+    `destroy_process_group`, and a gloo group would leave its polling threads running (tests/conftest.py)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+
+
+def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings():
     """`fully_shard` turns every parameter into a DTensor sharded on dim 0 over the mesh, whether or not it
-    reshards after forward (one gloo rank stands in for the mesh)."""
+    reshards after forward (one rank stands in for the mesh)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -48,7 +57,7 @@ def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings(tmp_path):
     rules = rules_of(Engine.FSDP2)
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        one_rank_group()
     try:
         mesh = init_device_mesh("cpu", (1,))
         for stage in rules.stages:
@@ -106,7 +115,7 @@ def _default_line(path: Path) -> int:
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit", "PagedAdamW32bit"])
-def test_bitsandbytes_optimizers_step_only_where_the_engine_says(name, tmp_path):
+def test_bitsandbytes_optimizers_step_only_where_the_engine_says(name):
     """bitsandbytes 0.50's optimizers (its CPU kernels here) step plain parameters and fail on FSDP2's DTensor
     shards; every engine's `bnb_optimizers` agrees, and Config refuses the ones that fail."""
     import torch.distributed as dist
@@ -130,7 +139,7 @@ def test_bitsandbytes_optimizers_step_only_where_the_engine_says(name, tmp_path)
 
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        one_rank_group()
     try:
         sharded = model()
         fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))

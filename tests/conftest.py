@@ -1,0 +1,37 @@
+"""Suite-wide guards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Native threads of a gloo process group's context (`comm` names as Linux shows them). A group that stays
+# referenced after `destroy_process_group` keeps them polling: megatron-core's groups did, thousands per xdist
+# worker, until the CPU spent its time in the kernel and the suite ran twice as long (graphs/megatron.cpu_runtime).
+GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+
+
+def gloo_threads() -> int:
+    """Live gloo threads of this process (0 where /proc is not there to ask)."""
+    count = 0
+    for task in Path("/proc/self/task").glob("*/comm"):
+        try:
+            name = task.read_text().strip()
+        except OSError:  # the thread ended while listed
+            continue
+        count += name.startswith(GLOO_THREADS)
+    return count
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leaked_gloo_groups() -> Iterator[None]:
+    """Fail a test module that leaves gloo process groups alive in the pytest process."""
+    before = gloo_threads()
+    yield
+    left = gloo_threads() - before
+    if left > 0:
+        pytest.fail(f"this module left {left} gloo threads running: a process group it created is still "
+                    "referenced after destroy_process_group (run world-size-1 code on the 'fake' backend, or "
+                    "spawn ranks as tests/gloo.py does)", pytrace=False)
