@@ -400,6 +400,17 @@ def megatron_runtime(kernels: str = "local") -> Iterator[None]:
                 yield
 
 
+def one_rank_group() -> None:
+    """The default process group as one rank on torch's fake backend: no gloo context. Code that keeps its groups
+    referenced after `destroy_process_group` (megatron-core's parallel state, a device mesh) would otherwise leave
+    each gloo context's polling threads running: 17 contexts (51 threads) per megatron lowering.
+    `FakeStore` comes from torch's private testing package; importing it registers the "fake" backend."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+
+
 @contextlib.contextmanager
 def cpu_runtime() -> Iterator[None]:
     """megatron-core 0.16 on a CPU-only torch, one rank: a 1-rank group (torch's fake backend) with model parallel
@@ -416,7 +427,6 @@ def cpu_runtime() -> Iterator[None]:
         from megatron.core import parallel_state
         from megatron.core.fusions import fused_softmax
         from megatron.core.tensor_parallel import random as mrandom
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     started = not dist.is_initialized()
     saved = (torch.cuda.current_device, mrandom._get_all_rng_states, mrandom._set_all_rng_states,
@@ -424,10 +434,7 @@ def cpu_runtime() -> Iterator[None]:
     with warnings.catch_warnings(), moe_runtime():
         warnings.filterwarnings("ignore", category=UserWarning)
         if started:
-            # torch's fake backend: a one-rank group without a gloo context. megatron-core keeps references to its
-            # groups after `destroy_process_group`, so each gloo lowering left 17 contexts (51 polling threads)
-            # alive in the process.
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+            one_rank_group()
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
         tracker = mrandom.get_cuda_rng_tracker()

@@ -15,6 +15,7 @@ import torch
 from costmodels import Config, Engine, Offload
 from costmodels.engines import RULES, rules_of
 from costmodels.zero import dp_traffic
+from graphs.megatron import one_rank_group
 
 
 def test_every_engine_has_rules_in_a_module_of_its_own():
@@ -37,18 +38,9 @@ def test_deepspeed_stages_shard_what_deepspeeds_stage_classes_partition():
     assert rules.reshards(stages.weights) and not rules.per_tensor_dim_shards
 
 
-def one_rank_group() -> None:
-    """A one-rank default group on torch's fake backend: the device mesh keeps its groups referenced after
-    `destroy_process_group`, and a gloo group would leave its polling threads running (tests/conftest.py)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-
-
 def test_fsdp2_shards_each_parameter_on_dim_zero_at_both_settings():
     """`fully_shard` turns every parameter into a DTensor sharded on dim 0 over the mesh, whether or not it
-    reshards after forward (one rank stands in for the mesh)."""
+    reshards after forward (one rank on the fake backend stands in for the mesh: `graphs.megatron.one_rank_group`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
