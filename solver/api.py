@@ -43,7 +43,14 @@ from .alternatives import alternatives
 from .bounds import check_workload
 from .capability import op_selective_runners
 from .diagnose import Infeasible, NoPlanInTime, diagnose
-from .launchers.support import MEGATRON_PRICED, TITAN_PRICED, model_launchers, model_problems, runnable_by
+from .launchers.support import (
+    MEGATRON_PRICED,
+    TITAN_PRICED,
+    model_launchers,
+    model_problems,
+    pipeline_launchers,
+    runnable_by,
+)
 from .model import SolveResult
 from .model_shape import model_shape
 from .pins import KNOBS, Pins
@@ -485,13 +492,14 @@ def _solve(resolved: ResolvedModel, cluster: Cluster, workload: Workload, pins: 
     # The runtime is part of the lowering: price the code the allowed launchers run.
     graph_of = _graph_for(resolved, lora, attention, cache, **_runtime_lowering(pins, launchers))
     any_graph = graph_of(Outer())
-    space = outer_space(any_graph, cluster, workload, pins, launchers)
+    pipelined = pipeline_launchers(inputs, launchers)
+    space = outer_space(any_graph, cluster, workload, pins, launchers, pipelined)
     if any_graph.runtime == "torchtitan":
         space = _titan_priced(space, lora=lora is not None)
     if not space.outers and not space.pipelines:
         _check_memory_savers(pins, any_graph, (pins.launcher,) if pins.launcher else launchers)
         raise Infeasible(*diagnose(None, inputs, pins, space, rebuild=lambda relaxed: outer_space(
-            any_graph, cluster, workload, relaxed, launchers)))
+            any_graph, cluster, workload, relaxed, launchers, pipelined)))
     # Lowering (cached on disk after the first run) is not counted. Of the limit, table building gets half,
     # the search runs until 85%, and the rest is for the report (alternatives stop at the limit).
     lowered = set()

@@ -407,7 +407,12 @@ def best_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs
     per-layer modes (`free_recompute`), else the best per-stage block (Megatron's block recompute, torchtitan's
     one policy), exhaustively; and whether the search finished."""
     if free_recompute(found, modes, runs):
-        return solve_ranks(found, modes, deadline=deadline, beat=beat)
+        rank_modes, proved = solve_ranks(found, modes, deadline=deadline, beat=beat)
+        if rank_modes is None or runs(found.config(rank_modes)):
+            return rank_modes, proved
+        # a launcher rule the probe did not meet (one no per-layer freedom shows): the runnable blocks instead, and
+        # no proof that a runnable per-layer assignment is not faster
+        return block_recompute(found, modes, runs), False
     return block_recompute(found, modes, runs), True
 
 

@@ -268,9 +268,11 @@ def divisors(n: int) -> list[int]:
 
 @functools.lru_cache(maxsize=16)
 def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: Pins,
-                launchers: tuple[str, ...] = LAUNCHERS) -> Space:
+                launchers: tuple[str, ...] = LAUNCHERS, pipeline_launchers: tuple[str, ...] | None = None) -> Space:
     """Every outer configuration, in a fixed order (the order breaks ties: simpler first), that an allowed
-    launcher can run as emitted (`capability.unsupported`); `launchers` are those that can run this model.
+    launcher can run as emitted (`capability.unsupported`); `launchers` are those that can run this model, and
+    `pipeline_launchers` (default: all of them) those that can cut it into pipeline stages
+    (`support.pipeline_problems`).
     Cached: a solve asks again for its fallbacks and diagnosis, and a session for the same inputs."""
     precisions = supported_precisions(cluster, pins.allowed("precision") or default_precisions(cluster))
     # "auto" compiles where the tables find it saves enough (`tables.build_table`); never on the CPU test device.
@@ -283,7 +285,9 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
-    runnable = _Runnable(graph, pins, modes, launchers=launchers)  # QLoRA/DoRA (graph.lora): its launchers
+    # which launchers run each outer (QLoRA/DoRA, graph.lora, narrow them further)
+    runnable = _Runnable(graph, pins, modes, launchers=launchers,
+                         pipeline_launchers=launchers if pipeline_launchers is None else pipeline_launchers)
     # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (they
     # need liger-kernel or the torchrun script), the default alone when unpinned; `Outer.runs` keeps offloading
     # outers fully checkpointed.
@@ -359,10 +363,11 @@ class _Runnable:
 
     _KEYS = tuple(name for name in KNOBS if name not in ("micro_batch", "grad_accum"))
 
-    def __init__(self, graph: LayerGraph, pins: Pins, modes: tuple[Checkpoint, ...], *, launchers: tuple[str, ...]
-                 ) -> None:
+    def __init__(self, graph: LayerGraph, pins: Pins, modes: tuple[Checkpoint, ...], *, launchers: tuple[str, ...],
+                 pipeline_launchers: tuple[str, ...]) -> None:
         self.graph = graph
         self.allowed = (pins.launcher,) if pins.launcher else launchers
+        self.pipelined = tuple(name for name in self.allowed if name in pipeline_launchers)
         self.modes, self.lora = modes, graph.lora
         self.memo: dict[tuple[object, ...], tuple[bool, bool] | None] = {}
 
@@ -388,7 +393,7 @@ class _Runnable:
         return [] if model_refusals(self.graph, outer, modes_decided=False) else [outer]
 
     def _marks(self, outer: Outer) -> tuple[bool, bool] | None:
-        runners = runnable_by(outer, lora=self.lora, launchers=self.allowed)
+        runners = runnable_by(outer, lora=self.lora, launchers=self.pipelined if outer.pp > 1 else self.allowed)
         marks = (bool(selective_runners(runners, all_layers=self.modes == (Checkpoint.SELECTIVE,))),
                  bool(op_selective_runners(runners, all_layers=self.modes == (Checkpoint.OP_SELECTIVE,))))
         runs = any(mode_runs(mode, activation_offload=outer.activation_offload, selective=marks[0],

@@ -45,15 +45,26 @@ def parallelism_problems(launcher: str, d: Decisions, inputs: Inputs) -> list[st
         problems.append(f"expert parallelism (ep={d.ep}) for a model without experts")
     elif d.ep > 1 and experts % d.ep:
         problems.append(f"ep={d.ep}, which does not divide the model's {experts} experts")
-    if launcher == "torchrun" and d.pp > 1 and inputs.architecture not in PIPELINE_ARCHITECTURES:
-        problems.append(f"pipeline parallelism of {inputs.architecture or 'this model'} (the script cuts stages from "
-                        f"{', '.join(PIPELINE_ARCHITECTURES)} only: their decoders run embedding, layers, norm and "
-                        "head with nothing in between; launchers that run it: megatron, torchtitan)")
-    if launcher == "torchtitan" and d.pp > 1 and inputs.shape is not None and inputs.shape.tied_embeddings:
-        problems.append("pipeline parallelism of a model with tied input and output embeddings (torchtitan 0.3.0 "
-                        "refuses it: models/common/decoder.py 'Weight tying is not supported with Pipeline "
-                        "Parallel'; launchers that run it: megatron)")
-    return problems
+    return problems + (pipeline_problems(launcher, inputs) if d.pp > 1 else [])
+
+
+def pipeline_problems(launcher: str, inputs: Inputs) -> list[str]:
+    """What keeps `launcher` from cutting the plan's model into pipeline stages (empty: the model's layout does not)."""
+    if launcher == "torchrun" and inputs.architecture not in PIPELINE_ARCHITECTURES:
+        return [f"pipeline parallelism of {inputs.architecture or 'this model'} (the script cuts stages from "
+                f"{', '.join(PIPELINE_ARCHITECTURES)} only: their decoders run embedding, layers, norm and "
+                "head with nothing in between; launchers that run it: megatron, torchtitan)"]
+    if launcher == "torchtitan" and inputs.shape is not None and inputs.shape.tied_embeddings:
+        return ["pipeline parallelism of a model with tied input and output embeddings (torchtitan 0.3.0 "
+                "refuses it: models/common/decoder.py 'Weight tying is not supported with Pipeline "
+                "Parallel'; launchers that run it: megatron)"]
+    return []
+
+
+def pipeline_launchers(inputs: Inputs, launchers: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `launchers` that can cut this model into pipeline stages (the search's pipeline configurations
+    are the ones one of them runs)."""
+    return tuple(name for name in launchers if not pipeline_problems(name, inputs))
 
 
 def unsupported(launcher: str, d: Decisions, inputs: Inputs | None = None) -> list[str]:

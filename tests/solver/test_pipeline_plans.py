@@ -11,7 +11,7 @@ from costmodels import Config, Workload
 from costmodels.pipeline_stages import stage_layers
 from graphs import Checkpoint, lower
 from graphs.megatron import lower_megatron
-from solver import estimate, solve
+from solver import Infeasible, estimate, solve
 from solver.capability import block_recompute_layers
 from solver.commands import explain_plan
 from solver.launchers import emit
@@ -51,6 +51,19 @@ def test_the_plan_split_is_the_one_estimate_prices():
     assert again.time.step_time == plan.estimate.time.step_time
     assert again.memory.device_peak == plan.estimate.memory.device_peak
     assert again.pipeline == plan.estimate.pipeline
+
+
+@pytest.mark.parametrize("checkpoint", [None, "full"])
+def test_a_pipeline_no_launcher_runs_for_this_model_is_never_searched(checkpoint):
+    """FSDP2 with a pipeline runs on torchtitan only, which refuses tied embeddings (Llama-3.2-1B ties them): the
+    search must not plan it, and say which pin leaves nothing (it once planned it with one checkpoint mode, the
+    one case the pipeline search did not ask the launchers about, and failed with "a fitplan bug")."""
+    pins = {"checkpoint": checkpoint} if checkpoint else {}
+    with pytest.raises(Infeasible, match="--pp 2"):
+        solve("meta-llama/Llama-3.2-1B", "8xA100", seq_len=1024, global_batch=64, engine="fsdp2", zero=2, pp=2,
+              **pins)
+    plan = solve("meta-llama/Llama-3.2-1B", "8xA100", seq_len=1024, global_batch=64, pp=2, **pins)
+    assert plan.decisions.pp == 2 and plan.launchers == ("torchrun",)  # DDP stages, which the torchrun script cuts
 
 
 def test_explain_shows_each_stage_the_bubble_and_the_schedules_compared(tmp_path):

@@ -16,7 +16,14 @@ from costmodels.verdict import memory_budget
 from graphs import Checkpoint, resolve
 from solver.api import _graph_for
 from solver.pins import Pins
-from solver.pipeline_search import block_recompute, candidate, pipeline_search, registry_runs, step_ticks
+from solver.pipeline_search import (
+    best_recompute,
+    block_recompute,
+    candidate,
+    pipeline_search,
+    registry_runs,
+    step_ticks,
+)
 from solver.reference import enumerate_pipelines, every_block_recompute
 from solver.space import Outer, outer_space
 from solver.tables import TICK_SECONDS
@@ -131,6 +138,27 @@ def test_block_recompute_by_bisection_equals_trying_every_block(seed):
             assert block_recompute(found, modes, runs) == every_block_recompute(found, modes, runs)
             compared += 1
     assert compared
+
+
+def test_ranks_solved_per_layer_that_no_launcher_runs_fall_back_to_runnable_blocks():
+    # A launcher rule the per-layer probe does not meet (here: some layer must recompute) makes the per-rank CP-SAT
+    # answer (no recompute anywhere, memory being loose) unrunnable: the runnable blocks come back, not proven best.
+    case = instance(0)
+    graph_of, space = space_of(case)
+    outer = space.pipelines[0]
+    found = candidate(outer, graph_of(outer), case["cluster"], case["workload"], headroom=0.0,
+                      modes=(Checkpoint.NONE, Checkpoint.FULL))
+    runs = registry_runs(graph_of(outer))
+
+    def some_recompute(config) -> bool:
+        return Checkpoint.FULL in config.checkpoint and runs(config)
+
+    loose, proved = best_recompute(found, (Checkpoint.NONE, Checkpoint.FULL), runs, deadline=time.perf_counter() + 60)
+    assert proved and all(m is Checkpoint.NONE for rank in loose for m in rank)
+    kept, proved = best_recompute(found, (Checkpoint.NONE, Checkpoint.FULL), some_recompute,
+                                  deadline=time.perf_counter() + 60)
+    assert not proved and some_recompute(found.config(kept))
+    assert kept == block_recompute(found, (Checkpoint.NONE, Checkpoint.FULL), some_recompute)
 
 
 @pytest.mark.parametrize("seed", range(12))
