@@ -77,10 +77,13 @@ def test_infeasible_request_names_activation_savers_only_where_activations_matte
 
 def test_lora_fallback_only_when_allowed_and_needed():
     # Proving that nothing fits explores every configuration: a limit that busy cores (parallel tests) cannot break.
+    # Compile is pinned off: this is about the LoRA fallback, and the compiled lowerings (LoRA's at 24 s each) were
+    # most of the test's three minutes; 7B's bf16 weights and gradients alone exceed the 24 GB card either way.
     with pytest.raises(Infeasible):
-        solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none", time_limit=120)
-    plan = solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none", allow_lora=True,
-                 time_limit=120)
+        solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none", compile="off",
+              time_limit=120)
+    plan = solve("Qwen/Qwen2.5-7B", "1xA10G", seq_len=1024, global_batch=8, offload="none", compile="off",
+                 allow_lora=True, time_limit=120)
     assert plan.decisions.lora is not None
     assert any("full fine-tuning does not fit" in line for line in plan.inputs.assumed)
     assert any(line.startswith(("16-bit LoRA chosen", "QLoRA chosen")) for line in plan.inputs.assumed)
