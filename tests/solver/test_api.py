@@ -52,8 +52,8 @@ def test_time_limit_is_honoured_and_a_plan_still_comes_back():
 
 
 def test_infeasible_request_explains_the_least_memory_and_ways_out():
-    with pytest.raises(Infeasible) as error:
-        solve("meta-llama/Llama-3.1-70B", "1xT4", seq_len=4096, global_batch=8, offload="none")
+    with pytest.raises(Infeasible) as error:  # compile pinned off: not what this checks, and half the lowerings
+        solve("meta-llama/Llama-3.1-70B", "1xT4", seq_len=4096, global_batch=8, offload="none", compile="off")
     diagnosis = error.value.diagnosis
     assert diagnosis["least_allocated_bytes"] > diagnosis["budget_bytes"]
     assert diagnosis["binding"] == "GPU memory"
@@ -66,8 +66,8 @@ def test_infeasible_request_names_activation_savers_only_where_activations_matte
     sequences are named; 70B at 512 tokens is all model states: they are not."""
     ways = {}
     for model, seq_len in (("meta-llama/Llama-3.1-8B", 4096), ("meta-llama/Llama-3.1-70B", 512)):
-        with pytest.raises(Infeasible) as error:
-            solve(model, "1xT4", seq_len=seq_len, global_batch=8, offload="none")
+        with pytest.raises(Infeasible) as error:  # compile pinned off: not what this checks, and half the lowerings
+            solve(model, "1xT4", seq_len=seq_len, global_batch=8, offload="none", compile="off")
         ways[model] = " ".join(error.value.diagnosis["ways_out"])
     assert "--activation-offload on" in ways["meta-llama/Llama-3.1-8B"]
     assert "--seq-len 2048" in ways["meta-llama/Llama-3.1-8B"]
