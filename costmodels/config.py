@@ -179,8 +179,8 @@ class Config:
                                           reads=("pipeline_stages",))] = Schedule.ONE_F_ONE_B
     pp_virtual: Annotated[int, Knob("Pipeline stages (model chunks) per rank: v of interleaved schedules, 2 for zbv.",
                                     reads=("estimate", "pipeline_stages"), high=64)] = 1
-    pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (empty: the balanced "
-                                              "split the planner computes).", pin="derived",
+    pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (solve searches it; "
+                                              "empty: the FLOP-balanced split).", pin="derived",
                                               reads=("estimate", "pipeline_stages"))] = ()
     cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.",
                             reads=("context_parallel", "estimate", "expert_parallel", "optimizer_in_backward",

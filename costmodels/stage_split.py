@@ -107,6 +107,21 @@ def megatron_split(layer_costs: Sequence[float], stages: int, *, first_extra: fl
     return best[1]
 
 
+def megatron_splits(layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    """Every split Megatron's first/last flags express: each end any size, the middle stages equal, every stage
+    at least one layer (every contiguous split when there are at most two stages)."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or layers < stages:
+        raise ValueError(f"{layers} layers cannot fill {stages!r} stages of at least one layer each")
+    if stages == 1:
+        return ((layers,),)
+    if stages == 2:
+        return tuple((first, layers - first) for first in range(1, layers))
+    middle = stages - 2
+    return tuple((first, *([(layers - first - last) // middle] * middle), last)
+                 for first in range(1, layers - middle) for last in range(1, layers - middle - first + 1)
+                 if (layers - first - last) % middle == 0)
+
+
 def _check(layer_costs: Sequence[float], stages: int, first_extra: float, last_extra: float,
            allow_empty: bool) -> None:
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:

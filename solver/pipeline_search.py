@@ -12,6 +12,14 @@ Configurations are visited in the order of a lower bound (their compute in the f
 ranks) and the visit stops once the bound reaches the best step found, whole-model configurations included; a
 configuration whose split and bubble alone (`stage_bound`) or whose ranks in their fastest modes, simulated, reach
 that step is passed over.
+
+The split is searched too: with one stage per rank and decoder layers of one kind, every split Megatron's
+first/last flags express (ends free, middle stages equal; every launcher runs them), in the order of each split's
+`stage_bound` (`split_bounds`, all at once) until that bound reaches the best step. Where memory binds, a lighter
+first stage, which holds the most micro-batches under 1F1B, can recompute less or fit where the FLOP-balanced
+split does not. The splits share their ranks' tables and solutions by rank shape (`RankMemo`), and a rank found
+unable to hold n layers rules out every split that gives it as many. `reference.every_split_best` builds and
+solves every split alone, and the tests check the two agree.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
 
 from costmodels import Cluster, Config, Offload, Optimizer, Workload
 from costmodels.pipeline import DEFAULT_WEIGHT_SHARE, StageTimes, step_lower_bound
-from costmodels.pipeline_schedule import SPLIT_BACKWARD, Schedule
+from costmodels.pipeline_schedule import SPLIT_BACKWARD, Schedule, local_stages
 from costmodels.pipeline_stages import (
     RankSlice,
     pipeline_step,
@@ -33,6 +43,7 @@ from costmodels.pipeline_stages import (
     stage_split_seconds,
     sub_graph,
 )
+from costmodels.stage_split import megatron_splits
 from costmodels.states import model_states
 from costmodels.timing import TimeTerms, time_terms
 from costmodels.verdict import memory_budget
@@ -40,7 +51,7 @@ from graphs import Checkpoint, LayerGraph
 
 from .search import fastest_modes, search
 from .space import Outer
-from .tables import Table, build_table, table_modes, ticks
+from .tables import TICK_SECONDS, Table, build_table, table_modes, ticks
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,20 +101,22 @@ class PipelineResult:
 
 def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workload, *, headroom: float,
               modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], TimeTerms] | None = None,
-              beat: int | None = None) -> PipelineCandidate | None:
+              beat: int | None = None, shapes: RankMemo | None = None) -> PipelineCandidate | None:
     """The configuration's rank tables and lower bound; None when some rank's states alone cannot fit, or when
     its stages' time terms already bound its step at `beat` ticks or more (`timed_bound`). `memo` keeps time terms
-    across configurations (`slice_terms`)."""
+    across configurations (`slice_terms`), `shapes` rank tables across the splits of one (`RankMemo`)."""
     config = outer.config()
     budget = memory_budget(cluster, config, headroom)
-    # The ranks' states together hold at least the whole model's (its tensors split by stage, each rank with its
-    # own optimizer), so the fullest rank holds at least 1/pp of them: refused here without slicing the model.
-    if model_states(graph, config).gpu_total > budget * config.pp:
-        return None
+    if shapes is None and not whole_states_fit(graph, config, budget):
+        return None  # (the splits' search asks once for all of them)
     slices = rank_slices(graph, workload, config)
     for slice_ in slices:  # the states alone, before any timing: most configurations that cannot fit stop here
+        if shapes is not None and shape(slice_) in shapes.tables:
+            continue  # its table was built: its states fit
         states = model_states(slice_.graph, config)
         if states.gpu_total + states.step_temp + slice_.buffers > budget:
+            if shapes is not None:
+                shapes.refuse(slice_)
             return None
     memo = {} if memo is None else memo
     last = len(stage_layers(graph, workload, config)) - 1
@@ -120,16 +133,29 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
         return None
     ranks = []
     for slice_, terms, whole in timed:
-        table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
-                            rank_slice=slice_, terms=whole)
+        table = shapes.tables.get(shape(slice_)) if shapes is not None else None
+        if table is None:
+            table = build_table(slice_.graph, cluster, workload, outer, rank=0, headroom=headroom,
+                                rank_slice=slice_, terms=whole)
         if not table.states_fit:
+            if shapes is not None:
+                shapes.refuse(slice_)
             return None
+        if shapes is not None:
+            shapes.tables[shape(slice_)] = table
         ranks.append(RankTable(slice_, table, [layer.kind for layer in slice_.graph.decoder_layers()], terms,
                                whole.outside))
     found = PipelineCandidate(outer, tuple(ranks), p2p, 0)
     fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in ranks]
     return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest),
                              stage_layers(graph, workload, config))
+
+
+def whole_states_fit(graph: LayerGraph, config: Config, budget: int) -> bool:
+    """Whether the fullest rank's states can fit, whatever the split: the ranks' states together hold at least the
+    whole model's (its tensors split by stage, each rank with its own optimizer), so the fullest rank holds at
+    least 1/pp of them. Refuses most configurations that cannot fit without slicing the model."""
+    return model_states(graph, config).gpu_total <= budget * config.pp
 
 
 def timed_bound(outer: Outer, timed: list[tuple[RankSlice, tuple[TimeTerms, ...], TimeTerms]],
@@ -189,20 +215,31 @@ def whole_model_modes(found: PipelineCandidate, rank_modes: list[tuple[Checkpoin
 
 
 def solve_ranks(found: PipelineCandidate, modes: tuple[Checkpoint, ...], *, deadline: float,
-                beat: int | None = None) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
+                beat: int | None = None, shapes: RankMemo | None = None
+                ) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
     """Each rank's fastest modes that fit (CP-SAT on its table), or None when some rank has none; and whether
     every rank's search finished (proved its optimum or its infeasibility). None too, proved, once the ranks
     solved so far, with the rest in their fastest modes, already take `beat` step ticks or more (the simulated
-    step never decreases when a stage slows down)."""
+    step never decreases when a stage slows down). `shapes` keeps each rank shape's solution across splits."""
     chosen, proved = [], True
     fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in found.ranks]
     for index, rank in enumerate(found.ranks):
-        limit = max(0.01, deadline - time.perf_counter())
-        result = search([rank.table], rank.kinds, modes, time_limit=limit, configurations=1).result
-        if result.table is None:
-            return None, result.status == "INFEASIBLE"
-        chosen.append(result.modes)
-        proved = proved and result.status == "OPTIMAL"
+        key = shape(rank.slice)
+        if shapes is None or key not in shapes.solved:
+            limit = max(0.01, deadline - time.perf_counter())
+            result = search([rank.table], rank.kinds, modes, time_limit=limit, configurations=1).result
+            solution = (result.modes if result.table is not None else None), result.status
+            if shapes is not None and (solution[0] is not None or result.status == "INFEASIBLE"):
+                shapes.solved[key] = solution  # a search cut short by the deadline is not kept
+        else:
+            solution = shapes.solved[key]
+        own, status = solution
+        if own is None:
+            if shapes is not None and status == "INFEASIBLE":
+                shapes.refuse(rank.slice)
+            return None, status == "INFEASIBLE"
+        chosen.append(own)
+        proved = proved and status == "OPTIMAL"
         rest = index + 1 < len(found.ranks)
         if rest and proved and beat is not None and step_ticks(found, chosen + fastest[index + 1:]) >= beat:
             return None, True
@@ -307,15 +344,16 @@ _BOUND_MARGIN = 1e-9
 
 
 def stage_bound(outer: Outer, graph: LayerGraph, workload: Workload, fastest: FastestCompute,
-                edges: EdgeCompute) -> int:
-    """Step ticks no assignment of `outer` beats, from its split (`stage_layers`) with every stage in its fastest
-    modes, p2p hops and the work outside the schedule taken as free: the larger of `pipeline.step_lower_bound`
-    and one micro-batch's path through every stage and back (under a split backward, its input gradients and
-    stage 0's whole backward). 0 (no bound) unless the model's decoder layers are of one kind: only then does a
-    stage's slice price its nodes as the one-layer slices do (a slice's kernel speed follows its first layer)."""
-    if len({layer.kind for layer in graph.decoder_layers()}) != 1:
+                edges: EdgeCompute, sizes: tuple[int, ...] = ()) -> int:
+    """Step ticks no assignment of `outer` beats, from its split (`sizes`, else `stage_layers`) with every stage in
+    its fastest modes, p2p hops and the work outside the schedule taken as free: the larger of
+    `pipeline.step_lower_bound` and one micro-batch's path through every stage and back (under a split backward,
+    its input gradients and stage 0's whole backward). 0 (no bound) unless the model's decoder layers are of one
+    kind: only then does a stage's slice price its nodes as the one-layer slices do (a slice's kernel speed
+    follows its first layer)."""
+    if not one_kind(graph):
         return 0
-    sizes = stage_layers(graph, workload, outer.config())
+    sizes = sizes or stage_layers(graph, workload, outer.config())
     forward, backward, start = [], [], 0
     for stage, size in enumerate(sizes):
         first, last = stage == 0, stage == len(sizes) - 1
@@ -331,6 +369,76 @@ def stage_bound(outer: Outer, graph: LayerGraph, workload: Workload, fastest: Fa
     share = DEFAULT_WEIGHT_SHARE if outer.pp_schedule in SPLIT_BACKWARD else 0.0  # W may run after the path
     path = sum(forward) + backward[0] + (1 - share) * sum(backward[1:])
     return max(0, ticks(max(bound, path) * (1 - _BOUND_MARGIN)) - 1)
+
+
+def one_kind(graph: LayerGraph) -> bool:
+    """Whether the model's decoder layers are all of one kind: a slice's time and memory then depend on how many
+    layers it holds, not which."""
+    return len({layer.kind for layer in graph.decoder_layers()}) == 1
+
+
+def searched_splits(outer: Outer, graph: LayerGraph, workload: Workload, fastest: FastestCompute,
+                    edges: EdgeCompute) -> list[tuple[int, tuple[int, ...]]]:
+    """The splits of `outer` to search, each with its `stage_bound`, in the order of that bound (the balanced split
+    first among equals): with one stage per rank and decoder layers of one kind, every split Megatron's first/last
+    flags express (`stage_split.megatron_splits`; every pipeline launcher runs them), since where memory binds a
+    lighter first stage (it holds the most micro-batches) can fit or run faster than the FLOP-balanced one;
+    otherwise the configured or balanced split alone."""
+    balanced = stage_layers(graph, workload, outer.config())
+    if outer.pp_split or local_stages(outer.pp_schedule, outer.pp_virtual) > 1 or not one_kind(graph):
+        return [(stage_bound(outer, graph, workload, fastest, edges, balanced), balanced)]
+    splits = megatron_splits(sum(balanced), len(balanced))
+    bounds = split_bounds(outer, fastest, edges, splits)
+    order = sorted(range(len(splits)), key=lambda i: (bounds[i], splits[i] != balanced, splits[i]))
+    return [(bounds[i], splits[i]) for i in order]
+
+
+def split_bounds(outer: Outer, fastest: FastestCompute, edges: EdgeCompute,
+                 splits: tuple[tuple[int, ...], ...]) -> list[int]:
+    """`stage_bound` of each split of a one-stage-per-rank configuration whose decoder layers are of one kind, for
+    hundreds of splits at once (numpy over the splits): rank r's m micro-batches after the first one's forward
+    through the stages before it and, without a split backward, its backward back through them."""
+    sizes = np.array(splits, dtype=float)
+    layer = fastest.layers[0]  # every layer's, the layers being of one kind
+    stages = sizes.shape[1]
+    work = sizes * layer
+    ahead = sizes * edges.forward_layer
+    work[:, 0] += edges.before
+    ahead[:, 0] += edges.forward_before
+    work[:, -1] += edges.after
+    ahead[:, -1] += edges.forward_after
+    forward = np.minimum(ahead, work)
+    backward = work - forward
+    fill = np.cumsum(forward, axis=1) - forward  # the stages before each
+    drain = np.zeros_like(fill) if outer.pp_schedule in SPLIT_BACKWARD else np.cumsum(backward, axis=1) - backward
+    bound = (fill + outer.grad_accum * work + drain).max(axis=1)
+    share = DEFAULT_WEIGHT_SHARE if outer.pp_schedule in SPLIT_BACKWARD else 0.0
+    path = forward.sum(axis=1) + backward[:, 0] + (1 - share) * backward[:, 1:stages].sum(axis=1)
+    limit = np.maximum(bound, path) * (1 - _BOUND_MARGIN) / TICK_SECONDS
+    return [max(0, round(t) - 1) for t in limit.tolist()]
+
+
+@dataclass(slots=True)
+class RankMemo:
+    """What the splits of one configuration share, by rank shape: with one stage per rank and decoder layers of one
+    kind, a rank's table and its solved modes depend only on its position and layer count. A rank that cannot hold
+    n layers (its states, or its leanest modes) cannot hold more, since its states and every mode's activations
+    grow with its layers: `too_many` keeps the fewest found, and splits that give a rank as many are skipped."""
+
+    tables: dict[tuple[int, int], Table] = field(default_factory=dict)
+    solved: dict[tuple[int, int], tuple[tuple[Checkpoint, ...] | None, str]] = field(default_factory=dict)
+    too_many: dict[int, int] = field(default_factory=dict)
+
+    def excludes(self, split: tuple[int, ...]) -> bool:
+        return any(layers >= self.too_many.get(rank, layers + 1) for rank, layers in enumerate(split))
+
+    def refuse(self, slice_: RankSlice) -> None:
+        layers = len(slice_.layers)
+        self.too_many[slice_.rank] = min(self.too_many.get(slice_.rank, layers), layers)
+
+
+def shape(slice_: RankSlice) -> tuple[int, int]:
+    return slice_.rank, len(slice_.layers)
 
 
 Runs = Callable[[Config], bool]
@@ -402,12 +510,13 @@ def fastest_fitting(found: PipelineCandidate, options: list[list[tuple[Checkpoin
 
 
 def best_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs: Runs, *,
-                   deadline: float, beat: int | None = None) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
+                   deadline: float, beat: int | None = None, shapes: RankMemo | None = None
+                   ) -> tuple[list[tuple[Checkpoint, ...]] | None, bool]:
     """The ranks' fastest fitting modes that a launcher runs: per rank by CP-SAT where some launcher takes any
     per-layer modes (`free_recompute`), else the best per-stage block (Megatron's block recompute, torchtitan's
     one policy), exhaustively; and whether the search finished."""
     if free_recompute(found, modes, runs):
-        rank_modes, proved = solve_ranks(found, modes, deadline=deadline, beat=beat)
+        rank_modes, proved = solve_ranks(found, modes, deadline=deadline, beat=beat, shapes=shapes)
         if rank_modes is None or runs(found.config(rank_modes)):
             return rank_modes, proved
         # a launcher rule the probe did not meet (one no per-layer freedom shows): the runnable blocks instead, and
@@ -447,22 +556,35 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
             break
         outer = outers[k]
         graph = graph_of(outer)
-        if bound is not None and stage_bound(outer, graph, workload, memo[compute_signature(outer)],
-                                             edge_compute(outer, graph, cluster, workload, edges)) >= bound:
-            continue  # its split and bubble alone keep it from beating the best: no tables built
+        if not whole_states_fit(graph, outer.config(), memory_budget(cluster, outer.config(), headroom)):
+            continue  # no split fits
         own = lowered_modes(graph, modes)
-        found = candidate(outer, graph, cluster, workload, headroom=headroom, modes=own, memo=sliced, beat=bound)
-        explored += 1
-        if found is None or (bound is not None and found.lower >= bound):
-            continue
-        rank_modes, proved = best_recompute(found, own, runs or registry_runs(graph), deadline=deadline, beat=bound)
-        searched += 1
-        complete = complete and proved
-        if rank_modes is None:
-            continue
-        step = step_ticks(found, rank_modes)
-        if bound is None or step < bound:
-            best = (step, found.outer, whole_model_modes(found, rank_modes))
+        splits = searched_splits(outer, graph, workload, memo[compute_signature(outer)],
+                                 edge_compute(outer, graph, cluster, workload, edges))
+        shapes = RankMemo() if len(splits) > 1 else None
+        for split_bound, split in splits:
+            bound = best[0] if best is not None else incumbent
+            if bound is not None and split_bound >= bound:
+                break  # this split's and the later ones' bubbles alone keep them from beating the best
+            if time.perf_counter() > deadline:
+                complete = False
+                break
+            if shapes is not None and shapes.excludes(split):
+                continue  # a rank holds at least as many layers as it was found unable to
+            found = candidate(replace(outer, pp_split=split), graph, cluster, workload, headroom=headroom, modes=own,
+                              memo=sliced, beat=bound, shapes=shapes)
+            explored += 1
+            if found is None or (bound is not None and found.lower >= bound):
+                continue
+            rank_modes, proved = best_recompute(found, own, runs or registry_runs(graph), deadline=deadline,
+                                                beat=bound, shapes=shapes)
+            searched += 1
+            complete = complete and proved
+            if rank_modes is None:
+                continue
+            step = step_ticks(found, rank_modes)
+            if bound is None or step < bound:
+                best = (step, found.outer, whole_model_modes(found, rank_modes))
     if best is None:
         status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if complete else "UNKNOWN"
         return PipelineResult(status, None, (), None, explored, searched)

@@ -5,12 +5,28 @@ through the schedule simulation). Exponential; for tests and small instances."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from graphs import Checkpoint
+from costmodels import Cluster, Workload
+from costmodels.pipeline_schedule import local_stages
+from costmodels.pipeline_stages import stage_layers
+from costmodels.stage_split import megatron_splits
+from graphs import Checkpoint, LayerGraph
 
-from .pipeline_search import PipelineCandidate, Runs, fastest_fitting, registry_runs, stage_blocks, step_ticks
-from .space import all_counts, canonical_modes
+from .pipeline_search import (
+    PipelineCandidate,
+    Runs,
+    best_recompute,
+    candidate,
+    fastest_fitting,
+    lowered_modes,
+    registry_runs,
+    stage_blocks,
+    step_ticks,
+)
+from .space import Outer, all_counts, canonical_modes
 from .tables import Table, objective, tie_weight
 
 
@@ -86,3 +102,39 @@ def every_block_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...
     if Checkpoint.NONE in modes:
         options.insert(0, stage_blocks(found, Checkpoint.NONE, 0, modes))
     return fastest_fitting(found, options, runs)
+
+
+def every_split(outer: Outer, graph: LayerGraph, workload: Workload) -> tuple[tuple[int, ...], ...]:
+    """The splits the pipeline search considers for `outer`: every split Megatron's flags express when each rank
+    runs one stage of decoder layers of one kind and no split is configured, else the configured or balanced one."""
+    split = stage_layers(graph, workload, outer.config())
+    one_kind = len({layer.kind for layer in graph.decoder_layers()}) == 1
+    if outer.pp_split or local_stages(outer.pp_schedule, outer.pp_virtual) > 1 or not one_kind:
+        return (split,)
+    return megatron_splits(sum(split), len(split))
+
+
+def every_split_candidate(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
+                          workload: Workload, *, headroom: float,
+                          modes: tuple[Checkpoint, ...]) -> list[PipelineCandidate]:
+    """Every configuration at every split of `every_split`, built alone (no bound, nothing shared across splits),
+    less those whose states cannot fit."""
+    return [found for outer in outers for split in every_split(outer, graph_of(outer), workload)
+            if (found := candidate(replace(outer, pp_split=split), graph_of(outer), cluster, workload,
+                                   headroom=headroom, modes=lowered_modes(graph_of(outer), modes))) is not None]
+
+
+def every_split_best(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
+                     workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...]) -> int | None:
+    """The fastest step, in ticks, over every configuration at every split, each split's ranks solved on their
+    own (`pipeline_search.best_recompute`, itself compared with brute force at one split): what the search must
+    find without its bounds, its order or the rank tables it shares across splits. None when nothing fits."""
+    best = None
+    for found in every_split_candidate(outers, graph_of, cluster, workload, headroom=headroom, modes=modes):
+        graph = graph_of(found.outer)
+        rank_modes, _ = best_recompute(found, lowered_modes(graph, modes), registry_runs(graph),
+                                       deadline=time.perf_counter() + 600)
+        if rank_modes is not None:
+            step = step_ticks(found, rank_modes)
+            best = step if best is None else min(best, step)
+    return best

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from costmodels.stage_split import balanced_split, megatron_split, stage_costs
+from costmodels.stage_split import balanced_split, megatron_split, megatron_splits, stage_costs
 
 
 def compositions(n: int, k: int, least: int):
@@ -56,6 +56,13 @@ def test_megatron_split_is_best_with_even_middle_stages_like_brute_force():
         split = megatron_split(costs, k, first_extra=first, last_extra=last)
         assert split in allowed
         assert max(stage_costs(split, costs, first_extra=first, last_extra=last)) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("layers,stages", [(1, 1), (7, 1), (2, 2), (9, 2), (3, 3), (10, 3), (13, 4), (16, 5), (12, 12)])
+def test_megatron_splits_are_every_split_with_even_middle_stages(layers, stages):
+    expected = [c for c in compositions(layers, stages, 1) if len(set(c[1:-1])) <= 1]
+    assert sorted(megatron_splits(layers, stages)) == sorted(expected)
+    assert len(set(megatron_splits(layers, stages))) == len(expected)
 
 
 def test_heavy_embedding_and_head_take_layers_from_the_end_stages():

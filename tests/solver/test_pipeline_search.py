@@ -11,7 +11,9 @@ from dataclasses import replace
 import pytest
 
 from costmodels import Engine, Precision, Workload, estimate, parse_cluster
-from costmodels.pipeline_schedule import Schedule
+from costmodels.pipeline_schedule import Schedule, local_stages
+from costmodels.pipeline_stages import stage_layers
+from costmodels.stage_split import megatron_splits
 from costmodels.verdict import memory_budget
 from graphs import Checkpoint, resolve
 from solver.api import _graph_for
@@ -20,11 +22,21 @@ from solver.pipeline_search import (
     best_recompute,
     block_recompute,
     candidate,
+    edge_compute,
+    fastest_compute,
+    one_kind,
     pipeline_search,
     registry_runs,
+    split_bounds,
+    stage_bound,
     step_ticks,
 )
-from solver.reference import enumerate_pipelines, every_block_recompute
+from solver.reference import (
+    enumerate_pipelines,
+    every_block_recompute,
+    every_split_best,
+    every_split_candidate,
+)
 from solver.space import Outer, outer_space
 from solver.tables import TICK_SECONDS
 
@@ -91,18 +103,25 @@ def space_of(case: dict):
     return graph_of, space
 
 
+def balanced(outers, graph_of, workload: Workload) -> tuple[Outer, ...]:
+    """The configurations pinned to their balanced split (the search then tries no other)."""
+    return tuple(replace(o, pp_split=stage_layers(graph_of(o), workload, o.config())) for o in outers)
+
+
 def solved(seed: int) -> tuple[dict, object, object]:
     """A seed's instance (two in three with a budget between its leanest and fastest peak, the rest from loose
-    to nothing fits), its brute-force best and the search's result."""
+    to nothing fits), its brute-force best and the search's result, both at each configuration's balanced
+    split (the splits' search is compared below)."""
     case = instance(seed)
     graph_of, space = space_of(case)
     modes = tuple(m for m in case["modes"] if m in space.modes)
     if seed % 3:
         case["headroom"] = tight(case, graph_of, space, modes, random.Random(seed).uniform(0.1, 0.9))
-    found = [c for o in space.pipelines if (c := candidate(o, graph_of(o), case["cluster"], case["workload"],
-                                                          headroom=case["headroom"], modes=modes)) is not None]
+    outers = balanced(space.pipelines, graph_of, case["workload"])
+    found = [c for o in outers if (c := candidate(o, graph_of(o), case["cluster"], case["workload"],
+                                                  headroom=case["headroom"], modes=modes)) is not None]
     best = enumerate_pipelines(found, modes)
-    result = pipeline_search(space.pipelines, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
+    result = pipeline_search(outers, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
                              modes=modes, incumbent=None, deadline=time.perf_counter() + 120)
     return case, best, result
 
@@ -118,6 +137,91 @@ def test_pipeline_search_equals_brute_force_over_every_rank_assignment(seed):
         return
     assert result.status == "OPTIMAL"
     assert result.step_ticks == best.step_ticks
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_splits_search_equals_every_split_searched_alone(seed):
+    # Every split Megatron's flags express, each configuration and split built and solved on its own: the search's
+    # bounds, its order over the splits and the rank tables it shares between them lose nothing.
+    case = instance(seed)
+    graph_of, space = space_of(case)
+    modes = tuple(m for m in case["modes"] if m in space.modes)
+    if seed % 3:
+        case["headroom"] = tight(case, graph_of, space, modes, random.Random(seed).uniform(0.1, 0.9))
+    outers = space.pipelines[:6]
+    result = pipeline_search(outers, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
+                             modes=modes, incumbent=None, deadline=time.perf_counter() + 120)
+    best = every_split_best(outers, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
+                            modes=modes)
+    assert result.status == ("OPTIMAL" if best is not None else "INFEASIBLE")
+    assert result.step_ticks == best
+
+
+def test_every_splits_bound_at_once_equals_its_stage_bound():
+    # `split_bounds` prices hundreds of splits with numpy; `stage_bound` one split, stage by stage.
+    compared = 0
+    for seed in range(8):
+        case = instance(seed)
+        graph_of, space = space_of(case)
+        modes = tuple(m for m in case["modes"] if m in space.modes)
+        for outer in space.pipelines[:8]:
+            graph = graph_of(outer)
+            if local_stages(outer.pp_schedule, outer.pp_virtual) > 1 or not one_kind(graph):
+                continue
+            fastest = fastest_compute(outer, graph, case["cluster"], case["workload"], modes, {})
+            edges = edge_compute(outer, graph, case["cluster"], case["workload"], {})
+            splits = megatron_splits(len(graph.decoder_layers()), outer.pp)
+            at_once = split_bounds(outer, fastest, edges, splits)
+            # the two add the same floats in another order: a tick apart at most
+            assert all(abs(a - stage_bound(outer, graph, case["workload"], fastest, edges, split)) <= 1
+                       for a, split in zip(at_once, splits, strict=True))
+            compared += len(splits)
+    assert compared >= 100
+
+
+def test_where_memory_binds_another_split_runs_faster_or_fits_alone():
+    # Llama-3.2-1B on 4 A100-40GB: the FLOP-balanced split's first rank holds four micro-batches of five layers;
+    # a lighter first stage recomputes less (headroom 0.65) or fits where the balanced split cannot (0.7).
+    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
+            "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.0,
+            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
+                            micro_batch=1, optimizers=("adamw",), offload="none")}
+    graph_of, space = space_of(case)
+    modes = (Checkpoint.NONE, Checkpoint.FULL)
+    steps = {}
+    for headroom in (0.65, 0.7):
+        for outers in (space.pipelines, balanced(space.pipelines, graph_of, case["workload"])):
+            result = pipeline_search(outers, graph_of, case["cluster"], case["workload"], headroom=headroom,
+                                     modes=modes, incumbent=None, deadline=time.perf_counter() + 60)
+            steps[headroom, outers is space.pipelines] = result.step_ticks, result.outer
+    (searched, outer), (at_balanced, balanced_outer) = steps[0.65, True], steps[0.65, False]
+    assert searched < at_balanced and outer.pp_split != balanced_outer.pp_split
+    assert steps[0.7, True][0] is not None and steps[0.7, False][0] is None
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_splits_search_equals_brute_force_over_every_split_and_rank_assignment(pp):
+    # gpt2's 12 layers: every split and every combination of its ranks' assignments through the simulation, with a
+    # budget tight enough that the balanced split must recompute.
+    case = {"model": "gpt2", "cluster": parse_cluster("4xA100-40GB"), "headroom": 0.0,
+            "workload": Workload(seq_len=1024, global_batch=4 // pp * 8), "modes": (Checkpoint.NONE, Checkpoint.FULL),
+            "pins": Pins.of(pp=pp, tp=1, cp=1, engine=Engine.DDP, zero=0, precision=(Precision.BF16_MIXED,),
+                            micro_batch=2, pp_schedule=Schedule.ONE_F_ONE_B, optimizers=("adamw",), offload="none")}
+    graph_of, space = space_of(case)
+    modes = case["modes"]
+    outers = space.pipelines[:2]
+    compared = 0
+    for fraction in (0.2, 0.6):
+        headroom = tight(case, graph_of, space, modes, fraction)
+        found = every_split_candidate(outers, graph_of, case["cluster"], case["workload"], headroom=headroom,
+                                      modes=modes)
+        best = enumerate_pipelines(found, modes)
+        result = pipeline_search(outers, graph_of, case["cluster"], case["workload"], headroom=headroom,
+                                 modes=modes, incumbent=None, deadline=time.perf_counter() + 120)
+        assert best is not None and result.status == "OPTIMAL"
+        assert result.step_ticks == best.step_ticks
+        compared += len(found)
+    assert compared >= 2 * (11 if pp == 2 else 25)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -189,7 +293,7 @@ def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute(
 
 def test_the_plan_is_priced_by_estimate_as_the_search_priced_it():
     case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
-            "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.65,
+            "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.7,
             "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
                             micro_batch=1, optimizers=("adamw",), offload="none")}
     graph_of, space = space_of(case)
