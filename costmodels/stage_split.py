@@ -8,6 +8,7 @@ since under 1F1B it holds the most micro-batches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from itertools import accumulate
 
 
@@ -107,6 +108,7 @@ def megatron_split(layer_costs: Sequence[float], stages: int, *, first_extra: fl
     return best[1]
 
 
+@lru_cache(maxsize=256)
 def megatron_splits(layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
     """Every split Megatron's first/last flags express: each end any size, the middle stages equal, every stage
     at least one layer (every contiguous split when there are at most two stages)."""

@@ -28,6 +28,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -378,29 +379,36 @@ def one_kind(graph: LayerGraph) -> bool:
 
 
 def searched_splits(outer: Outer, graph: LayerGraph, workload: Workload, fastest: FastestCompute,
-                    edges: EdgeCompute) -> list[tuple[int, tuple[int, ...]]]:
-    """The splits of `outer` to search, each with its `stage_bound`, in the order of that bound (the balanced split
-    first among equals): with one stage per rank and decoder layers of one kind, every split Megatron's first/last
-    flags express (`stage_split.megatron_splits`; every pipeline launcher runs them), since where memory binds a
-    lighter first stage (it holds the most micro-batches) can fit or run faster than the FLOP-balanced one;
-    otherwise the configured or balanced split alone."""
+                    edges: EdgeCompute, below: int | None) -> list[tuple[int, tuple[int, ...]]]:
+    """The splits of `outer` whose `stage_bound` is below `below` step ticks (None: every split), each with that
+    bound, in its order (the balanced split first among equals): with one stage per rank and decoder layers of one
+    kind, every split Megatron's first/last flags express (`stage_split.megatron_splits`; every pipeline launcher
+    runs them), since where memory binds a lighter first stage (it holds the most micro-batches) can fit or run
+    faster than the FLOP-balanced one; otherwise the configured or balanced split alone."""
     balanced = stage_layers(graph, workload, outer.config())
     if outer.pp_split or local_stages(outer.pp_schedule, outer.pp_virtual) > 1 or not one_kind(graph):
-        return [(stage_bound(outer, graph, workload, fastest, edges, balanced), balanced)]
+        bound = stage_bound(outer, graph, workload, fastest, edges, balanced)
+        return [(bound, balanced)] if below is None or bound < below else []
     splits = megatron_splits(sum(balanced), len(balanced))
-    bounds = split_bounds(outer, fastest, edges, splits)
-    order = sorted(range(len(splits)), key=lambda i: (bounds[i], splits[i] != balanced, splits[i]))
-    return [(bounds[i], splits[i]) for i in order]
+    bounds = split_bounds(outer, fastest, edges, split_array(sum(balanced), len(balanced)))
+    kept = range(len(splits)) if below is None else np.flatnonzero(bounds < below).tolist()
+    order = sorted(kept, key=lambda i: (bounds[i], splits[i] != balanced, splits[i]))
+    return [(int(bounds[i]), splits[i]) for i in order]
 
 
-def split_bounds(outer: Outer, fastest: FastestCompute, edges: EdgeCompute,
-                 splits: tuple[tuple[int, ...], ...]) -> list[int]:
-    """`stage_bound` of each split of a one-stage-per-rank configuration whose decoder layers are of one kind, for
-    hundreds of splits at once (numpy over the splits): rank r's m micro-batches after the first one's forward
-    through the stages before it and, without a split backward, its backward back through them."""
-    sizes = np.array(splits, dtype=float)
+@lru_cache(maxsize=256)
+def split_array(layers: int, stages: int) -> np.ndarray:
+    """`megatron_splits` as a read-only float array, one row per split."""
+    array = np.array(megatron_splits(layers, stages), dtype=float)
+    array.flags.writeable = False
+    return array
+
+
+def split_bounds(outer: Outer, fastest: FastestCompute, edges: EdgeCompute, sizes: np.ndarray) -> np.ndarray:
+    """`stage_bound` of each split (a row of `sizes`, layers per stage) of a one-stage-per-rank configuration whose
+    decoder layers are of one kind, for hundreds of splits at once: rank r's m micro-batches after the first one's
+    forward through the stages before it and, without a split backward, its backward back through them."""
     layer = fastest.layers[0]  # every layer's, the layers being of one kind
-    stages = sizes.shape[1]
     work = sizes * layer
     ahead = sizes * edges.forward_layer
     work[:, 0] += edges.before
@@ -413,9 +421,9 @@ def split_bounds(outer: Outer, fastest: FastestCompute, edges: EdgeCompute,
     drain = np.zeros_like(fill) if outer.pp_schedule in SPLIT_BACKWARD else np.cumsum(backward, axis=1) - backward
     bound = (fill + outer.grad_accum * work + drain).max(axis=1)
     share = DEFAULT_WEIGHT_SHARE if outer.pp_schedule in SPLIT_BACKWARD else 0.0
-    path = forward.sum(axis=1) + backward[:, 0] + (1 - share) * backward[:, 1:stages].sum(axis=1)
+    path = forward.sum(axis=1) + backward[:, 0] + (1 - share) * backward[:, 1:].sum(axis=1)
     limit = np.maximum(bound, path) * (1 - _BOUND_MARGIN) / TICK_SECONDS
-    return [max(0, round(t) - 1) for t in limit.tolist()]
+    return np.maximum(0, np.rint(limit).astype(np.int64) - 1)
 
 
 @dataclass(slots=True)
@@ -560,7 +568,7 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
             continue  # no split fits
         own = lowered_modes(graph, modes)
         splits = searched_splits(outer, graph, workload, memo[compute_signature(outer)],
-                                 edge_compute(outer, graph, cluster, workload, edges))
+                                 edge_compute(outer, graph, cluster, workload, edges), below=bound)
         shapes = RankMemo() if len(splits) > 1 else None
         for split_bound, split in splits:
             bound = best[0] if best is not None else incumbent

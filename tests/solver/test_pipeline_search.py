@@ -27,6 +27,7 @@ from solver.pipeline_search import (
     one_kind,
     pipeline_search,
     registry_runs,
+    split_array,
     split_bounds,
     stage_bound,
     step_ticks,
@@ -171,7 +172,7 @@ def test_every_splits_bound_at_once_equals_its_stage_bound():
             fastest = fastest_compute(outer, graph, case["cluster"], case["workload"], modes, {})
             edges = edge_compute(outer, graph, case["cluster"], case["workload"], {})
             splits = megatron_splits(len(graph.decoder_layers()), outer.pp)
-            at_once = split_bounds(outer, fastest, edges, splits)
+            at_once = split_bounds(outer, fastest, edges, split_array(len(graph.decoder_layers()), outer.pp))
             # the two add the same floats in another order: a tick apart at most
             assert all(abs(a - stage_bound(outer, graph, case["workload"], fastest, edges, split)) <= 1
                        for a, split in zip(at_once, splits, strict=True))
