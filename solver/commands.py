@@ -206,9 +206,12 @@ def pipeline_lines(plan: Plan) -> list[str]:
                      f"states {states / GIB:.2f} GiB), compute {rank.busy:.3f} s, outside the schedule "
                      f"{rank.outside:.3f} s")
     if plan.schedules:
-        lines.append("Schedules for this layout and recompute:")
+        lines.append("Schedules and splits for this layout and recompute:")
+        chosen_split = next((o.split for o in plan.schedules if o.chosen), ())
         for option in plan.schedules:
             name = option.schedule + (f" v={option.virtual}" if option.virtual > 1 else "")
+            if option.schedule == p.schedule and option.virtual == p.virtual and option.split != chosen_split:
+                name += f" at the FLOP-balanced split {list(option.split)}"
             if option.chosen:
                 why = f"chosen: step {option.step_time:.3f} s, bubble {option.bubble:.3f} s"
             elif not option.fits:

@@ -247,6 +247,9 @@ class ScheduleOption:
     schedule: str
     virtual: int
     """Stages per rank."""
+    split: tuple[int, ...] = ()
+    """Decoder layers of each stage it was priced at (its own FLOP-balanced split unless it is the chosen
+    schedule)."""
     step_time: float
     bubble: float
     """Seconds the busiest rank waits per step."""

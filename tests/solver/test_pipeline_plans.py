@@ -40,13 +40,22 @@ def test_a_pipeline_plan_records_its_split_and_runs_on_megatron_as_emitted():
     assert "--pipeline-model-parallel-size 4" in text
 
 
+def megatron_graph():
+    return lower_megatron("meta-llama/Llama-3.2-1B", dtype="bfloat16", kernels="te")
+
+
+def unsplit_config(plan) -> Config:
+    d = plan.decisions
+    return Config(pp=d.pp, pp_schedule=d.pp_schedule, pp_virtual=d.pp_virtual, grad_accum=d.grad_accum,
+                  micro_batch=d.micro_batch, tp=d.tp)
+
+
 def test_the_plan_split_is_the_one_estimate_prices():
     plan = megatron_pipeline()
     d = plan.decisions
-    graph = lower_megatron("meta-llama/Llama-3.2-1B", dtype="bfloat16", kernels="te")
+    graph = megatron_graph()
     workload = Workload(seq_len=2048, global_batch=16)
-    unsplit = Config(pp=d.pp, pp_schedule=d.pp_schedule, pp_virtual=d.pp_virtual, grad_accum=d.grad_accum,
-                     micro_batch=d.micro_batch, tp=d.tp)
+    unsplit = unsplit_config(plan)
     # where memory binds, a lighter first stage than the FLOP-balanced one fits (it holds the most micro-batches)
     assert d.pp_split in megatron_splits(16, 4) and d.pp_split != stage_layers(graph, workload, unsplit)
     again = estimate("meta-llama/Llama-3.2-1B", "4xA100-40GB", d, seq_len=2048, global_batch=16)
@@ -105,13 +114,19 @@ def test_explain_shows_each_stage_the_bubble_and_the_schedules_compared(tmp_path
         assert f"rank {rank.rank} (stages" in text
         assert f"device peak {rank.memory.device_peak / GIB:.2f} GiB" in text
     assert plan.schedules[0].chosen and len(plan.schedules) >= 2  # megatron runs 1f1b and interleaved-1f1b
-    assert "Schedules for this layout and recompute:" in text
+    assert "Schedules and splits for this layout and recompute:" in text
     for option in plan.schedules[1:]:
         assert option.schedule in text
         assert ("does not fit" in text) or f"{option.step_time / plan.estimate.time.step_time - 1:+.1%}" in text
     # the chosen schedule is the fastest of those that fit
     fitting = [o.step_time for o in plan.schedules if o.fits]
     assert plan.schedules[0].step_time == min(fitting)
+    # and its split: at the FLOP-balanced one the same recompute does not fit
+    at_balanced = [o for o in plan.schedules if o.schedule == p.schedule and o.split != plan.decisions.pp_split]
+    assert [o.split for o in at_balanced] == [stage_layers(megatron_graph(), Workload(seq_len=2048, global_batch=16),
+                                                           unsplit_config(plan))]
+    assert not at_balanced[0].fits
+    assert f"{p.schedule} at the FLOP-balanced split {list(at_balanced[0].split)}: does not fit" in text
 
 
 def test_a_131k_token_sequence_runs_with_context_parallelism_on_the_gpus_given():
