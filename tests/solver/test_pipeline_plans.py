@@ -183,6 +183,18 @@ def test_solved_large_plans_pass_megatrons_own_argument_validation(model, gpus, 
     check_megatron_reads(plan, args, config)
 
 
+def test_a_searched_uneven_split_passes_megatrons_own_argument_validation(tmp_path, monkeypatch):
+    """The split the search chose where memory binds (first and last stages lighter than the middle ones): Megatron's
+    first/last-stage flags pass its validate_args and read back as the plan's split."""
+    from tests.solver.test_parallel_launchers import check_megatron_reads, megatron_checked
+
+    plan = megatron_pipeline()
+    first, middle, *_, last = plan.decisions.pp_split
+    assert first < middle and last < middle
+    args, config = megatron_checked(plan, tmp_path, monkeypatch)
+    check_megatron_reads(plan, args, config)
+
+
 @pytest.mark.slow
 def test_solved_405b_pipeline_plan_passes_torchtitans_config_parser(tmp_path, monkeypatch):
     """The 405B case solved for torchtitan (lowered through torchtitan's own model): its TOML parses in torchtitan's
