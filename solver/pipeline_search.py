@@ -107,9 +107,7 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
     its stages' time terms already bound its step at `beat` ticks or more (`timed_bound`). `memo` keeps time terms
     across configurations (`slice_terms`), `shapes` rank tables across the splits of one (`RankMemo`)."""
     config = outer.config()
-    budget = memory_budget(cluster, config, headroom)
-    if shapes is None and not whole_states_fit(graph, config, budget):
-        return None  # (the splits' search asks once for all of them)
+    budget = memory_budget(cluster, config, headroom)  # (`whole_states_fit` is asked once per configuration first)
     slices = rank_slices(graph, workload, config)
     for slice_ in slices:  # the states alone, before any timing: most configurations that cannot fit stop here
         if shapes is not None and shape(slice_) in shapes.tables:

@@ -22,6 +22,7 @@ from .pipeline_search import (
     candidate,
     fastest_fitting,
     lowered_modes,
+    one_kind,
     registry_runs,
     stage_blocks,
     step_ticks,
@@ -108,8 +109,7 @@ def every_split(outer: Outer, graph: LayerGraph, workload: Workload) -> tuple[tu
     """The splits the pipeline search considers for `outer`: every split Megatron's flags express when each rank
     runs one stage of decoder layers of one kind and no split is configured, else the configured or balanced one."""
     split = stage_layers(graph, workload, outer.config())
-    one_kind = len({layer.kind for layer in graph.decoder_layers()}) == 1
-    if outer.pp_split or local_stages(outer.pp_schedule, outer.pp_virtual) > 1 or not one_kind:
+    if outer.pp_split or local_stages(outer.pp_schedule, outer.pp_virtual) > 1 or not one_kind(graph):
         return (split,)
     return megatron_splits(sum(split), len(split))
 

@@ -180,13 +180,18 @@ def test_every_splits_bound_at_once_equals_its_stage_bound():
     assert compared >= 100
 
 
+def llama_on_four_a100s(headroom: float) -> dict:
+    """Llama-3.2-1B over four pipeline ranks on Megatron, memory tight at headroom 0.65-0.7."""
+    return {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
+            "workload": Workload(seq_len=2048, global_batch=16), "headroom": headroom,
+            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
+                            micro_batch=1, optimizers=("adamw",), offload="none")}
+
+
 def test_where_memory_binds_another_split_runs_faster_or_fits_alone():
     # Llama-3.2-1B on 4 A100-40GB: the FLOP-balanced split's first rank holds four micro-batches of five layers;
     # a lighter first stage recomputes less (headroom 0.65) or fits where the balanced split cannot (0.7).
-    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
-            "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.0,
-            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
-                            micro_batch=1, optimizers=("adamw",), offload="none")}
+    case = llama_on_four_a100s(headroom=0.0)
     graph_of, space = space_of(case)
     modes = (Checkpoint.NONE, Checkpoint.FULL)
     steps = {}
@@ -268,7 +273,7 @@ def test_ranks_solved_per_layer_that_no_launcher_runs_fall_back_to_runnable_bloc
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_ranks_states_together_hold_at_least_the_whole_models(seed):
-    # What lets `candidate` refuse a configuration whose whole-model states exceed pp budgets without slicing it.
+    # What lets `pipeline_search` refuse a configuration whose whole-model states exceed pp budgets without slicing it.
     from costmodels.pipeline_stages import rank_slices
     from costmodels.states import model_states
 
@@ -293,10 +298,7 @@ def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute(
 
 
 def test_the_plan_is_priced_by_estimate_as_the_search_priced_it():
-    case = {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
-            "workload": Workload(seq_len=2048, global_batch=16), "headroom": 0.7,
-            "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
-                            micro_batch=1, optimizers=("adamw",), offload="none")}
+    case = llama_on_four_a100s(headroom=0.7)
     graph_of, space = space_of(case)
     modes = (Checkpoint.NONE, Checkpoint.FULL)
     result = pipeline_search(space.pipelines, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
