@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["lowering.py", "solve_time.py", "plan_quality.py", "fidelity.py"]
+SCRIPTS = ["lowering.py", "solve_time.py", "plan_quality.py", "fidelity.py", "allocator.py"]
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ class MemoryBreakdown:
     allocated_peak: int
     """What torch.cuda.max_memory_allocated() would report."""
     reserved_peak: int
-    """The caching allocator's reservation at that peak (allocated plus rounding and fragmentation)."""
+    """What the caching allocator must hold from the device to reach that peak (`overhead.reserved_bytes`: its
+    pages or blocks and what they leave unused). A run with room to spare may cache more (max_memory_reserved())."""
     overhead: int
     """CUDA context, NCCL buffers and the cuBLAS workspace, outside the allocator."""
     device_peak: int

@@ -204,7 +204,7 @@ def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, co
     grads = states.grads + grads_before + peak.grads
     temporary = allocated - states.params - grads - states.master - states.optimizer - peak.activations
     overhead = runtime_overhead(cluster, config)
-    reserved = reserved_bytes(allocated)
+    reserved = reserved_bytes(allocated, config.expandable_segments)
     cpu, nvme = offload_bytes(cluster, config, states)
     cpu += activation_host_bytes(graph, cluster, workload, config)
     return MemoryBreakdown(parameters=states.params, gradients=grads, optimizer_states=states.master + states.optimizer,

@@ -88,7 +88,8 @@ def host_fits(cpu_bytes: int, nvme_bytes: int, cluster: Cluster) -> bool:
 
 def memory_budget(cluster: Cluster, config: Config, headroom: float) -> int:
     """The solver's form of the rule: the largest allocated peak whose device peak is within the usable memory."""
-    return allocated_budget(usable_bytes(cluster.gpu.memory_bytes, headroom), runtime_overhead(cluster, config))
+    return allocated_budget(usable_bytes(cluster.gpu.memory_bytes, headroom), runtime_overhead(cluster, config),
+                            config.expandable_segments)
 
 
 def fits(memory: Estimate | MemoryBreakdown, cluster: Cluster | int, headroom: float = DEFAULT_HEADROOM) -> Verdict:

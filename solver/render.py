@@ -57,6 +57,7 @@ def memory_table(estimate: Estimate, capacity: int, verdict: Verdict | None = No
         table.add_row(Text(name, style=_COLORS[name]), f"{nbytes / GIB:.2f}")
     m = estimate.memory
     table.add_row("allocated peak", f"{m.allocated_peak / GIB:.2f}", style="bold")
+    table.add_row("reserved peak (caching allocator)", f"{m.reserved_peak / GIB:.2f}")
     table.add_row("device peak (reserved + context/NCCL)", f"{m.device_peak / GIB:.2f}", style="bold")
     table.add_row("device capacity", f"{capacity / GIB:.2f}")
     if verdict is not None:

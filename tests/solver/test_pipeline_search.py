@@ -181,7 +181,7 @@ def test_every_splits_bound_at_once_equals_its_stage_bound():
 
 
 def llama_on_four_a100s(headroom: float) -> dict:
-    """Llama-3.2-1B over four pipeline ranks on Megatron, memory tight at headroom 0.65-0.7."""
+    """Llama-3.2-1B over four pipeline ranks on Megatron, memory tight at headroom 0.65-0.71."""
     return {"model": "meta-llama/Llama-3.2-1B", "cluster": parse_cluster("4xA100-40GB"),
             "workload": Workload(seq_len=2048, global_batch=16), "headroom": headroom,
             "pins": Pins.of(pp=4, tp=1, cp=1, engine=Engine.MEGATRON, zero=0, precision=(Precision.BF16_MIXED,),
@@ -298,7 +298,7 @@ def test_the_random_instances_cover_every_schedule_and_ranks_that_mix_recompute(
 
 
 def test_the_plan_is_priced_by_estimate_as_the_search_priced_it():
-    case = llama_on_four_a100s(headroom=0.7)
+    case = llama_on_four_a100s(headroom=0.71)
     graph_of, space = space_of(case)
     modes = (Checkpoint.NONE, Checkpoint.FULL)
     result = pipeline_search(space.pipelines, graph_of, case["cluster"], case["workload"], headroom=case["headroom"],
