@@ -451,7 +451,7 @@ REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
     Launcher("accelerate", "accelerate 1.x (FSDP2 or DeepSpeed 0.19 plugin)", _HF_STACKS, _hf_or_accelerate, "none",
              ("your training script, started by `accelerate launch` with the emitted config",)),
     Launcher("hf", "transformers Trainer 5.x (FSDP2 or DeepSpeed 0.19)", _HF_STACKS, _hf_or_accelerate, "none",
-             ("your training script, building a Trainer from training_args.json",)),
+             ("your training script, building a Trainer from training_args.json (run after `source fitplan_env.sh`)",)),
     Launcher("deepspeed", "DeepSpeed 0.19", _DEEPSPEED_STAGES, _deepspeed, "none",
              ("your training script, calling deepspeed.initialize with ds_config.json",)),
     Launcher("axolotl", f"{_AXOLOTL} (HF Trainer; FSDP2 or DeepSpeed 0.19)", _HF_STACKS, _axolotl, "none",

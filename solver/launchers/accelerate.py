@@ -9,7 +9,7 @@ import yaml
 from costmodels import Engine, Offload
 
 from ..plan import Plan
-from .common import about, all_checkpointed, checkpointed_layers, layer_class
+from .common import about, all_checkpointed, checkpointed_layers, launch_environment, layer_class
 from .nodes import DEFAULT_PORT, MASTER_ADDR, MASTER_PORT, NODE_RANK, nodes_note
 from .shell import launch_script
 
@@ -71,7 +71,8 @@ def emit(plan: Plan) -> dict[str, str]:
     argv = ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "--num_machines",
             str(plan.inputs.cluster.nodes), "--machine_rank", NODE_RANK, "--main_process_ip", MASTER_ADDR,
             "--main_process_port", MASTER_PORT, "train.py"]
-    launch = launch_script(argv, about=about(plan), forward=True, notes=nodes_note(plan))
+    launch = launch_script(argv, about=about(plan), environment=launch_environment(plan), forward=True,
+                           notes=nodes_note(plan))
     files = {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}
     if plan.decisions.lora:
         from .hf import adapter_config, quantization_config

@@ -23,6 +23,7 @@ from .common import (
     about,
     all_checkpointed,
     checkpointed_layers,
+    launch_environment,
     layer_class,
     precision_flags,
 )
@@ -151,7 +152,8 @@ def emit(plan: Plan) -> dict[str, str]:
 
     notes = nodes_note(plan) + "\nOn one node `axolotl train axolotl_config.yaml` runs the same."
     files = {CONFIG: yaml.safe_dump(config(plan), sort_keys=False),
-             "axolotl_launch.sh": launch_script(launch_argv(plan), about=about(plan), notes=notes)}
+             "axolotl_launch.sh": launch_script(launch_argv(plan), about=about(plan),
+                                                environment=launch_environment(plan), notes=notes)}
     if plan.decisions.engine is Engine.DEEPSPEED:
         files["ds_config.json"] = json.dumps(deepspeed_config(plan, hidden=plan.inputs.hidden_size), indent=2) + "\n"
     return files

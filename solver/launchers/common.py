@@ -41,3 +41,9 @@ def about(plan: Plan) -> str:
 def layer_class(plan: Plan) -> str:
     """The decoder-layer class name (what FSDP wraps), e.g. LlamaDecoderLayer."""
     return plan.inputs.layer_class or "DecoderLayer"
+
+
+def launch_environment(plan: Plan) -> dict[str, str]:
+    """Environment variables the plan's memory model assumes: expandable segments for the caching allocator
+    (`costmodels.overhead.reserved_bytes`), unless the plan turned them off."""
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if plan.decisions.expandable_segments else {}

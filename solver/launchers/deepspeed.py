@@ -9,7 +9,7 @@ from costmodels import Engine, Offload, Optimizer
 from costmodels.zero import persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
 
 from ..plan import Plan
-from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about
+from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about, launch_environment
 from .nodes import MASTER_PORT, hostfile
 from .shell import Env, env, launch_script
 
@@ -104,7 +104,11 @@ def emit(plan: Plan, *, hidden: int) -> dict[str, str]:
     argv = ["deepspeed", *hosts, "--num_nodes", str(cluster.nodes), "--num_gpus", str(cluster.gpus_per_node),
             "train.py", "--deepspeed", "ds_config.json"]
     files = {"ds_config.json": json.dumps(config(plan, hidden=hidden), indent=2) + "\n",
-             "deepspeed_launch.sh": launch_script(argv, about=about(plan), notes=_nodes_note(cluster.nodes))}
+             "deepspeed_launch.sh": launch_script(argv, about=about(plan), environment=launch_environment(plan),
+                                                  notes=_nodes_note(cluster.nodes))}
     if cluster.nodes > 1:
         files["hostfile"] = hostfile(plan)
+        environment = launch_environment(plan)
+        if environment:  # the pdsh runner passes NCCL_* and a few others on; the rest from .deepspeed_env
+            files[".deepspeed_env"] = "".join(f"{name}={value}\n" for name, value in environment.items())
     return files

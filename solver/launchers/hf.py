@@ -19,11 +19,14 @@ from .common import (
     LEARNING_RATE,
     MAX_GRAD_NORM,
     WEIGHT_DECAY,
+    about,
     all_checkpointed,
     checkpointed_layers,
+    launch_environment,
     layer_class,
     precision_flags,
 )
+from .shell import comment, exports
 
 # transformers 5.24 `OptimizerNames`; `adamw_hf` no longer exists (removed in 5.x). The paged ones build
 # bitsandbytes' PagedAdamW (optim_bits 8 or 32) in `Trainer.get_optimizer_cls_and_kwargs`.
@@ -130,4 +133,8 @@ def emit(plan: Plan) -> dict[str, str]:
         files["quantization_config.json"] = quantized
     if checkpointed_layers(plan) and not all_checkpointed(plan):
         files["fitplan_checkpointing.py"] = checkpoint_snippet(plan)
+    environment = launch_environment(plan)
+    if environment:  # the Trainer is started by the user's own command: the variables it needs, to source first
+        files["fitplan_env.sh"] = comment(f"{about(plan)}\nSource this file before starting your training script "
+                                          "(the plan's memory assumes it).") + exports(environment)
     return files

@@ -8,7 +8,7 @@ from graphs import Checkpoint, FitplanError
 
 from ..capability import MEGATRON_CP_COMM, block_recompute_layers
 from ..plan import Decisions, Plan
-from .common import about
+from .common import about, launch_environment
 from .nodes import nodes_note, torchrun_argv
 from .shell import command_line, comment, launch_script, option
 
@@ -168,5 +168,6 @@ def emit(plan: Plan) -> dict[str, str]:
     connections = ["env", MAX_CONNECTIONS] if d.tp > 1 or d.cp > 1 else []
     argv = [*connections, *torchrun_argv(plan), "pretrain_gpt.py", *flags]
     return {"megatron_args.txt": command_line(flags) + "\n",
-            "megatron_launch.sh": launch_script(argv, about=about(plan), forward=True, notes=nodes_note(plan)),
+            "megatron_launch.sh": launch_script(argv, about=about(plan), environment=launch_environment(plan),
+                                                forward=True, notes=nodes_note(plan)),
             "megatron_note.txt": comment(about(plan)) + "# Megatron needs its own checkpoint format of the model.\n"}

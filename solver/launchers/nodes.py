@@ -7,7 +7,8 @@ default to a one-node run, so a single machine needs nothing set. Slurm sets the
 from __future__ import annotations
 
 from ..plan import Plan
-from .shell import Env, comment, env, joined
+from .common import launch_environment
+from .shell import Env, command_line, comment, env, exports, joined
 
 DEFAULT_PORT = "29500"  # torch.distributed's default master port
 NODE_RANK = env("NODE_RANK", "0")
@@ -41,8 +42,6 @@ def hostfile(plan: Plan) -> str:
 
 def slurm_script(plan: Plan, program: list[str | Env], *, about: str) -> str:
     """An sbatch script: one task per node, each running torchrun with c10d rendezvous at the first node."""
-    from .shell import command_line
-
     cluster = plan.inputs.cluster
     argv: list[str | Env] = [
         "srun", "torchrun", "--nnodes", str(cluster.nodes), "--nproc_per_node", str(cluster.gpus_per_node),
@@ -53,4 +52,4 @@ def slurm_script(plan: Plan, program: list[str | Env], *, about: str) -> str:
             f"#SBATCH --gpus-per-node={cluster.gpus_per_node}\n"
             + comment(about) + comment("Submit with sbatch; the first node of the allocation hosts the rendezvous.")
             + 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"\nexport MASTER_ADDR\n'
-            + command_line(argv) + ' "$@"\n')
+            + exports(launch_environment(plan)) + command_line(argv) + ' "$@"\n')

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
@@ -64,8 +64,20 @@ def comment(text: str) -> str:
     return "".join(f"# {line}\n" for line in text.splitlines() or [""])
 
 
-def launch_script(argv: Sequence[str | Env], *, about: str, forward: bool = False, notes: str = "") -> str:
-    """A bash script that runs `argv` and says which plan it belongs to; with `forward`, the script's own
-    arguments are passed on to the training script ("$@")."""
+def launch_script(argv: Sequence[str | Env], *, about: str, environment: Mapping[str, str], forward: bool = False,
+                  notes: str = "") -> str:
+    """A bash script that sets `environment`, runs `argv` and says which plan it belongs to; with `forward`, the
+    script's own arguments are passed on to the training script ("$@")."""
     line = command_line(argv) + (' "$@"' if forward else "")
-    return "#!/usr/bin/env bash\n" + comment(about) + (comment(notes) if notes else "") + line + "\n"
+    return "#!/usr/bin/env bash\n" + comment(about) + (comment(notes) if notes else "") + exports(environment) + \
+        line + "\n"
+
+
+def exports(environment: Mapping[str, str]) -> str:
+    """`export NAME=value` lines (names checked, values quoted)."""
+    lines = []
+    for name, value in environment.items():
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name (A-Z, 0-9, _)")
+        lines.append(f"export {name}={shlex.quote(value)}\n")
+    return "".join(lines)

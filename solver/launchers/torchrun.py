@@ -9,7 +9,7 @@ import json
 import re
 
 from ..plan import Plan
-from .common import LEARNING_RATE, MAX_GRAD_NORM, about
+from .common import LEARNING_RATE, MAX_GRAD_NORM, about, launch_environment
 from .hf import LIGER_KERNEL_CONFIG
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import launch_script, option
@@ -582,7 +582,8 @@ def emit(plan: Plan) -> dict[str, str]:
     script = re.sub(r"__(PLAN|MODEL|SUMMARY|LR|MAX_GRAD_NORM|LIGER|PIPELINE_CODE|SAVERS_CODE)__",
                     lambda match: values[match.group(1)], SCRIPT)
     program = ["train_fitplan.py", *option("--model", plan.inputs.model)]
-    launch = launch_script([*torchrun_argv(plan), *program], about=about(plan), forward=True, notes=nodes_note(plan))
+    launch = launch_script([*torchrun_argv(plan), *program], about=about(plan),
+                           environment=launch_environment(plan), forward=True, notes=nodes_note(plan))
     files = {"train_fitplan.py": script, "torchrun_launch.sh": launch}
     if plan.inputs.cluster.nodes > 1:
         files["slurm_launch.sh"] = slurm_script(plan, program, about=about(plan))

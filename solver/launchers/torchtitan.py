@@ -23,7 +23,7 @@ from graphs import Checkpoint, FitplanError
 
 from ..capability import unsupported
 from ..plan import Decisions, Inputs, Plan
-from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about
+from .common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY, about, launch_environment
 from .nodes import nodes_note, slurm_script, torchrun_argv
 from .shell import comment, launch_script
 
@@ -336,7 +336,8 @@ def emit(plan: Plan) -> dict[str, str]:
         raise FitplanError(f"The torchtitan launcher cannot run this plan as decided: {'; '.join(problems)}.",
                            "Re-plan with --launcher torchtitan, or choose another launcher.")
     text = toml_text(job(plan), header=f"{about(plan)}\n{HEADER}")
-    launch = launch_script([*torchrun_argv(plan), *PROGRAM], about=about(plan), forward=True, notes=_notes(plan))
+    launch = launch_script([*torchrun_argv(plan), *PROGRAM], about=about(plan),
+                           environment=launch_environment(plan), forward=True, notes=_notes(plan))
     files = {JOB_FILE: text, f"{MODULE}.py": CONFIG_MODULE, "torchtitan_launch.sh": launch}
     if plan.inputs.cluster.nodes > 1:
         files["slurm_launch.sh"] = slurm_script(plan, list(PROGRAM), about=about(plan))

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import runpy
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
     changes += [(f"pp=2-{schedule}", {**pipe, "pp_schedule": schedule, "pp_virtual": 2, "pp_split": (4,) * 4})
                 for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV)]
     changes += [(f"cp=2-{mode}", {"cp": 2, "dp": 4, "grad_accum": 8, "cp_mode": mode}) for mode in ContextParallel]
-    changes += [("ep=2", {"ep": 2})]
+    changes += [("ep=2", {"ep": 2}), ("expandable_segments=off", {"expandable_segments": False})]
     cases = []
     for engine, zero in ENGINE_STAGES:
         base = {"engine": engine, "zero": zero, "tp": 1, "dp": WORLD, "micro_batch": 2, "grad_accum": 4,
@@ -247,6 +248,23 @@ def axolotl_reads(plan: Plan, files: dict[str, str], folder: Path, monkeypatch) 
             "axolotl.integrations.liger.LigerPlugin" in config.get("plugins", [])}
 
 
+def exported(files: dict[str, str]) -> dict[str, str]:
+    """The variables the launch files set, as bash reads them: each shell script's `export` lines run in an empty
+    environment (the launch scripts' and the HF launcher's fitplan_env.sh, which it writes only when there are
+    variables; slurm_launch.sh must agree)."""
+    found = []
+    for name in sorted(n for n in files if n.endswith(".sh") and n != "hostfile"):
+        exports = "\n".join(line for line in files[name].splitlines() if line.startswith("export ")
+                            and not line.startswith("export MASTER_ADDR"))
+        shown = subprocess.run(["bash", "-c", exports + "\nexport -p"], env={}, capture_output=True, text=True,
+                               check=True).stdout
+        variables = dict(shlex.split(line.removeprefix("declare -x "))[0].split("=", 1)
+                         for line in shown.splitlines() if "=" in line)
+        found.append({k: v for k, v in variables.items() if k not in ("PWD", "SHLVL", "OLDPWD", "_")})
+    assert all(each == found[0] for each in found), found
+    return found[0] if found else {}
+
+
 READERS = {"deepspeed": deepspeed_reads, "hf": hf_reads, "accelerate": accelerate_reads,
            "megatron": megatron_reads, "torchrun": torchrun_reads, "axolotl": axolotl_reads}
 TORCH_OPTIMIZER = {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_FUSED: "AdamW", Optimizer.ADAFACTOR: "Adafactor",
@@ -333,8 +351,11 @@ def test_every_registered_knob_value_is_expressed_or_refused_with_its_reason(lau
             continue
         folder = tmp_path / name.replace("/", "-")
         folder.mkdir()
+        files = emit(plan, launcher)
         with monkeypatch.context() as patch:
-            check_expressed(launcher, plan, READERS[launcher](plan, emit(plan, launcher), folder, patch))
+            check_expressed(launcher, plan, READERS[launcher](plan, files, folder, patch))
+        assert exported(files) == ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+                                   if d.expandable_segments else {}), name
         AcceleratorState._reset_state(reset_partial_state=True)
         ran += 1
     assert ran and refused  # each launcher runs some of the walk and refuses some of it
@@ -353,3 +374,4 @@ def test_the_walk_covers_every_value_of_every_walked_knob():
     assert seen["optimizer_in_backward"] == {True} and seen["activation_offload"] == {True}  # False: the bases
     assert seen["pp_schedule"] == set(Schedule) and seen["cp_mode"] == set(ContextParallel)
     assert seen["pp"] == {2, 4} and seen["cp"] == {2} and seen["ep"] == {2}
+    assert seen["expandable_segments"] == {False}  # True: the bases

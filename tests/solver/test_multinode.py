@@ -71,6 +71,30 @@ def test_deepspeed_two_node_launch_reads_the_emitted_hostfile(deepspeed_two_node
     assert args.user_script == "train.py"
 
 
+def test_deepspeeds_runner_starts_every_node_with_the_allocator_setting(deepspeed_two_nodes, monkeypatch):
+    """DeepSpeed's pdsh runner passes on only some variables; the emitted .deepspeed_env adds the allocator's
+    (the plan's memory assumes expandable segments: overhead.py). Run its own main() up to the pdsh command."""
+    import subprocess
+
+    from deepspeed.launcher import multinode_runner, runner
+
+    class Started(Exception):
+        pass
+
+    def capture(cmd, **kwargs):
+        raise Started(cmd)
+
+    _, folder = deepspeed_two_nodes
+    argv = script_words(folder / "deepspeed_launch.sh", {"MASTER_ADDR": "10.0.0.1"})
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(subprocess, "check_call", lambda *a, **k: 0)  # the ssh reachability check
+    monkeypatch.setattr(multinode_runner.PDSHRunner, "backend_exists", lambda self: True)
+    monkeypatch.setattr(subprocess, "Popen", capture)
+    with pytest.raises(Started) as started:
+        runner.main(argv)
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True;" in " ".join(started.value.args[0])
+
+
 def test_accelerate_two_node_config_and_launch_line_give_every_process_a_rank(deepspeed_two_nodes):
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser

@@ -352,7 +352,8 @@ def run_bash(script: Path, work: Path, env: dict[str, str], *args: str) -> list[
     for name, body in FAKES.items():
         path = bin_dir / name
         path.write_text(f"#!/bin/sh\n{body}\n" if body else
-                        f"#!/bin/sh\nprintf '%s\\0' {name} \"$@\" > \"$(mktemp \"$ARGV_DIR/call.XXXXXX\")\"\n")
+                        f"#!/bin/sh\nprintf '%s\\0' {name} \"$@\" > \"$(mktemp \"$ARGV_DIR/call.XXXXXX\")\"\n"
+                        f"printf '%s' \"${{PYTORCH_CUDA_ALLOC_CONF-unset}}\" > \"$ARGV_DIR/../alloc_conf.{name}\"\n")
         path.chmod(0o755)
     for file in script.parent.iterdir():
         (work / "cwd" / file.name).write_bytes(file.read_bytes())
@@ -386,6 +387,14 @@ def test_slurm_script_runs_one_torchrun_per_node_with_c10d_rendezvous_at_the_fir
                                                                "SLURM_JOB_ID": "4242"})
     assert calls == [["srun", "torchrun", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
                       "--rdzv_id", "4242", "--rdzv_endpoint", "gpu-a17:29500", *PROGRAM]]
+
+
+def test_the_launched_processes_get_the_allocator_setting_the_memory_model_assumes(two_nodes, tmp_path):
+    """torchrun (and srun, which passes its environment on) start with expandable segments (overhead.py)."""
+    nodes = {"NODE_RANK": "0", "MASTER_ADDR": "10.1.2.3", "SLURM_JOB_NODELIST": "gpu-a[17-18]"}
+    for script, launcher in (("torchtitan_launch.sh", "torchrun"), ("slurm_launch.sh", "srun")):
+        run_bash(two_nodes / script, tmp_path / script, nodes)
+        assert (tmp_path / script / f"alloc_conf.{launcher}").read_text() == "expandable_segments:True"
 
 
 def test_one_node_emits_no_slurm_script(base):
