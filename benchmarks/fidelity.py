@@ -228,8 +228,9 @@ def memory_fidelity(data: Path) -> tuple[list[dict], list[dict]]:
 def _memory_row(row: dict[str, Any]) -> dict[str, Any]:
     model = CATALOG[row["model"]]
     lora = LoraSpec(rank=int(row["lora_rank"])) if row.get("lora_rank") else None
+    # the published runs used PyTorch's default (classic) caching allocator
     config = Config(engine=Engine.DDP, micro_batch=int(row["micro_batch_per_gpu"]), precision=Precision.BF16_MIXED,
-                    optimizer=Optimizer.ADAMW)
+                    optimizer=Optimizer.ADAMW, expandable_segments=False)
     dtype, autocast = lowering_for(config, lora=lora is not None)
     graph = lower(model, dtype=dtype, autocast=autocast, lora=lora)
     est = estimate(graph, parse_cluster(f"1x{GPUS.get(row['gpu'], row['gpu'])}"),
