@@ -196,7 +196,7 @@ class Config:
     expandable_segments: Annotated[bool, Knob(
         "The launch files set the caching allocator's expandable_segments:True (in PYTORCH_CUDA_ALLOC_CONF): it then "
         "needs about 1.7% above the allocated peak, not up to 29%.",
-        reads=("memory", "verdict"))] = True
+        reads=("estimate", "memory", "verdict"))] = True
 
     def __post_init__(self) -> None:
         from .engines import rules_of  # the engines' rules are written in this module's enums

@@ -13,6 +13,7 @@ from .config import Config, Loss, Optimizer, Precision, Workload
 from .engines import rules_of
 from .expert_parallel import expert_notes, expert_refusal
 from .memory import memory_breakdown
+from .overhead import allocator_note
 from .pipeline_stages import pipeline_estimate
 from .timing import time_breakdown
 
@@ -192,6 +193,7 @@ def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
         notes.append("MoE FLOPs assume balanced routing (each token to top_k experts)" + (
             "; so does the momentary peak inside one expert (megatron-core's experts split the tokens between "
             "them: graphs/megatron_moe.py)" if graph.runtime == "megatron" else ""))
+    notes.append(allocator_note(config.expandable_segments))
     return tuple(notes) + context_parallel.notes(config) + expert_notes(config) + _saver_notes(config)
 
 

@@ -62,6 +62,16 @@ def reserved_bytes(allocated: int, expandable: bool = True) -> int:
     return math.ceil(allocated / LARGE_BLOCK) * LARGE_BLOCK + math.ceil(FRAGMENTATION * allocated)
 
 
+def allocator_note(expandable: bool) -> str:
+    """How the reserved peak was priced, in words."""
+    if expandable:
+        return (f"caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF, set by the launch files): "
+                f"reserved = allocated in 20 MiB pages + {EXPANDABLE_PAGES} pages + {EXPANDABLE_SLACK:.1%} "
+                "(replays of traced steps: costmodels/allocator.py)")
+    return (f"classic caching allocator (no expandable segments): reserved = allocated in 2 MiB blocks + "
+            f"{FRAGMENTATION:.0%}, the most fragmentation replays of traced steps showed (costmodels/allocator.py)")
+
+
 def allocated_budget(usable: int, overhead: int, expandable: bool = True) -> int:
     """The largest allocated peak whose reservation plus `overhead` fits in `usable` bytes (0 if none)."""
     low, high = 0, max(0, usable)

@@ -100,3 +100,17 @@ def test_the_reservation_formula_holds_each_traced_step_with_classic_segments(tr
     requested = replay(traced).requested
     assert smallest_capacity(traced) <= reserved_bytes(requested, expandable=False)
     assert reserved_bytes(requested, expandable=True) < reserved_bytes(requested, expandable=False)
+
+
+@pytest.mark.parametrize("expandable", [True, False])
+def test_an_estimate_reserves_what_the_formula_says_for_its_allocator_and_says_which(expandable):
+    from costmodels.verdict import fits
+    from solver import estimate
+
+    est = estimate("gpt2", "1xA100-40GB", {"micro_batch": 4, "compile": False, "expandable_segments": expandable},
+                   seq_len=1024)
+    memory = est.memory
+    assert memory.reserved_peak == reserved_bytes(memory.allocated_peak, expandable=expandable)
+    assert memory.device_peak == memory.reserved_peak + memory.overhead
+    assert fits(est, 2 * memory.device_peak).fits and not fits(est, memory.device_peak - 1).fits
+    assert any(("expandable segments" if expandable else "classic caching allocator") in note for note in est.notes)
