@@ -195,7 +195,7 @@ class Config:
                             high=1024)] = 1
     expandable_segments: Annotated[bool, Knob(
         "The launch files set the caching allocator's expandable_segments:True (in PYTORCH_CUDA_ALLOC_CONF): it then "
-        "needs about 1.7% above the allocated peak, not up to 29%.",
+        "needs about 1.7% above the allocated peak, not up to 29% (unpinned: on NVIDIA GPUs).",
         reads=("estimate", "memory", "verdict"))] = True
 
     def __post_init__(self) -> None:

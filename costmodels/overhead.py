@@ -62,6 +62,13 @@ def reserved_bytes(allocated: int, expandable: bool = True) -> int:
     return math.ceil(allocated / LARGE_BLOCK) * LARGE_BLOCK + math.ceil(FRAGMENTATION * allocated)
 
 
+def expandable_segments_default(cluster: Cluster) -> bool:
+    """Whether plans for `cluster` use expandable segments unless pinned: on NVIDIA GPUs. ROCm builds of PyTorch
+    enable them only from torch 2.11 (pytorch/pytorch#177974), with an open report of transfers hanging under them
+    (pytorch/pytorch#192259), so AMD plans keep the classic allocator."""
+    return cluster.gpu.vendor != "amd"
+
+
 def allocator_note(expandable: bool) -> str:
     """How the reserved peak was priced, in words."""
     if expandable:

@@ -25,6 +25,7 @@ from costmodels.compilation import compile_credited
 from costmodels.config import Engine, Loss
 from costmodels.estimate import model_refusals
 from costmodels.loss import liger_lowering
+from costmodels.overhead import expandable_segments_default
 from costmodels.packing import Lengths, packed, padded
 from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import stage_layers
@@ -659,6 +660,8 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     """
     resolved = resolve(model)
     cluster = cluster_from(gpus)
+    if isinstance(config, dict) and "expandable_segments" not in config:  # the default `solve` takes on this GPU
+        config = {**config, "expandable_segments": expandable_segments_default(cluster)}
     cfg = config_from(config, layers=None)
     dtype, autocast = shared_lowering(cfg, lora=lora is not None)
     mode = config.get("checkpoint") if isinstance(config, dict) else None

@@ -15,6 +15,7 @@ from costmodels.compilation import compile_credited
 from costmodels.config import ContextParallel
 from costmodels.engines import RULES
 from costmodels.estimate import model_refusals
+from costmodels.overhead import expandable_segments_default
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 
@@ -283,6 +284,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     # Knobs the loops below do not enumerate take their pinned value (else their default); those they enumerate
     # override it. So a new knob needs no change here until the search should choose it.
     pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
+    pinned.setdefault("expandable_segments", expandable_segments_default(cluster))  # the allocator the GPU's torch has
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     # which launchers run each outer (QLoRA/DoRA, graph.lora, narrow them further)

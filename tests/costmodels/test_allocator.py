@@ -114,3 +114,20 @@ def test_an_estimate_reserves_what_the_formula_says_for_its_allocator_and_says_w
     assert memory.device_peak == memory.reserved_peak + memory.overhead
     assert fits(est, 2 * memory.device_peak).fits and not fits(est, memory.device_peak - 1).fits
     assert any(("expandable segments" if expandable else "classic caching allocator") in note for note in est.notes)
+
+
+def test_amd_plans_keep_the_classic_allocator_and_their_launch_files_set_nothing():
+    # ROCm's expandable segments are new (torch 2.11) with an open hang report: overhead.expandable_segments_default
+    from solver import estimate, solve
+    from solver.launchers import emit
+
+    plan = solve("gpt2", "1xMI300X", seq_len=1024, global_batch=8, time_limit=5)
+    memory = plan.estimate.memory
+    assert plan.decisions.expandable_segments is False
+    assert memory.reserved_peak == reserved_bytes(memory.allocated_peak, expandable=False)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in emit(plan, "torchrun")["torchrun_launch.sh"]
+    again = estimate("gpt2", "1xMI300X", {"micro_batch": plan.decisions.micro_batch, "compile": plan.decisions.compile,
+                                          "grad_accum": plan.decisions.grad_accum}, seq_len=1024)
+    assert again.memory.reserved_peak == reserved_bytes(again.memory.allocated_peak, expandable=False)
+    pinned = solve("gpt2", "1xMI300X", seq_len=1024, global_batch=8, time_limit=5, expandable_segments=True)
+    assert pinned.decisions.expandable_segments is True  # a ROCm build that has them: the user's call
