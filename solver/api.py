@@ -25,7 +25,6 @@ from costmodels.compilation import compile_credited
 from costmodels.config import Engine, Loss
 from costmodels.estimate import model_refusals
 from costmodels.loss import liger_lowering
-from costmodels.overhead import expandable_segments_default
 from costmodels.packing import Lengths, packed, padded
 from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import stage_layers
@@ -54,7 +53,7 @@ from .launchers.support import (
 )
 from .model import SolveResult
 from .model_shape import model_shape
-from .pins import KNOBS, Pins
+from .pins import KNOBS, Pins, gpu_defaults
 from .pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
 from .plan import ClusterInfo, Inputs, LoraDecision, Plan, ScheduleOption, SolverStats, decisions_of
 from .search import SearchResult, build_tables, search
@@ -660,8 +659,8 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     """
     resolved = resolve(model)
     cluster = cluster_from(gpus)
-    if isinstance(config, dict) and "expandable_segments" not in config:  # the default `solve` takes on this GPU
-        config = {**config, "expandable_segments": expandable_segments_default(cluster)}
+    if isinstance(config, dict):  # knobs left unset take the defaults `solve` takes on these GPUs
+        config = {**config, **gpu_defaults(cluster, config)}
     cfg = config_from(config, layers=None)
     dtype, autocast = shared_lowering(cfg, lora=lora is not None)
     mode = config.get("checkpoint") if isinstance(config, dict) else None

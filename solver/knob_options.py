@@ -15,7 +15,7 @@ import typer
 from costmodels.knobs import Declared
 
 from .options import Bounded, Text
-from .pins import KNOBS, Pins, pinned_kind
+from .pins import GPU_DEFAULTS, KNOBS, Pins, pinned_kind
 
 PANEL = "Knobs (each one the solver decides unless pinned)"
 
@@ -92,7 +92,7 @@ def _solve_annotation(knob: Declared) -> Any:
 
 
 def _estimate_default(knob: Declared) -> Any:
-    if knob.knob.pin == "derived":
+    if knob.knob.pin == "derived" or knob.name in GPU_DEFAULTS:  # the rest of the GPUs; the GPUs' default
         return None
     kind = pinned_kind(knob)
     return kind(next(iter(kind))) if knob.kind is not kind else knob.default  # per-layer: the first mode, none
@@ -108,7 +108,8 @@ def _estimate_annotation(knob: Declared) -> Any:
     if knob.knob.pin == "derived":
         help += " Default: the rest of the GPUs."
     if kind is bool:
-        return Annotated[bool, typer.Option(f"{option}/--no-{option[2:]}", help=help, rich_help_panel=PANEL)]
+        shown = bool | None if knob.name in GPU_DEFAULTS else bool
+        return Annotated[shown, typer.Option(f"{option}/--no-{option[2:]}", help=help, rich_help_panel=PANEL)]
     if knob.kind is not kind:
         help = "Checkpoint mode of every layer."
     shown = kind | None if knob.knob.pin == "derived" else kind

@@ -8,16 +8,25 @@ per-layer knob (checkpoint) is pinned to one mode for every layer.
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from costmodels import Config
+from costmodels import Cluster, Config
 from costmodels.knobs import Declared, declared
+from costmodels.overhead import expandable_segments_default
 
 from .capability import LAUNCHERS
 
 KNOBS: dict[str, Declared] = declared(Config)
+# Knobs whose default depends on the GPUs (what their PyTorch build runs): `solve` and `estimate` both take it
+# from here when the user does not set the knob.
+GPU_DEFAULTS: dict[str, Callable[[Cluster], Any]] = {"expandable_segments": expandable_segments_default}
+
+
+def gpu_defaults(cluster: Cluster, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The GPU-dependent defaults of the knobs `given` leaves unset (absent or None)."""
+    return {name: default(cluster) for name, default in GPU_DEFAULTS.items() if given.get(name) is None}
 
 
 def pinned_kind(knob: Declared) -> Any:

@@ -15,7 +15,6 @@ from costmodels.compilation import compile_credited
 from costmodels.config import ContextParallel
 from costmodels.engines import RULES
 from costmodels.estimate import model_refusals
-from costmodels.overhead import expandable_segments_default
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 
@@ -28,7 +27,7 @@ from .capability import (
     selective_runners,
     whole_pipeline_groups,
 )
-from .pins import KNOBS, Pins
+from .pins import KNOBS, Pins, gpu_defaults
 
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
@@ -284,7 +283,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     # Knobs the loops below do not enumerate take their pinned value (else their default); those they enumerate
     # override it. So a new knob needs no change here until the search should choose it.
     pinned = {name: pins.value(name) for name in KNOBS if name != "checkpoint" and pins.value(name) is not None}
-    pinned.setdefault("expandable_segments", expandable_segments_default(cluster))  # the allocator the GPU's torch has
+    pinned.update(gpu_defaults(cluster, pinned))  # e.g. the allocator the GPU's PyTorch build runs
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     # which launchers run each outer (QLoRA/DoRA, graph.lora, narrow them further)

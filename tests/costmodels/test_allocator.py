@@ -131,3 +131,20 @@ def test_amd_plans_keep_the_classic_allocator_and_their_launch_files_set_nothing
     assert again.memory.reserved_peak == reserved_bytes(again.memory.allocated_peak, expandable=False)
     pinned = solve("gpt2", "1xMI300X", seq_len=1024, global_batch=8, time_limit=5, expandable_segments=True)
     assert pinned.decisions.expandable_segments is True  # a ROCm build that has them: the user's call
+
+
+@pytest.mark.parametrize(("gpus", "flag", "expandable"), [
+    ("1xMI300X", [], False), ("1xMI300X", ["--expandable-segments"], True), ("1xA100-40GB", [], True),
+    ("1xA100-40GB", ["--no-expandable-segments"], False)])
+def test_the_estimate_command_takes_the_allocator_solve_would(gpus, flag, expandable):
+    import json
+
+    from typer.testing import CliRunner
+
+    from solver.cli import app
+
+    run = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--gpus", gpus, "--seq-len", "1024", "--micro-batch",
+                                   "4", "--no-compile", "--json", *flag])
+    assert run.exit_code == 0, run.output
+    memory = json.loads(run.stdout)["memory"]
+    assert memory["reserved_peak"] == reserved_bytes(memory["allocated_peak"], expandable=expandable)
