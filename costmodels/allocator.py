@@ -113,7 +113,9 @@ class Replay:
 
 
 class CachingAllocator:
-    """One device's caching allocator (one stream), optionally capped at `capacity` reserved bytes."""
+    """One device's caching allocator (one stream). Classic segments may be capped at `capacity` reserved bytes
+    (out of memory beyond it, after returning unused segments); with expandable segments the need is the `touched`
+    peak, and `capacity` is not used."""
 
     def __init__(self, *, expandable: bool = False, capacity: int | None = None) -> None:
         self.expandable = expandable
