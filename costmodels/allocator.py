@@ -180,25 +180,24 @@ class CachingAllocator:
         """Mark `block` free, merge it with free neighbours, return it to its pool."""
         pool = self.pools[self._is_small(block)]
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                pool.remove(neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    if self.tails.get(pool.small) is block:
-                        self.tails[pool.small] = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-                    if self.tails.get(pool.small) is neighbour:
-                        self.tails[pool.small] = block
+        if block.prev is not None and block.prev.free:
+            pool.remove(block.prev)
+            block = self._absorb(block.prev, block)
+        if block.next is not None and block.next.free:
+            pool.remove(block.next)
+            block = self._absorb(block, block.next)
         pool.add(block)
+
+    def _absorb(self, left: _Block, right: _Block) -> _Block:
+        """`left` grows over its neighbour `right` (and becomes its pool's tail if `right` was)."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        for small, tail in self.tails.items():
+            if tail is right:
+                self.tails[small] = left
+        return left
 
     def _is_small(self, block: _Block) -> bool:
         return self.segments[block.segment].small
