@@ -47,6 +47,11 @@ def round_size(nbytes: int) -> int:
     return max(MIN_BLOCK, math.ceil(nbytes / MIN_BLOCK) * MIN_BLOCK)
 
 
+def page_size(small: bool) -> int:
+    """An expandable segment's page: kSmallBuffer for the small pool, kLargeBuffer for the large one."""
+    return SMALL_BUFFER if small else LARGE_BUFFER
+
+
 def segment_size(rounded: int) -> int:
     """The cudaMalloc size for a request no cached block holds (`get_allocation_size`)."""
     if rounded <= SMALL_SIZE:
@@ -166,7 +171,7 @@ class CachingAllocator:
 
     def _use_pages(self, block: _Block, small: bool, step: int) -> None:
         """Count a live block in (or out of) each page it touches; `touched` is the bytes of pages in use."""
-        page = SMALL_BUFFER if small else LARGE_BUFFER
+        page = page_size(small)
         for index in range(block.address // page, (block.address + block.size - 1) // page + 1):
             users = self.page_users.get((small, index), 0) + step
             if users:
@@ -220,7 +225,7 @@ class CachingAllocator:
 
     def _extend(self, small: bool, rounded: int) -> _Block:
         """Expandable segments: map pages at the end of the pool's segment so its free tail holds `rounded`."""
-        page = SMALL_BUFFER if small else LARGE_BUFFER
+        page = page_size(small)
         if small not in self.tails:
             segment = self.next_address
             self.segments[segment] = _Segment(0, small)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from .allocator import LARGE_BUFFER, ROUND_LARGE
 from .cluster import Cluster
 from .config import Config
 from .zero import shard_ranks
@@ -36,11 +37,11 @@ CUBLAS_WORKSPACE_BYTES = 32 * MIB
 # - without: 0.6% to 28.4%, and not predictable from the peak: it depends on which cached segments later requests
 #   of other sizes split, and before failing the allocator can return only segments with nothing live in them.
 # Each allowance covers every FIT replay; tests/costmodels/test_allocator.py checks them on the HELD_OUT shapes.
-PAGE = 20 * MIB  # an expandable segment's large-pool page (kLargeBuffer)
+PAGE = LARGE_BUFFER  # an expandable segment's large-pool page
 EXPANDABLE_SLACK = 0.017
 EXPANDABLE_PAGES = 4
 FRAGMENTATION = 0.29
-LARGE_BLOCK = 2 * MIB  # a classic segment's rounding (kRoundLarge)
+LARGE_BLOCK = ROUND_LARGE  # a classic segment's rounding
 
 
 def runtime_overhead(cluster: Cluster, config: Config) -> int:
