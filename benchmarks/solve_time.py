@@ -89,8 +89,8 @@ def cold_lowering(model: str) -> float:
 
 
 def cpsat_vs_enumeration(seeds: range) -> list[dict]:
-    from solver.reference import enumerate_best
-    from solver.search import search
+    from solver.search.reference import enumerate_best
+    from solver.search.table_search import search
     from tests.solver.test_model import instance, tables_for
 
     rows = []

@@ -1,7 +1,7 @@
 """The knob record: every decision is declared once, as `Annotated[type, Knob(...)]` on its field of `Config`
 (or of the plan's `Decisions` for what only the plan records), and everything else derives from it.
 
-`Config` validates values, `solver.space.Pins` takes pins by knob name and checks them against the declared type,
+`Config` validates values, `solver.search.space.Pins` takes pins by knob name and checks them against the declared type,
 the plan's decisions extend `Config`, the CLI options of `solve` and `estimate` are generated from the record, and
 the JSON schema's field descriptions are the knobs' help. Adding a knob is one annotated field, the cost module(s)
 that read it (named in `reads`, checked by a test) and the emitters that express it (README, "Adding a knob").

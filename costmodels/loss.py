@@ -237,7 +237,7 @@ def loss_nodes(memory: LossMemory, x: HeadShape) -> tuple[NodeMemory, NodeMemory
 def liger_lowering(config: Config) -> bool:
     """Whether `config` runs Liger's whole patch, so its layers are lowered with Liger's kernels (`graphs/liger.py`):
     the fused linear loss is emitted as transformers' `use_liger_kernel`, which also swaps in Liger's RMSNorm,
-    SwiGLU and RoPE (solver/launchers/hf.py `LIGER_KERNEL_CONFIG`)."""
+    SwiGLU and RoPE (solver/plan/launchers/hf.py `LIGER_KERNEL_CONFIG`)."""
     return config.loss is Loss.FUSED_LINEAR
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from graphs import LoraSpec
 from solver import solve
-from solver.launchers import emit
+from solver.plan.launchers import emit
 
 qlora = LoraSpec(rank=16, alpha=32, quantization="nf4", double_quant=True)
 plan = solve("Qwen/Qwen2.5-7B", "1xRTX4090", seq_len=2048, global_batch=16, lora=qlora,

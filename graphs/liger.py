@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-# The kernels `use_liger_kernel` runs as fitplan emits it (solver/launchers/hf.py `liger_kernel_config`): liger-kernel
-# 0.8.5's defaults for Llama-style models (rope, rms_norm, swiglu and fused_linear_cross_entropy on, cross_entropy
-# off), spelled out so that a model type whose patch defaults differ (granite turns cross_entropy on) runs the same
-# kernels. `_apply_liger_kernel_to_instance` drops the keys a model's patch does not take; the patch's other
-# defaults (gemma's geglu, llama4's layer_norm) apply in the lowering and in the run alike.
+# The kernels `use_liger_kernel` runs as fitplan emits it (solver/plan/launchers/hf.py `liger_kernel_config`):
+# liger-kernel 0.8.5's defaults for Llama-style models (rope, rms_norm, swiglu and fused_linear_cross_entropy on,
+# cross_entropy off), spelled out so that a model type whose patch defaults differ (granite turns cross_entropy on)
+# runs the same kernels. `_apply_liger_kernel_to_instance` drops the keys a model's patch does not take; the patch's
+# other defaults (gemma's geglu, llama4's layer_norm) apply in the lowering and in the run alike.
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False}
 # Triton kernels that rewrite some arguments in place (positional index): they read and write those bytes.
 # ops/rope.py `_triton_rope(q, q_row_stride, k, k_row_stride, ...)` rotates q and k in place (forward and backward);

@@ -1,6 +1,6 @@
 """megatron-core's MoE layers on fake tensors: the Mixtral-style router and experts as a Megatron-LM run builds them.
 
-The emitted Megatron launch (`solver/launchers/megatron.py`) runs megatron-core's `MoELayer` with the all-to-all
+The emitted Megatron launch (`solver/plan/launchers/megatron.py`) runs megatron-core's `MoELayer` with the all-to-all
 token dispatcher, dropless (no capacity factor), top-k softmax routing with the load-balancing aux loss, and
 `SequentialMLP` experts (no `--moe-grouped-gemm`): one MLP per expert, run on its slice of the permuted tokens.
 Three things in that code need values or a GPU, which a fake-tensor trace on a CPU has not; each is answered here:
@@ -48,7 +48,7 @@ def router_pre_softmax(model_type: str, norm_topk_prob: bool) -> bool:
     """Whether the router weighs the top k by the softmax over all experts (megatron's `moe_router_pre_softmax`),
     as Qwen3-MoE does with `norm_topk_prob` off; with it on, and in Mixtral, the weights are renormalised over the
     top k, which is megatron's default softmax over the top-k logits. The lowering and the Megatron launcher's
-    model shape (`solver.model_shape`) both ask here."""
+    model shape (`solver.plan.model_shape`) both ask here."""
     return model_type == "qwen3_moe" and not norm_topk_prob
 
 

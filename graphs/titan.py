@@ -45,7 +45,7 @@ from .sources import ResolvedModel, resolve
 from .structure import layer_signature
 
 # The attention a torchtitan-lowered graph records (its models attend with FlexAttention); a plan priced on it
-# carries it, so launchers that run the HF code can tell (`solver.launchers.support`). No HF name equals it.
+# carries it, so launchers that run the HF code can tell (`solver.plan.launchers.support`). No HF name equals it.
 TITAN_ATTENTION = "flex"
 
 # The checkpoint modes torchtitan runs: none, `FullAC` and `SelectiveAC` (op-level SAC).

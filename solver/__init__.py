@@ -4,8 +4,8 @@
 `fitplan` / `solve` are the command-line tools.
 """
 
-from .api import estimate, solve
-from .diagnose import Infeasible
-from .plan import Plan, json_schema
+from solver.api import estimate, solve
+from solver.plan.record import Plan, json_schema
+from solver.search.diagnose import Infeasible
 
 __all__ = ["Infeasible", "Plan", "estimate", "json_schema", "solve"]

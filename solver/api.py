@@ -36,14 +36,10 @@ from graphs.lower import lower_resolved
 from graphs.megatron import MEGATRON_TYPES, lower_megatron_resolved
 from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel
-
-from . import capability
-from .advice import advise
-from .alternatives import alternatives
-from .bounds import check_workload
-from .capability import op_selective_runners
-from .diagnose import Infeasible, NoPlanInTime, diagnose
-from .launchers.support import (
+from solver.plan import capability
+from solver.plan.advice import advise
+from solver.plan.capability import op_selective_runners
+from solver.plan.launchers.support import (
     MEGATRON_PRICED,
     TITAN_PRICED,
     model_launchers,
@@ -51,14 +47,17 @@ from .launchers.support import (
     pipeline_launchers,
     runnable_by,
 )
-from .model import SolveResult
-from .model_shape import model_shape
-from .pins import KNOBS, Pins, gpu_defaults
-from .pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
-from .plan import ClusterInfo, Inputs, LoraDecision, Plan, ScheduleOption, SolverStats, decisions_of
-from .search import SearchResult, build_tables, search
-from .space import Outer, Space, outer_space
-from .tables import TICK_SECONDS
+from solver.plan.model_shape import model_shape
+from solver.plan.record import ClusterInfo, Inputs, LoraDecision, Plan, ScheduleOption, SolverStats, decisions_of
+from solver.search.alternatives import alternatives
+from solver.search.bounds import check_workload
+from solver.search.diagnose import Infeasible, NoPlanInTime, diagnose
+from solver.search.model import SolveResult
+from solver.search.pins import KNOBS, Pins, gpu_defaults
+from solver.search.pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
+from solver.search.space import Outer, Space, outer_space
+from solver.search.table_search import SearchResult, build_tables, search
+from solver.search.tables import TICK_SECONDS
 
 # Common fine-tuning practice when the user gives no workload: 4096-token sequences (or the model's limit)
 # and 64 sequences per step (e.g. the Alpaca/Tulu recipes use 64-128), raised to one per data-parallel rank.
@@ -84,7 +83,7 @@ def cluster_from(gpus: str | Cluster, *, profile: str | Path | None = None, **op
         return with_profile(cluster_from(gpus, **options), load_profile(profile), origin=str(profile))
     given = {k: v for k, v in options.items() if v is not None}
     if gpus == "auto" and not given:
-        from .detect import detect_cluster
+        from solver.hardware.detect import detect_cluster
 
         return detect_cluster()
     if given and (isinstance(gpus, Cluster) or gpus == "auto" or _is_cluster_file(gpus)):

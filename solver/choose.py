@@ -17,10 +17,9 @@ from typing import Any
 
 from costmodels import GPU, find_gpu
 from graphs import FitplanError, resolve
-
-from .api import solve
-from .diagnose import Infeasible
-from .prices import GpuPrice, bundled_note, bundled_prices, load_prices
+from solver.api import solve
+from solver.hardware.prices import GpuPrice, bundled_note, bundled_prices, load_prices
+from solver.search.diagnose import Infeasible
 
 # Counts tried inside one node before whole nodes: the usual rentable shapes (1, 2, 4 or 8 GPUs per VM).
 WITHIN_NODE_COUNTS = (1, 2, 4, 8)

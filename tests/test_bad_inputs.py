@@ -26,8 +26,8 @@ from graphs.cache import load_cached, store_cached
 from graphs.catalog import load_entry
 from graphs.files import MAX_INPUT_BYTES
 from graphs.positions import sequence_note
-from solver.cli import app
-from solver.options import Bounded
+from solver.cli.app import app
+from solver.cli.options import Bounded
 from tests.graphs.tiny_configs import tiny_values
 
 CASE_SECONDS = 60
@@ -37,7 +37,7 @@ GPT2 = ["--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512", "--global-bat
 SOLVE = ["solve", *GPT2]
 ESTIMATE = ["estimate", "--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512"]
 LLAMA = ["solve", "--model", "meta-llama/Llama-3.2-1B", "--gpus", "8xA100", "--seq-len", "512", "--global-batch", "8"]
-NO_CONFIG = "No configuration is possible"  # pins that leave no configuration (solver.diagnose)
+NO_CONFIG = "No configuration is possible"  # pins that leave no configuration (solver.search.diagnose)
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def config(file: str) -> list[str]:
     return [*ESTIMATE, "--config", f"{{d}}/{file}"]
 
 
-NUMBERS = [  # solve's numeric options: parsed with a range (solver.bounds), refused with option, value, range
+NUMBERS = [  # solve's numeric options: parsed with a range (solver.search.bounds), refused with option, value, range
     case("seq-len-zero", [*SOLVE, "--seq-len", "0"], 2, "'--seq-len': Value error, 0 is out of range"),
     case("seq-len-negative", [*SOLVE, "--seq-len", "-1"], 2, "allowed: 1 to 2,097,152"),
     case("seq-len-ten-million-llama", [*LLAMA, "--seq-len", "10000000"], 2, "10000000 is out of range"),

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from costmodels.cluster import parse_cluster
 from graphs.catalog import load_entry
-from solver.cli import app
+from solver.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

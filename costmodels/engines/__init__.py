@@ -9,7 +9,7 @@ from ..config import Engine
 from . import ddp, deepspeed, fsdp2, megatron
 from .base import DataParallelTraffic, EngineRules, GradientSizes, UnitBytes
 
-# In order of simplicity: the search breaks ties toward the first (solver/space.ENGINE_STAGES).
+# In order of simplicity: the search breaks ties toward the first (solver/search/space.ENGINE_STAGES).
 RULES: dict[Engine, EngineRules] = {rules.engine: rules for rules in (ddp.RULES, deepspeed.RULES, fsdp2.RULES,
                                                                        megatron.RULES)}
 

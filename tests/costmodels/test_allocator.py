@@ -119,7 +119,7 @@ def test_an_estimate_reserves_what_the_formula_says_for_its_allocator_and_says_w
 def test_amd_plans_keep_the_classic_allocator_and_their_launch_files_set_nothing():
     # ROCm's expandable segments are new (torch 2.11) with an open hang report: overhead.expandable_segments_default
     from solver import estimate, solve
-    from solver.launchers import emit
+    from solver.plan.launchers import emit
 
     plan = solve("gpt2", "1xMI300X", seq_len=1024, global_batch=8, time_limit=5)
     memory = plan.estimate.memory
@@ -141,7 +141,7 @@ def test_the_estimate_command_takes_the_allocator_solve_would(gpus, flag, expand
 
     from typer.testing import CliRunner
 
-    from solver.cli import app
+    from solver.cli.app import app
 
     run = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--gpus", gpus, "--seq-len", "1024", "--micro-batch",
                                    "4", "--no-compile", "--json", *flag])

@@ -12,8 +12,8 @@ from costmodels.compute import kernel_speed
 from costmodels.optimizers import state_bytes
 from graphs import Checkpoint, lower
 from solver import solve
-from solver.pins import Pins
-from solver.space import outer_space
+from solver.search.pins import Pins
+from solver.search.space import outer_space
 
 LLAMA = "meta-llama/Llama-3.2-1B"
 

@@ -18,7 +18,7 @@ import pytest
 from costmodels import Engine, Optimizer, Precision, Workload, estimate, parse_cluster
 from graphs import Checkpoint, lower
 from solver import solve
-from solver.plan import Plan
+from solver.plan.record import Plan
 from tests.solver.test_parallel_launchers import megatron_checked, plan_for
 
 MODEL = "meta-llama/Llama-3.1-8B"  # untied head; vocab 128256 pads to itself for tp <= 2 (128 x tp)

@@ -12,7 +12,7 @@ from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate,
 from costmodels.zero import fsdp_shard_dim
 from graphs import Checkpoint, lower
 from solver import solve
-from solver.launchers import emit
+from solver.plan.launchers import emit
 
 GIB = 2**30
 

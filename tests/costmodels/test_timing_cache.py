@@ -14,7 +14,7 @@ from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, 
 from costmodels.config import ContextParallel
 from graphs import resolve
 from solver.api import _graph_for
-from solver.space import Outer
+from solver.search.space import Outer
 from tests.solver.test_pipeline_search import _tiny_moe
 
 WORKLOAD = Workload(seq_len=2048, global_batch=64)

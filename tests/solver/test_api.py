@@ -12,7 +12,7 @@ from costmodels.compilation import compile_credited
 from graphs import Checkpoint, FitplanError, lower
 from solver import Infeasible, solve
 from solver.api import config_from
-from solver.tables import TICK_SECONDS
+from solver.search.tables import TICK_SECONDS
 
 MODEL = "meta-llama/Llama-3.2-1B"
 

@@ -30,9 +30,9 @@ from typer.testing import CliRunner
 from costmodels import Engine, Offload, Optimizer, Precision
 from costmodels.config import Loss
 from graphs import Checkpoint, FitplanError
-from solver.launchers import emit
-from solver.launchers.support import unsupported
-from solver.plan import LoraDecision, Plan
+from solver.plan.launchers import emit
+from solver.plan.launchers.support import unsupported
+from solver.plan.record import LoraDecision, Plan
 from tests.solver import test_launcher_matrix as matrix
 from tests.solver.test_launcher_matrix import HF_OPTIM, LAYERS, VARIANTS, WORLD, vary
 
@@ -246,7 +246,7 @@ def test_axolotls_own_validation_accepts_every_emitted_config_and_keeps_its_valu
 
 
 def _solve_and_emit(out: Path, *flags: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    from solver.cli import app
+    from solver.cli.app import app
 
     run = CliRunner().invoke(app, ["solve", "--model", "Qwen/Qwen2.5-7B", "--gpus", "1xRTX4090", "--launcher",
                                    "axolotl", "--emit", "axolotl", "--emit-dir", str(out), "--time-limit", "60",

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from solver import solve
-from solver.cli import app
+from solver.cli.app import app
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 

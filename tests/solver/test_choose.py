@@ -25,8 +25,8 @@ from solver.choose import (
     parse_duration,
     unit_price,
 )
-from solver.cli import app
-from solver.prices import GpuPrice, InvalidPrices, bundled_prices, load_prices
+from solver.cli.app import app
+from solver.hardware.prices import GpuPrice, InvalidPrices, bundled_prices, load_prices
 
 MODEL = "meta-llama/Llama-3.2-1B"
 TOKENS = 2e9

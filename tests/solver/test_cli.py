@@ -14,11 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from solver import estimate, solve
-from solver.cli import app
-from solver.commands import models_rows
-from solver.diagnose import Infeasible
-from solver.plan import SCHEMA_VERSION
-from solver.schema_file import SCHEMA_PATH, schema_text
+from solver.cli.app import app
+from solver.cli.commands import models_rows
+from solver.plan.record import SCHEMA_VERSION
+from solver.plan.schema_file import SCHEMA_PATH, schema_text
+from solver.search.diagnose import Infeasible
 
 GIB = 2**30
 GPT2 = ["--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512"]
@@ -88,7 +88,7 @@ def test_solve_gpt2_plan_records_inputs_and_fits(solved):
 
 
 def test_schema_file_matches_plan_dataclasses():
-    assert SCHEMA_PATH.read_text() == schema_text(), "regenerate with: python -m solver.schema_file"
+    assert SCHEMA_PATH.read_text() == schema_text(), "regenerate with: python -m solver.plan.schema_file"
 
 
 def test_estimate_json_matches_api_numbers():

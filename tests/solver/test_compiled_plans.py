@@ -12,7 +12,7 @@ from costmodels.memory import memory_terms
 from graphs import Checkpoint, lower
 from solver import solve
 from solver import tables as tables_module
-from solver.space import Outer
+from solver.search.space import Outer
 
 MODEL = "gpt2"
 

@@ -1,4 +1,4 @@
-"""The count-vector proof (`solver.count_search`) against CP-SAT on the same one-table model, and its answers
+"""The count-vector proof (`solver.search.count_search`) against CP-SAT on the same one-table model, and its answers
 against the reference walk (`Table.peak_of`, `tables.objective`)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 
 from costmodels import Offload, Precision, Workload, parse_cluster
 from graphs import Checkpoint
-from solver.count_search import best_below
-from solver.model import add_objective_cutoff, build_model, solve
-from solver.pins import Pins
-from solver.search import fastest_modes
-from solver.tables import objective, table_modes, tie_weight
+from solver.search.count_search import best_below
+from solver.search.model import add_objective_cutoff, build_model, solve
+from solver.search.pins import Pins
+from solver.search.table_search import fastest_modes
+from solver.search.tables import objective, table_modes, tie_weight
 from tests.solver.test_model import instance, tables_for
 
 TABLES_PER_INSTANCE = 6
@@ -103,7 +103,7 @@ def test_activation_offload_tables_have_every_layer_fully_checkpointed():
 
 
 def test_a_table_with_more_vectors_than_it_evaluates_is_left_to_cpsat(monkeypatch):
-    import solver.count_search as count_search
+    import solver.search.count_search as count_search
 
     case = instance(0)
     tables, kinds, modes = tables_for(case, 0)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from costmodels import find_gpu
 from solver import detect
 from solver.api import cluster_from
-from solver.cli import app
+from solver.cli.app import app
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "nvml_8xh100.json").read_text())
 HOST_RAM, HOST_CORES = 2 * 2**40, 112  # a DGX H100 host (2 TiB, 2 x 56 cores); monkeypatched, not read

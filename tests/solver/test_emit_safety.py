@@ -20,10 +20,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from solver.capability import REGISTRY
-from solver.cli import app
-from solver.launchers import emit
-from solver.plan import Plan
+from solver.cli.app import app
+from solver.plan.capability import REGISTRY
+from solver.plan.launchers import emit
+from solver.plan.record import Plan
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 

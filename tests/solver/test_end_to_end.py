@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from solver import solve
-from solver.commands import emit_files
-from solver.plan import Plan
+from solver.cli.commands import emit_files
+from solver.plan.record import Plan
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 

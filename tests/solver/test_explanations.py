@@ -12,12 +12,12 @@ from costmodels import Workload, estimate, parse_cluster
 from graphs import Checkpoint, LoraSpec, resolve
 from graphs.lower import lower_resolved
 from solver import Infeasible, solve
-from solver.alternatives import misfit_reason
 from solver.api import _graph_for
-from solver.cli import app
-from solver.pins import Pins
-from solver.search import build_tables
-from solver.space import leanest_modes, outer_space
+from solver.cli.app import app
+from solver.search.alternatives import misfit_reason
+from solver.search.pins import Pins
+from solver.search.space import leanest_modes, outer_space
+from solver.search.table_search import build_tables
 
 GIB = 2**30
 

@@ -22,10 +22,10 @@ from graphs import Checkpoint
 from graphs.lower import lower_resolved
 from graphs.sources import resolve
 from solver import api
-from solver.cli import app
-from solver.commands import estimate_report
-from solver.space import Outer
-from solver.tables import build_table
+from solver.cli.app import app
+from solver.cli.commands import estimate_report
+from solver.search.space import Outer
+from solver.search.tables import build_table
 
 SEQ_LEN = 1024
 MODELS = ("facebook/opt-125m", "Qwen/Qwen2.5-0.5B")
@@ -137,7 +137,7 @@ def test_default_headroom_is_the_one_solve_uses():
 
 def test_guide_advice_judges_other_micro_batches_by_the_same_rule():
     from costmodels import estimate as estimate_graph
-    from solver.advice import advise
+    from solver.plan.advice import advise
 
     cluster = parse_cluster("1xA10G")
     flags = {"tp": 1, "dp": 1, "micro_batch": 2, "grad_accum": 2, "checkpoint": "none"}

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 import costmodels
 from costmodels import Config
 from costmodels.knobs import declared
-from solver.cli import app
-from solver.knob_options import estimate_parameters, solve_parameters
-from solver.pins import KNOBS, Pins, pinned_kind
-from solver.plan import Decisions, Plan, json_schema
+from solver.cli.app import app
+from solver.cli.knob_options import estimate_parameters, solve_parameters
+from solver.plan.record import Decisions, Plan, json_schema
+from solver.search.pins import KNOBS, Pins, pinned_kind
 
 COSTMODELS = Path(costmodels.__file__).parent
 

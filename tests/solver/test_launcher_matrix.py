@@ -29,11 +29,11 @@ from costmodels.config import ContextParallel, Loss
 from costmodels.pipeline_schedule import TORCH_CLASS, Schedule, stage_ranks
 from graphs import Checkpoint, FitplanError
 from solver import solve
-from solver.capability import MEGATRON_CP_COMM, REGISTRY
-from solver.launchers import emit
-from solver.launchers.support import unsupported
-from solver.plan import Plan
-from solver.space import ENGINE_STAGES
+from solver.plan.capability import MEGATRON_CP_COMM, REGISTRY
+from solver.plan.launchers import emit
+from solver.plan.launchers.support import unsupported
+from solver.plan.record import Plan
+from solver.search.space import ENGINE_STAGES
 from tests.solver import megatron_args
 from tests.solver.test_launchers import flag_values, parse_deepspeed, unknown_flags, write
 

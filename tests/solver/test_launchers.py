@@ -20,9 +20,9 @@ import yaml
 from costmodels import Engine, Offload
 from graphs import Checkpoint, FitplanError, LoraSpec
 from solver import solve
-from solver.launchers import emit, hf, megatron
-from solver.launchers.common import checkpointed_layers
-from solver.plan import Plan
+from solver.plan.launchers import emit, hf, megatron
+from solver.plan.launchers.common import checkpointed_layers
+from solver.plan.record import Plan
 from tests.graphs.tiny_configs import tiny_values
 
 GPT2 = {"seq_len": 512, "global_batch": 64, "time_limit": 5}

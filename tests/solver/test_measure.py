@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from costmodels.profile import load_profile
 from graphs import catalog_ids, load_entry
-from solver.measure import gemm_shapes, sizes_for, timed
+from solver.hardware.measure import gemm_shapes, sizes_for, timed
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -18,7 +18,7 @@ runner = CliRunner()
 
 
 def _app():
-    from solver.cli import app
+    from solver.cli.app import app
 
     return app
 

@@ -14,7 +14,7 @@ import torch
 
 from graphs import FitplanError, resolve
 from solver import solve
-from solver.launchers import emit, megatron
+from solver.plan.launchers import emit, megatron
 from tests.solver import megatron_args
 
 MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B", "gpt2", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen3-8B"]

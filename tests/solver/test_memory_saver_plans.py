@@ -15,10 +15,10 @@ from costmodels import Config, Optimizer
 from costmodels.config import Loss
 from graphs import FitplanError
 from solver.api import estimate, solve
-from solver.capability import LAUNCHERS, unsupported
-from solver.cli import app
-from solver.launchers import emit
-from solver.plan import Plan
+from solver.cli.app import app
+from solver.plan.capability import LAUNCHERS, unsupported
+from solver.plan.launchers import emit
+from solver.plan.record import Plan
 
 MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xA10G"
 WORKLOAD = {"seq_len": 512, "global_batch": 4}
@@ -149,7 +149,7 @@ def test_emitted_script_steps_in_backward_and_keeps_no_gradient(tmp_path):
     the plan's estimate counts."""
     import math
 
-    from solver.commands import emit_files
+    from solver.cli.commands import emit_files
     from tests.graphs.reference import write_config
     from tests.graphs.tiny_configs import tiny_values
     from tests.solver.test_train_script import run
@@ -198,7 +198,7 @@ def test_allowed_savers_give_the_best_plan_of_each_saver_setting_pinned_alone():
 
 def test_offloading_configurations_keep_every_layer_fully_checkpointed():
     from graphs import Checkpoint
-    from solver.space import Outer
+    from solver.search.space import Outer
 
     offloading, keeping = Outer(activation_offload=True), Outer()
     assert [m for m in Checkpoint if offloading.runs(m)] == [Checkpoint.FULL]

@@ -10,11 +10,11 @@ from costmodels import Engine, Offload, Precision, Workload, parse_cluster
 from graphs import Checkpoint, resolve
 from graphs.lower import lower_resolved
 from solver.api import _graph_for
-from solver.pins import Pins
-from solver.reference import enumerate_best
-from solver.search import build_tables, search
-from solver.space import all_counts, canonical_modes, outer_space
-from solver.tables import TICK_SECONDS, objective, tie_weight
+from solver.search.pins import Pins
+from solver.search.reference import enumerate_best
+from solver.search.space import all_counts, canonical_modes, outer_space
+from solver.search.table_search import build_tables, search
+from solver.search.tables import TICK_SECONDS, objective, tie_weight
 
 SMALL_MODELS = ["gpt2", "facebook/opt-125m", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B",
                 "EleutherAI/pythia-1b", "google/gemma-2-2b"]

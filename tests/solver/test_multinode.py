@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from solver import solve
-from solver.commands import emit_files
-from solver.launchers.shell import command_line, env, joined
+from solver.cli.commands import emit_files
+from solver.plan.launchers.shell import command_line, env, joined
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from solver import solve
-from solver.cli import app
-from solver.diagnose import Infeasible
-from solver.launchers.support import unsupported
-from solver.plan import Plan
+from solver.cli.app import app
+from solver.plan.launchers.support import unsupported
+from solver.plan.record import Plan
+from solver.search.diagnose import Infeasible
 
 SOLVE = ["solve", "--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512", "--global-batch", "8", "--time-limit", "5"]
 FSDP2 = [*SOLVE, "--engine", "fsdp2", "--json"]

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from costmodels.packing import Lengths, packed, padded
 from solver import solve
-from solver.cli import app
+from solver.cli.app import app
 
 MODEL, GPUS = "gpt2", "1xA100"
 LENGTHS = Lengths.of({120: 40, 300: 20, 512: 4})

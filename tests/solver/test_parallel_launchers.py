@@ -23,10 +23,10 @@ from costmodels.config import ContextParallel
 from costmodels.pipeline_schedule import SINGLE_STAGE, TORCH_CLASS, Schedule, stage_ranks
 from graphs import Checkpoint, FitplanError, lower, resolve
 from solver import solve
-from solver.launchers import emit, megatron, torchtitan
-from solver.launchers.support import unsupported
-from solver.model_shape import model_shape
-from solver.plan import Plan
+from solver.plan.launchers import emit, megatron, torchtitan
+from solver.plan.launchers.support import unsupported
+from solver.plan.model_shape import model_shape
+from solver.plan.record import Plan
 from tests.solver.megatron_args import H100, megatron_stage_layers, validate
 from tests.solver.test_launchers import flag_values, unknown_flags
 

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from graphs import FitplanError, LoraSpec
 from solver.api import estimate
-from solver.cli import app
-from solver.launchers import emit
-from solver.plan import Plan
+from solver.cli.app import app
+from solver.plan.launchers import emit
+from solver.plan.record import Plan
 
 MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xL4"
 ESTIMATE = ["estimate", "--model", MODEL, "--gpus", GPUS, "--seq-len", "512", "--micro-batch", "1", "--json"]

@@ -13,9 +13,9 @@ from costmodels.stage_split import megatron_splits
 from graphs import Checkpoint, lower, resolve
 from graphs.megatron import lower_megatron
 from solver import Infeasible, estimate, solve
-from solver.capability import block_recompute_layers
-from solver.commands import explain_plan
-from solver.launchers import emit
+from solver.cli.commands import explain_plan
+from solver.plan.capability import block_recompute_layers
+from solver.plan.launchers import emit
 
 GIB = 2**30
 
@@ -82,10 +82,10 @@ def test_every_pipeline_configuration_searched_runs_on_a_launcher_of_the_model(m
     # What the search may pick is what some launcher runs for this model, with the model's own limits (an
     # architecture the torchrun script cannot cut, tied embeddings torchtitan refuses) and every mode it searches.
     from solver.api import _graph_for, _inputs
-    from solver.launchers.support import model_launchers, pipeline_launchers, runnable_by
-    from solver.pins import Pins
-    from solver.plan import decisions_of
-    from solver.space import Outer, outer_space
+    from solver.plan.launchers.support import model_launchers, pipeline_launchers, runnable_by
+    from solver.plan.record import decisions_of
+    from solver.search.pins import Pins
+    from solver.search.space import Outer, outer_space
 
     resolved, cluster = resolve(model), parse_cluster("2x4xA100")
     workload, pins = Workload(seq_len=1024, global_batch=64), Pins()

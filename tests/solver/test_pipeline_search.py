@@ -17,8 +17,8 @@ from costmodels.stage_split import megatron_splits
 from costmodels.verdict import memory_budget
 from graphs import Checkpoint, resolve
 from solver.api import _graph_for
-from solver.pins import Pins
-from solver.pipeline_search import (
+from solver.search.pins import Pins
+from solver.search.pipeline_search import (
     best_recompute,
     block_recompute,
     candidate,
@@ -32,14 +32,14 @@ from solver.pipeline_search import (
     stage_bound,
     step_ticks,
 )
-from solver.reference import (
+from solver.search.reference import (
     enumerate_pipelines,
     every_block_recompute,
     every_split_best,
     every_split_candidate,
 )
-from solver.space import Outer, outer_space
-from solver.tables import TICK_SECONDS
+from solver.search.space import Outer, outer_space
+from solver.search.tables import TICK_SECONDS
 
 # Small models whose ranks hold a few layers each, so every combination of the ranks' assignments enumerates.
 MODELS = ["gpt2", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"]
@@ -345,8 +345,8 @@ def whole_model_case(seed: int, moe_path: str) -> dict:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_cpsat_equals_enumeration_with_context_or_expert_parallelism(seed, tmp_path_factory):
-    from solver.reference import enumerate_best
-    from solver.search import build_tables, search
+    from solver.search.reference import enumerate_best
+    from solver.search.table_search import build_tables, search
 
     case = whole_model_case(seed, _tiny_moe(tmp_path_factory.mktemp("moe")))
     graph_of, space = space_of(case)
@@ -375,8 +375,8 @@ def test_cpsat_equals_enumeration_with_context_or_expert_parallelism(seed, tmp_p
 def test_peak_lower_bound_is_never_above_any_assignment(seed):
     """`search.peak_lower_bound` proves tables infeasible without CP-SAT: it must not exceed the peak of any
     assignment (checked against every canonical assignment of each rank, in-flight micro-batches included)."""
-    from solver.search import peak_lower_bound
-    from solver.space import all_counts, canonical_modes
+    from solver.search.space import all_counts, canonical_modes
+    from solver.search.table_search import peak_lower_bound
 
     case = instance(seed)
     graph_of, space = space_of(case)
@@ -399,8 +399,8 @@ SEVERAL_STAGES = [("Qwen/Qwen2.5-0.5B", Schedule.INTERLEAVED_1F1B, 4), ("meta-ll
 def test_peak_lower_bound_of_a_rank_running_several_stages_is_its_peak_with_one_mode(model, schedule, m):
     """With one mode allowed, the bound of a rank that runs several stages equals its peak, though its moments
     hold different mixes of its stages' micro-batches; with two it stays below every assignment."""
-    from solver.search import peak_lower_bound
-    from solver.space import all_counts, canonical_modes
+    from solver.search.space import all_counts, canonical_modes
+    from solver.search.table_search import peak_lower_bound
 
     graph = _graph_for(resolve(model), None, None, {}, op_selective=True)(Outer())
     outer = Outer(pp=2, pp_schedule=schedule, pp_virtual=2, grad_accum=m, micro_batch=1, dp=1,

@@ -10,8 +10,8 @@ from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, 
 from graphs import Checkpoint, FitplanError, resolve
 from graphs.lower import lower_resolved
 from solver import api
-from solver.pins import Pins
-from solver.space import outer_space
+from solver.search.pins import Pins
+from solver.search.space import outer_space
 
 
 def space_for(model: str, gpus: str, **pins):
@@ -64,7 +64,7 @@ def test_compile_is_not_credited_inside_deepspeed_zero3():
 
 
 def test_every_outer_in_the_space_has_a_launcher_that_runs_it():
-    from solver.capability import runnable_by
+    from solver.plan.capability import runnable_by
 
     for gpus, pins in (("8xH100", {}), ("1xH200", {"precision": ("bf16-mixed", "fp8")}),
                        ("2x8xH100", {"precision": ("bf16", "fp8")})):
@@ -94,7 +94,7 @@ GPT2 = {"seq_len": 512, "global_batch": 64, "time_limit": 5}
 
 
 def test_fp8_is_planned_only_with_a_launcher_that_runs_it():
-    from solver.capability import unsupported
+    from solver.plan.capability import unsupported
 
     # DeepSpeed has no fp8 config field: no launcher runs its fp8 plans; Megatron's (Transformer Engine) run fp8.
     plan = api.solve("gpt2", "8xH100", launcher="megatron", precision=("fp8",), **GPT2)
@@ -117,7 +117,7 @@ def test_accelerate_fp8_config_names_the_torchao_backend_and_launch_refuses_with
 
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from solver.commands import emit_files
+    from solver.cli.commands import emit_files
 
     plan = api.solve("gpt2", "8xH100", engine="fsdp2", tp=1, precision=("fp8",), **GPT2)
     emit_files(plan, "accelerate", tmp_path)
@@ -141,7 +141,7 @@ def test_torchrun_script_runs_fp8_through_torchao_or_stops(tmp_path):
     import subprocess
     import sys
 
-    from solver.commands import emit_files
+    from solver.cli.commands import emit_files
     from tests.graphs.reference import write_config
     from tests.graphs.tiny_configs import tiny_values
 

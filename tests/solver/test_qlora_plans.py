@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 from costmodels import Config, Engine, InvalidConfig, Precision
 from graphs import FitplanError, LoraSpec
 from solver.api import estimate, solve
-from solver.cli import app
-from solver.diagnose import Infeasible
-from solver.launchers import emit
-from solver.plan import Plan
+from solver.cli.app import app
+from solver.plan.launchers import emit
+from solver.plan.record import Plan
+from solver.search.diagnose import Infeasible
 
 MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xL4"
 WORKLOAD = {"seq_len": 512, "global_batch": 4}

@@ -17,10 +17,10 @@ from graphs import Checkpoint, FitplanError, resolve
 from graphs.lower import lower_resolved
 from solver import solve
 from solver.api import _runtime_lowering
-from solver.capability import LAUNCHERS
-from solver.cli import app
-from solver.launchers import torchtitan
-from solver.pins import Pins
+from solver.cli.app import app
+from solver.plan.capability import LAUNCHERS
+from solver.plan.launchers import torchtitan
+from solver.search.pins import Pins
 
 LLAMA_8B = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--seq-len", "8192", "--global-batch", "16"]
 
@@ -141,7 +141,7 @@ def test_torchtitan_without_a_mode_pinned_plans_the_fastest_whole_model_mode():
 @pytest.mark.parametrize("launcher", ["torchrun", "hf"])
 def test_a_plan_priced_on_torchtitans_code_is_refused_by_launchers_running_hf_code(launcher):
     pytest.importorskip("torchtitan")
-    from solver.launchers import emit
+    from solver.plan.launchers import emit
 
     plan = solve("meta-llama/Llama-3.2-1B", "8xH100", seq_len=2048, global_batch=64, time_limit=5,
                  launcher="torchtitan", checkpoint="full")
@@ -179,7 +179,7 @@ def test_megatron_plan_is_priced_on_megatron_cores_layers_with_transformer_engin
     # Megatron's engine runs megatron-core's GPT layers with TE's flash attention and fused SwiGLU/RoPE (Megatron-LM's
     # defaults; the launcher emits no --transformer-impl local): the plan's estimate is that lowering's, not HF's.
     from graphs.megatron import TE_ATTENTION, lower_megatron_resolved
-    from solver.check import plan_config
+    from solver.hardware.check import plan_config
 
     plan = megatron_plan
     assert plan.decisions.attention == TE_ATTENTION and plan.launchers == ("megatron",)

@@ -11,9 +11,9 @@ import pytest
 
 from costmodels import Engine, Precision, Workload, parse_cluster
 from costmodels.timing import time_terms
-from solver.model import build_model, solve
-from solver.pins import Pins
-from solver.pipeline_search import (
+from solver.search.model import build_model, solve
+from solver.search.pins import Pins
+from solver.search.pipeline_search import (
     candidate,
     compute_bound,
     edge_compute,
@@ -21,9 +21,9 @@ from solver.pipeline_search import (
     pipeline_search,
     stage_bound,
 )
-from solver.search import dominates, search, undominated
-from solver.space import all_counts, canonical_modes
-from solver.tables import objective, table_modes, tie_weight
+from solver.search.space import all_counts, canonical_modes
+from solver.search.table_search import dominates, search, undominated
+from solver.search.tables import objective, table_modes, tie_weight
 from tests.solver.test_model import instance as model_instance
 from tests.solver.test_model import tables_for
 from tests.solver.test_pipeline_search import instance, space_of

@@ -13,11 +13,11 @@ from graphs import Checkpoint, resolve
 from graphs.lower import lower_resolved
 from solver import Infeasible, solve
 from solver.api import _graph_for
-from solver.cli import app
-from solver.diagnose import NoPlanInTime
-from solver.pins import Pins
-from solver.search import build_order, build_tables, search, tie_break_ranks
-from solver.space import outer_space
+from solver.cli.app import app
+from solver.search.diagnose import NoPlanInTime
+from solver.search.pins import Pins
+from solver.search.space import outer_space
+from solver.search.table_search import build_order, build_tables, search, tie_break_ranks
 
 MODEL = "meta-llama/Llama-3.2-1B"
 TINY = 1e-6  # seconds: the search builds one table and stops

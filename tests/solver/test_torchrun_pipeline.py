@@ -37,8 +37,8 @@ from costmodels.pipeline_schedule import Schedule, stage_ranks
 from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import FitplanError, Role
 from solver import solve
-from solver.check import plan_config, plan_graph, saved_activation_bytes
-from solver.commands import emit_files
+from solver.cli.commands import emit_files
+from solver.hardware.check import plan_config, plan_graph, saved_activation_bytes
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -220,7 +220,7 @@ def test_pipeline_stages_load_the_checkpoint_and_compute_the_models_loss(tmp_pat
 
 def test_registry_runs_torchrun_pipelines_and_names_what_it_refuses():
     from costmodels import Config, Engine, Precision
-    from solver.capability import unsupported
+    from solver.plan.capability import unsupported
 
     pipe = {"pp": 2, "grad_accum": 4, "engine": Engine.DDP, "zero": 0}
     assert unsupported("torchrun", Config(**pipe)) == []
@@ -296,7 +296,7 @@ def test_stages_cut_from_a_checkpoint_compose_to_the_whole_model(arch, script, t
 def test_fitplan_check_runs_a_pipeline_plan_and_every_row_is_exact(model_dir, tmp_path):
     """`fitplan check` runs a pipeline plan on pp processes and compares each pipeline rank's parameters,
     optimizer states and held saved activations with the plan: every byte row exact on CPU."""
-    from solver.check import check_plan
+    from solver.hardware.check import check_plan
 
     plan = pipeline_plan(model_dir, Schedule.ZBV)
     (tmp_path / "plan.json").write_text(json.dumps(plan.to_json()))

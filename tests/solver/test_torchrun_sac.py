@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from graphs import Checkpoint
 from graphs.sac import GPU_EQUIVALENT_OPS, observed_policy, op_sac_policy, save_ops
 from solver import solve
-from solver.commands import emit_files
+from solver.cli.commands import emit_files
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -129,7 +129,7 @@ def test_check_of_an_op_sac_plan_measures_saved_bytes_equal_to_the_estimate(engi
     # saved tensors, on two gloo ranks; the lowering's op-SAC costs must equal it exactly.
     from typer.testing import CliRunner
 
-    from solver.cli import app
+    from solver.cli.app import app
 
     model_dir = write_config(tmp_path / "tiny-llama", tiny_values("llama"))
     plan = solve(str(model_dir), "2xCPU", seq_len=64, global_batch=4, time_limit=5, checkpoint="op_selective",

@@ -27,11 +27,11 @@ from costmodels.loss import TORCHTUNE_CHUNKS, HeadShape, chunk_tokens, chunked_l
 from costmodels.memory import memory_terms
 from graphs import Checkpoint, FitplanError, LoraSpec, Role
 from solver import solve
-from solver.capability import REGISTRY
-from solver.check import compare, plan_config, plan_graph
-from solver.commands import emit_files
-from solver.launchers import emit
-from solver.launchers.support import unsupported
+from solver.cli.commands import emit_files
+from solver.hardware.check import compare, plan_config, plan_graph
+from solver.plan.capability import REGISTRY
+from solver.plan.launchers import emit
+from solver.plan.launchers.support import unsupported
 from tests.costmodels.test_loss import LiveBytes
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -59,7 +59,7 @@ def plan_and_script(model_dir: Path, folder: Path, **pins) -> tuple[object, dict
 def priced_device_bytes(plan) -> int:
     """Saved activation bytes of one micro-batch the plan keeps on the device: each node's saved bytes in its mode
     after the loss and offload replace theirs, plus the model-wide tensors when some layer is not checkpointed whole
-    (`solver.check.saved_activation_bytes`)."""
+    (`solver.hardware.check.saved_activation_bytes`)."""
     config = plan_config(plan)
     graph = plan_graph(plan, config)
     terms = memory_terms(graph, Workload(seq_len=S, global_batch=config.micro_batch), config)

@@ -26,10 +26,10 @@ import tomllib
 from costmodels import Engine, Offload, Optimizer, Precision
 from graphs import Checkpoint, FitplanError
 from solver import solve
-from solver.capability import unsupported
-from solver.launchers import torchtitan
-from solver.launchers.common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY
-from solver.plan import ClusterInfo, Inputs, LoraDecision, ModelShape, Plan
+from solver.plan.capability import unsupported
+from solver.plan.launchers import torchtitan
+from solver.plan.launchers.common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY
+from solver.plan.record import ClusterInfo, Inputs, LoraDecision, ModelShape, Plan
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("triton")
@@ -233,7 +233,8 @@ def test_command_line_overrides_apply_on_top_of_the_job(base, parse, tmp_path):
 
 
 def test_flavour_table_is_torchtitans():
-    """solver/data/torchtitan_flavors.json row by row against the installed torchtitan's model registry."""
+    """solver/plan/launchers/data/torchtitan_flavors.json row by row against the installed torchtitan's model
+    registry."""
     import importlib
 
     assert torchtitan.flavors()

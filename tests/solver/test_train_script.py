@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from solver import solve
-from solver.commands import emit_files
+from solver.cli.commands import emit_files
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 

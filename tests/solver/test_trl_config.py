@@ -13,8 +13,8 @@ from costmodels import Optimizer
 from costmodels.config import Loss
 from graphs import LoraSpec
 from solver.api import solve
-from solver.launchers import emit
-from solver.plan import Plan
+from solver.plan.launchers import emit
+from solver.plan.record import Plan
 
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[dev]')")
 

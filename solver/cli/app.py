@@ -1,0 +1,443 @@
+"""The command line: `fitplan solve|estimate|models|gpus|explain` and the `solve` shortcut.
+
+stdout carries only the result (a report, or JSON with --json); progress and errors go to stderr.
+Exit codes: 0 plan found, 1 internal error, 2 bad input, 3 nothing fits (with the diagnosis), 4 no plan found
+within the time limit (nothing proven; raise --time-limit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+import typer.rich_utils
+from rich.console import Console
+
+import costmodels.cluster as C
+from costmodels.packing import read_lengths
+from graphs import FitplanError, LoraSpec
+from solver.cli.knob_options import (
+    estimate_parameters,
+    knob_values,
+    pins_from_options,
+    solve_parameters,
+    with_knob_options,
+)
+from solver.cli.options import Text, help_width, number, text
+from solver.plan.capability import LAUNCHERS
+from solver.search import bounds as B
+from solver.search.conflicts import check_pins
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # planning never downloads
+
+typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH or help_width()  # no truncated option names in --help
+HELP = {"max_content_width": help_width()}
+app = typer.Typer(help="Plan LLM training on GPUs: what fits, what is fastest, and the launcher configs.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, context_settings=HELP)
+out = Console()
+err = Console(stderr=True)
+
+Model = Annotated[str, text(4096, "Catalog id (see `fitplan models`), a local config.json or folder, or a Hub id "
+                             "in the local HF cache.", "--model", "-m")]
+Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100-80GB, 16xH100, 2x8xH100, 4xL4, or "
+                           "a JSON/YAML cluster file, or auto (the GPUs of this machine).", "--gpus", "-g")]
+SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
+                                      "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
+LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
+LoraQuantization = Annotated[Literal["nf4", "fp4"] | None, typer.Option(
+    help="QLoRA: the frozen base in bitsandbytes 4-bit, nf4 or fp4 (needs --lora-rank; DDP and tp=1 only).")]
+DoubleQuant = Annotated[bool, typer.Option("--double-quant", help="QLoRA: quantize the 4-bit block scales again "
+                                           "(bnb_4bit_use_double_quant; needs --lora-quantization).")]
+UseDora = Annotated[bool, typer.Option("--use-dora", help="DoRA: train a magnitude vector per adapted layer "
+                                       "(LoraConfig(use_dora=True); needs --lora-rank).")]
+UseRslora = Annotated[bool, typer.Option("--use-rslora", help="rsLoRA: scale the adapters by alpha/sqrt(rank) "
+                                         "(LoraConfig(use_rslora=True); no memory or time change; needs "
+                                         "--lora-rank).")]
+ModulesToSave = Annotated[str | None, text(1000, "Modules trained in full beside the adapters, comma-separated, e.g. "
+                                           "lm_head,embed_tokens (LoraConfig(modules_to_save=...); their gradients "
+                                           "and optimizer states are priced; needs --lora-rank).",
+                                           "--modules-to-save")]
+Launcher = Enum("Launcher", {name: name for name in LAUNCHERS}, type=str)  # typer shows the registry's names
+AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
+# What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
+CpuRamGib = Annotated[float | None, number(float, 0, C.MAX_CPU_RAM_GIB, "Host RAM per node in GiB (default: the GPU's "
+                                            "typical host, its share for fewer GPUs).", lo_open=True,
+                                            rich_help_panel="Cluster")]
+CpuCores = Annotated[int | None, number(int, 1, C.MAX_CPU_CORES, "CPU cores per node (default: the typical host's "
+                                        "share).", rich_help_panel="Cluster")]
+GpusPerNode = Annotated[int | None, number(int, 1, C.MAX_GPUS_PER_NODE, "GPUs per node (default: the GPU's typical "
+                                           "node).", rich_help_panel="Cluster")]
+NvmeGbps = Annotated[float | None, number(float, 0, C.MAX_GBPS, "NVMe read GB/s per node; allows NVMe offload "
+                                          "(default: none).", rich_help_panel="Cluster")]
+InterNodeGbps = Annotated[float | None, number(float, 0, C.MAX_GBPS, "Network GB/s per GPU per direction between "
+                                               "nodes (default: the typical node's fabric).",
+                                               rich_help_panel="Cluster")]
+ProfileFile = Annotated[Path | None, typer.Option(help="A profile from `fitplan measure` on this GPU: its measured "
+                                                  "rates replace the datasheet's.", rich_help_panel="Cluster")]
+
+
+def _cluster_options(cpu_ram_gib: float | None, cpu_cores: int | None, gpus_per_node: int | None,
+                     nvme_gbps: float | None, inter_node_gbps: float | None,
+                     profile: Path | None = None) -> dict[str, Any]:
+    return {"cpu_ram_gib": cpu_ram_gib, "cpu_cores": cpu_cores, "gpus_per_node": gpus_per_node,
+            "nvme_gbps": nvme_gbps, "inter_node_gbps": inter_node_gbps, "profile": profile}
+
+
+def _fail(error: Exception, *, as_json: bool = False) -> None:
+    """One place turns user errors into messages and exit codes."""
+    from solver.search.diagnose import Infeasible, NoPlanInTime
+
+    if isinstance(error, NoPlanInTime):  # nothing proven: not a diagnosis of memory, not bad input
+        err.print(f"[bold yellow]No plan within the time limit:[/] {error.message}")
+        err.print(error.hint)
+        if as_json:
+            print(json.dumps({"status": "UNKNOWN", "message": error.message, "hint": error.hint,
+                              "diagnosis": error.diagnosis}, indent=2))
+        raise typer.Exit(code=4)
+    # Pins or divisibility that leave no configuration at all are bad input (2), not a memory diagnosis (3).
+    if isinstance(error, Infeasible) and error.diagnosis.get("binding") != "pins":
+        err.print(f"[bold red]Infeasible:[/] {error.message}")
+        if error.hint:
+            err.print(error.hint)
+        if as_json:  # --json promises JSON on stdout: the diagnosis is the result
+            print(json.dumps({"status": "INFEASIBLE", "message": error.message, "hint": error.hint,
+                              "diagnosis": error.diagnosis}, indent=2, default=str))
+        raise typer.Exit(code=3)
+    if isinstance(error, (FitplanError, ValueError, OSError)):  # OSError: e.g. -o into a missing folder
+        message = error.message if isinstance(error, FitplanError) else str(error)
+        err.print(f"[bold red]Error:[/] {message}")
+        if isinstance(error, FitplanError) and error.hint:
+            err.print(error.hint)
+        raise typer.Exit(code=2)
+    raise error
+
+
+def _check_lora_flags(rank: int | None, alpha: int | None, targets: str, adapter: dict[str, Any] | None = None
+                      ) -> None:
+    """--lora-alpha, --lora-targets and the QLoRA/DoRA flags describe adapters: without --lora-rank they would be
+    dropped silently."""
+    named = {"--lora-quantization": "quantization", "--double-quant": "double_quant", "--use-dora": "use_dora",
+             "--use-rslora": "use_rslora", "--modules-to-save": "modules_to_save"}
+    flags = [flag for flag, key in named.items() if (adapter or {}).get(key)]
+    if rank is None and (alpha is not None or targets != "all-linear" or flags):
+        given = "--lora-alpha" if alpha is not None else flags[0] if flags else f"--lora-targets {targets!r}"
+        raise FitplanError(f"{given} needs --lora-rank: without it no adapters are trained.",
+                           "Add --lora-rank R (e.g. 16), or drop the option.")
+    if (adapter or {}).get("double_quant") and not (adapter or {}).get("quantization"):
+        raise FitplanError("--double-quant needs --lora-quantization nf4 or fp4 (it quantizes the 4-bit scales).",
+                           "Add --lora-quantization nf4, or drop --double-quant.")
+
+
+def _adapter(quantization: str | None, double_quant: bool, use_dora: bool, use_rslora: bool = False,
+             modules_to_save: str | None = None) -> dict[str, Any]:
+    """The LoraSpec fields of the QLoRA/DoRA/rsLoRA/modules_to_save flags."""
+    modules = tuple(m.strip() for m in (modules_to_save or "").split(",") if m.strip())
+    return {"quantization": quantization, "double_quant": double_quant, "use_dora": use_dora,
+            "use_rslora": use_rslora, "modules_to_save": modules}
+
+
+@app.command("solve")
+@with_knob_options(solve_parameters())
+def solve_command(
+    model: Model, gpus: Gpus,
+    seq_len: SeqLen = None,
+    global_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Sequences per optimizer step.")] = None,
+    tokens_per_step: Annotated[int | None, number(int, 1, B.MAX_TOKENS_PER_STEP, "Tokens per optimizer step "
+                                                  "(instead of --global-batch).")] = None,
+    launcher: Annotated[Launcher | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
+    lora_rank: LoraRank = None,
+    lora_alpha: Annotated[int | None, number(int, 1, B.MAX_LORA_ALPHA, "LoRA alpha (default 2 x rank; needs "
+                                             "--lora-rank).")] = None,
+    lora_targets: Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")
+                            ] = "all-linear",
+    allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
+    allow_savers: Annotated[bool, typer.Option(help="Let the search choose the memory savers that keep the "
+                                               "training (--loss, --activation-offload) where not pinned (Liger's "
+                                               "loss needs liger-kernel).")] = False,
+    lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
+    use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
+    headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
+    time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
+                                        "excluded).", lo_open=True)] = 10.0,
+    attention: Annotated[Literal["sdpa", "eager"] | None, typer.Option(help="Attention implementation.")] = None,
+    input_tokens_per_s: Annotated[float | None, number(float, 0, B.MAX_INPUT_TOKENS_PER_S, "Tokens/s one "
+                                                       "data-loading worker supplies (default 1M, a fast "
+                                                       "tokenizer).", lo_open=True)] = None,
+    as_json: AsJson = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
+    emit: Annotated[str | None, text(200, f"Launcher files to write, comma-separated: {', '.join(LAUNCHERS)}.")
+                    ] = None,
+    dataset_lengths: Annotated[Path | None, typer.Option(help="Token lengths of the training sequences: a JSON "
+                                                          "{length: count} histogram, a list, or JSON Lines. "
+                                                          "Memory is planned on the longest micro-batch.")] = None,
+    packing: Annotated[Literal["none", "wrapped", "bfd"], typer.Option(
+        help="With --dataset-lengths: none pads each micro-batch to its longest sequence; wrapped and bfd pack "
+             "sequences into rows of --seq-len (TRL's packing strategies).")] = "none",
+    emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
+    cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
+    nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
+    **knobs: Any,
+) -> None:
+    """Find the fastest configuration that fits, and optionally write launcher configs."""
+    from solver.api import solve
+    from solver.cli.outputs import Targets, launcher_names, write_outputs
+
+    try:
+        adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
+        _check_lora_flags(lora_rank, lora_alpha, lora_targets, adapter)
+        lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
+                                                     targets=tuple(t.strip() for t in lora_targets.split(",")),
+                                                     **adapter)
+        pins = pins_from_options(knob_values(knobs), launcher=launcher.value if launcher else None)
+        check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
+        targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
+        if packing != "none" and dataset_lengths is None:
+            raise FitplanError(f"--packing {packing} needs --dataset-lengths.",
+                               "Give the lengths of the training sequences (a JSON histogram or JSON Lines).")
+        lengths = read_lengths(dataset_lengths) if dataset_lengths is not None else None
+        if not as_json:
+            err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
+        plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
+                     headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
+                     allow_savers=allow_savers,
+                     attention=attention, input_tokens_per_s=input_tokens_per_s,
+                     cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
+                                                      inter_node_gbps, profile), pins=pins,
+                     dataset_lengths=lengths, packing=packing)
+        for line in write_outputs(plan, targets, force=force).lines():
+            err.print(line, markup=False, highlight=False)
+    except Exception as error:
+        _fail(error, as_json=as_json)
+    if as_json:
+        print(plan.dumps())
+    else:
+        from solver.cli.render import render_plan
+
+        render_plan(plan, out)
+
+
+@app.command("estimate")
+@with_knob_options(estimate_parameters())
+def estimate_command(
+    model: Model, gpus: Gpus,
+    config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields, or a plan written "
+                                                "by `solve -o`.")] = None,
+    headroom: Annotated[float | None, number(float, 0, 1, "Fraction of GPU memory kept free, as in solve (default "
+                                             "0.05, or the plan's when --config is a plan).", hi_open=True)] = None,
+    seq_len: SeqLen = None,
+    lora_rank: LoraRank = None,
+    lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
+    use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
+    as_json: AsJson = False,
+    cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
+    nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
+    **knobs: Any,
+) -> None:
+    """Memory and time of one configuration: will it fit, and where does the memory go?"""
+    from solver.cli.commands import estimate_report
+
+    try:
+        flags = knob_values(knobs)
+        adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
+        _check_lora_flags(lora_rank, None, "all-linear", adapter)
+        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter,
+                                 headroom=headroom,
+                                 cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
+                                                                  inter_node_gbps, profile))
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        report.render(out)
+    if not report.fits:  # as solve: 3 means it does not fit
+        raise typer.Exit(code=3)
+
+
+@app.command("models")
+def models_command(filter: Annotated[str, typer.Argument(parser=Text(B.MAX_FILTER_CHARS),
+                                                         help="Substring to match (case-insensitive).")] = "",
+                   as_json: AsJson = False) -> None:
+    """List the bundled model catalog."""
+    from solver.cli.commands import models_rows
+
+    rows = models_rows(filter)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(rows)} catalog models (published config.json values)")
+    for column in ("id", "model_type", "published params"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["id"], row["model_type"], f"{row['published_params']:,}" if row["published_params"] else "-")
+    out.print(table)
+
+
+@app.command("gpus")
+def gpus_command(as_json: AsJson = False) -> None:
+    """List the GPU catalog (dense peak TFLOP/s, memory, links)."""
+    from solver.cli.commands import gpu_rows
+
+    rows = gpu_rows()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title="GPU catalog (dense figures; memory in GiB; profile: from `fitplan measure`)")
+    for column in ("id", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "intra-node", "profile"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["id"], ", ".join(r["aliases"]), f"{r['memory_gib']:.0f}", str(r["bf16_tflops"] or "-"),
+                      str(r["fp8_tflops"] or "-"), f"{r['hbm_gbps']:.0f}", r["intra_node"], r["profile"] or "-")
+    out.print(table)
+
+
+@app.command("explain")
+def explain_command(plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
+                    as_json: AsJson = False) -> None:
+    """Why this plan: the binding constraint, what the alternatives cost, and each guide method's decision."""
+    from solver.cli.commands import explain_plan
+
+    try:
+        lines = explain_plan(plan_file)
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps({"explanation": lines}, indent=2))
+    else:
+        for line in lines:
+            out.print(line)
+
+
+@app.command("choose")
+def choose_command(
+    model: Model,
+    tokens: Annotated[float, typer.Option(help="Tokens to train on, e.g. 2e9.")],
+    gpu_types: Annotated[str, typer.Option(help="GPU types to compare, comma-separated.")] = "H100,A100-80GB,L40S,A10G",
+    max_gpus: Annotated[int, typer.Option(help="Largest cluster tried (whole nodes above one node).")] = 64,
+    deadline: Annotated[str | None, typer.Option(help="Finish within, e.g. 24h, 90m, 2d.")] = None,
+    budget: Annotated[float | None, typer.Option(help="Spend at most this many USD.")] = None,
+    prices: Annotated[Path | None, typer.Option(help="Your prices: YAML/JSON {GPU: USD per GPU-hour} or a "
+                                                "SkyPilot-style catalog (CSV).")] = None,
+    spot: Annotated[bool, typer.Option(help="Use spot prices where the table has them.")] = False,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")] = None,
+    precision: Annotated[str | None, typer.Option(help="Allowed precisions, comma-separated.")] = None,
+    optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated.")] = "adamw",
+    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
+    allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA where full fine-tuning cannot fit.")] = False,
+    allow_savers: Annotated[bool, typer.Option(help="Let each solve choose the memory savers that keep the "
+                                               "training (--loss, --activation-offload).")] = False,
+    time_limit: Annotated[float, typer.Option(help="Solver time limit per cluster, seconds.")] = 10.0,
+    as_json: AsJson = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
+) -> None:
+    """Which GPUs, how many, how long and at what cost: the time/cost front over GPU types and counts."""
+    from solver.choose import choose, parse_duration
+    from solver.cli.choose_report import plot_choice, render_choice
+
+    try:
+        pins = {"pins": pins_from_options({"precision": precision, "optimizer": optimizers}, launcher=None),
+                "lora": None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=2 * lora_rank)}
+        shown = None if as_json else lambda p: err.print(f"[dim]{p.gpus} x {p.gpu_name}: {p.status}[/]")
+        choice = choose(model, tokens, gpu_types=gpu_types.split(","), max_gpus=max_gpus, prices=prices, spot=spot,
+                        deadline_hours=None if deadline is None else parse_duration(deadline), budget_usd=budget,
+                        progress=shown, seq_len=seq_len, global_batch=global_batch, allow_lora=allow_lora,
+                        allow_savers=allow_savers, time_limit=time_limit, **pins)
+        if plot:
+            plot_choice(choice, plot)
+            err.print(f"wrote {plot}")
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps(choice.to_json(), indent=2))
+    else:
+        render_choice(choice, out)
+    if not choice.front:  # nothing fits anywhere in the sweep
+        raise typer.Exit(code=3)
+
+
+@app.command("measure")
+def measure_command(
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the profile here (default: "
+                                                "~/.cache/fitplan/profiles/<gpu>.json or $FITPLAN_PROFILE_DIR).")
+                      ] = None,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (under a minute).")] = False,
+    device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo collectives) or auto.")
+                      ] = "auto",
+    ranks: Annotated[int | None, typer.Option(help="Processes for the collectives (default: the local GPUs; 2 "
+                                              "on CPU; 1 skips them).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Microbenchmark this node (GEMMs, attention, collectives, copies, CPU Adam) into a profile for --profile."""
+    from costmodels.profile import profile_json
+    from solver.cli.profile_report import profile_lines
+    from solver.hardware.measure import measure_to_file
+
+    try:
+        profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output,
+                                        progress=lambda step: err.print(f"[dim]measuring {step}...[/]"))
+    except Exception as error:
+        _fail(error)
+    err.print(f"wrote {path}", markup=False, highlight=False)
+    if as_json:
+        print(profile_json(profile), end="")
+    else:
+        for line in profile_lines(profile, str(path)):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("check")
+def check_command(
+    plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
+    steps: Annotated[int, typer.Option(help="Training steps (the first is a warm-up for the step time).")] = 5,
+    device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo) or auto.")] = "auto",
+    nproc: Annotated[int | None, typer.Option(help="Processes; must equal the plan's ranks (the default).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Run a plan here for a few steps (random weights, synthetic batch) and compare with its estimate."""
+    from solver.hardware.check import check_lines, check_plan
+
+    try:
+        err.print("[dim]Running the plan's torchrun script...[/]")
+        report = check_plan(plan_file, steps=steps, device=device, nproc=nproc)
+    except Exception as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in check_lines(report):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def main() -> None:
+    """Entry point of the `fitplan` command."""
+    _run(app)
+
+
+def solve_entry() -> None:
+    """Entry point of the `solve` command: `fitplan solve` under a shorter name."""
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False, context_settings=HELP)
+    single.command()(solve_command)
+    _run(single)
+
+
+def _run(application: typer.Typer) -> None:
+    try:
+        application()
+    except SystemExit:
+        raise
+    except Exception as error:  # an internal error: report it as one (exit 1)
+        err.print(f"[bold red]Internal error[/] ({type(error).__name__}): {error}")
+        err.print("This is a bug in fitplan; please report it with the command line.")
+        sys.exit(1)

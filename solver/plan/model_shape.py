@@ -1,0 +1,67 @@
+"""The model's architecture as a launcher that builds the model itself (Megatron-LM) needs it: sizes from the
+lowered graph, and the block design (norm, MLP, positions, tying, biases) from the model's config.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphs import LayerGraph, Role
+from graphs.megatron_moe import router_pre_softmax
+from solver.plan.record import ModelShape
+
+# Families whose config.json omits the bias flags: Llama-style blocks have no linear biases; Qwen2 keeps a
+# bias on the q/k/v projections only (transformers models/qwen2/modeling_qwen2.py: q_proj(..., bias=True)).
+_QKV_BIAS_ONLY = frozenset({"qwen2", "qwen2_moe"})
+# Families that normalise each head's queries and keys (transformers models/qwen3/modeling_qwen3.py and
+# qwen3_moe: q_norm and k_norm, RMSNorm over head_dim, before RoPE).
+_QK_NORM = frozenset({"qwen3", "qwen3_moe"})
+
+
+def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> ModelShape:
+    """The shape of the model `values` (its config.json) describes, sized as `graph` measured it."""
+    text = values.get("text_config") or values
+    dims = graph.dims
+    rms = "rms_norm_eps" in text
+    epsilon = text.get("rms_norm_eps") or text.get("layer_norm_eps") or text.get("layer_norm_epsilon")
+    activation = str(text.get("hidden_act") or text.get("activation_function") or
+                     _class_default(graph.model_type, "hidden_act", ""))
+    rope_theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or \
+        text.get("rotary_emb_base")
+    rope = rope_theta is not None or "rope_scaling" in text or "rotary_pct" in text
+    qkv_bias = graph.model_type in _QKV_BIAS_ONLY
+    bias = text.get("attention_bias", text.get("bias", text.get("mlp_bias")))
+    return ModelShape(
+        heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim, ffn_hidden=dims.intermediate,
+        vocab=dims.vocab, max_positions=max(seq_len, int(text.get("max_position_embeddings") or
+                                                         text.get("n_positions") or seq_len)),
+        normalization="RMSNorm" if rms else "LayerNorm", norm_epsilon=None if epsilon is None else float(epsilon),
+        gated_silu=activation in ("silu", "swish"), rope=rope,
+        rope_theta=None if rope_theta is None else float(rope_theta),
+        tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", _traced_tied(graph)))),
+        linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts,
+        top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0,
+        aux_loss_coeff=float(text.get("router_aux_loss_coef", _class_default(graph.model_type, "router_aux_loss_coef",
+                                                                            0.0)) or 0.0) if dims.experts else 0.0,
+        router_pre_softmax=router_pre_softmax(graph.model_type, bool(text.get(
+            "norm_topk_prob", _class_default(graph.model_type, "norm_topk_prob", True)))),
+        qk_norm=graph.model_type in _QK_NORM)
+
+
+def _traced_tied(graph: LayerGraph) -> bool:
+    """Whether the traced model ties its LM head to the embedding (the lowering counts a tied weight once, on the
+    embedding, so the head node has none): what transformers' config class decided when config.json is silent,
+    read without importing transformers (a cached lowering needs no import)."""
+    heads = [layer for layer in graph.nodes() if layer.role is Role.HEAD]
+    return bool(heads) and not any(layer.params for layer in heads)
+
+
+def _class_default(model_type: str, key: str, fallback: Any) -> Any:
+    """What transformers' config class of the family sets for `key` when config.json leaves it out (Qwen3Config:
+    hidden_act silu; MixtralConfig and LlamaConfig: untied embeddings; GPT2Config: tied): the lowering builds the
+    model from the same class. `fallback` (PretrainedConfig's own default) for a type transformers does not know."""
+    from transformers import AutoConfig
+
+    try:
+        return getattr(AutoConfig.for_model(model_type), key, fallback)
+    except ValueError:
+        return fallback

@@ -1,0 +1,333 @@
+"""`Plan`: the solver's answer — inputs, decisions, estimate, solver statistics and alternatives — and its
+versioned JSON form. The JSON Schema is generated from these dataclasses (never written by hand)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar
+
+from pydantic import ConfigDict, TypeAdapter
+
+from costmodels import Config, Estimate, Offload
+from costmodels.knobs import Knob, declared
+from graphs import Checkpoint, FitplanError, LoraSpec
+from solver.plan.capability import engine_label
+
+SCHEMA_VERSION = "2.2"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+# megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16
+_CONFIG = ConfigDict(use_attribute_docstrings=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterInfo:
+    """The hardware the plan is for."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    spec: str
+    """What the user gave, e.g. "8xA100"."""
+    gpu: str
+    """Catalog id of the GPU."""
+    gpu_name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    cpu_ram_per_node_bytes: int
+    inter_node_bytes_per_s: float
+    nvme_bytes_per_s: float
+    assumptions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The architecture a launcher that builds the model itself needs (Megatron-LM's model flags)."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    heads: int
+    kv_heads: int
+    """Key/value heads (fewer than heads: grouped-query attention)."""
+    head_dim: int
+    ffn_hidden: int
+    vocab: int
+    max_positions: int
+    """Position embeddings to allocate (at least the planned sequence length)."""
+    normalization: str
+    """RMSNorm or LayerNorm."""
+    norm_epsilon: float | None = None
+    gated_silu: bool
+    """SwiGLU MLP (gate and up projections, SiLU)."""
+    rope: bool
+    """Rotary position embeddings (else learned absolute positions)."""
+    rope_theta: float | None = None
+    tied_embeddings: bool
+    """Output layer shares the input embedding's weights."""
+    linear_bias: bool
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections only (Qwen2)."""
+    experts: int = 0
+    """Routed experts of each MoE layer (0: a dense model)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_ffn_hidden: int = 0
+    """FFN width of one expert (0: ffn_hidden, as in Mixtral)."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the router's load-balancing loss the model was trained with (config.json `router_aux_loss_coef`)."""
+    router_pre_softmax: bool = False
+    """Top-k weights from the softmax over all experts, not renormalised (Qwen3-MoE without `norm_topk_prob`)."""
+    qk_norm: bool = False
+    """A norm over each head's queries and keys before RoPE (Qwen3)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """What was asked, including every default fitplan assumed."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    model: str
+    model_source: str
+    """catalog, local or hf-cache."""
+    architecture: str = ""
+    """The transformers class, e.g. LlamaForCausalLM."""
+    layer_class: str = ""
+    """The decoder-layer class, e.g. LlamaDecoderLayer."""
+    hidden_size: int = 0
+    num_layers: int = 0
+    cluster: ClusterInfo
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    tokens_per_step: int
+    headroom: float
+    """Fraction of device memory kept free."""
+    pins: dict[str, Any] = field(default_factory=dict)
+    """Knobs the user fixed."""
+    assumed: tuple[str, ...] = ()
+    """Defaults fitplan chose, in words."""
+    shape: ModelShape | None = None
+    """The model's architecture (absent in plans before schema 1.2)."""
+    packing: str | None = None
+    """How --dataset-lengths were batched (none: padded to each micro-batch's longest; wrapped, bfd: packed rows);
+    None without dataset lengths, when every row is priced full at seq_len tokens, as packing fills them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraDecision:
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    rank: int
+    alpha: int
+    targets: tuple[str, ...]
+    dropout: float
+    quantization: str | None = None
+    """bitsandbytes format of the frozen base weights (QLoRA: nf4 or fp4), or None for 16-bit base weights."""
+    double_quant: bool = False
+    """The 4-bit block scales quantized again (`bnb_4bit_use_double_quant`)."""
+    use_dora: bool = False
+    """DoRA: a trained magnitude vector per adapted layer (`LoraConfig(use_dora=True)`)."""
+    use_rslora: bool = False
+    """rsLoRA: adapters scaled by alpha/sqrt(rank) instead of alpha/rank (`LoraConfig(use_rslora=True)`; no cost)."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full beside the adapters, e.g. lm_head (`LoraConfig(modules_to_save=...)`)."""
+
+    def spec(self) -> LoraSpec:
+        """The `graphs.LoraSpec` these adapters are lowered and emitted from."""
+        return LoraSpec(rank=self.rank, alpha=self.alpha, targets=self.targets, dropout=self.dropout,
+                        quantization=self.quantization, double_quant=self.double_quant, use_dora=self.use_dora,
+                        use_rslora=self.use_rslora, modules_to_save=self.modules_to_save)
+
+    @classmethod
+    def of(cls, spec: LoraSpec) -> LoraDecision:
+        return cls(rank=spec.rank, alpha=spec.alpha, targets=spec.targets, dropout=spec.dropout,
+                   quantization=None if spec.quantization is None else spec.quantization.value,
+                   double_quant=spec.double_quant, use_dora=spec.use_dora, use_rslora=spec.use_rslora,
+                   modules_to_save=spec.modules_to_save)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decisions(Config):
+    """Every knob of the chosen configuration: the knob record's `Config` and what only the plan records."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    lora: Annotated[LoraDecision | None, Knob("LoRA adapters trained instead of the full model (--lora-rank, "
+                                              "--allow-lora).", pin="derived")] = None
+    attention: Annotated[str, Knob("Attention implementation the model was lowered with (--attention).",
+                                   pin="derived")] = "sdpa"
+    dataloader_num_workers: Annotated[int, Knob("Data-loading worker processes per GPU (sized from the node's CPU "
+                                                "cores).", pin="derived")] = 2
+    dataloader_pin_memory: Annotated[bool, Knob("Pinned host memory for input batches.", pin="derived")] = True
+
+    def layout(self) -> str:
+        """How the GPUs are divided, e.g. "tp=4 pp=4 (1f1b) dp=1": pipeline, context and expert degrees where used."""
+        parts = [f"tp={self.tp}"]
+        if self.pp > 1:
+            virtual = f" v={self.pp_virtual}" if self.pp_virtual > 1 else ""
+            parts.append(f"pp={self.pp} ({self.pp_schedule}{virtual})")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} ({self.cp_mode})")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        return " ".join([*parts, f"dp={self.dp}"])
+
+    def summary(self) -> str:
+        ckpt = {m: sum(c is m for c in self.checkpoint) for m in Checkpoint}
+        parts = [self.layout(), engine_label(self.engine, self.zero),
+                 f"mb={self.micro_batch}", f"ga={self.grad_accum}", str(self.precision), str(self.optimizer),
+                 f"ckpt full {ckpt[Checkpoint.FULL]}/sel {ckpt[Checkpoint.SELECTIVE]}"
+                 + (f"/op-sel {ckpt[Checkpoint.OP_SELECTIVE]}" if ckpt[Checkpoint.OP_SELECTIVE] else "")
+                 + f"/{len(self.checkpoint)}"]
+        if self.optimizer_offload is not Offload.NONE:
+            parts.append(f"opt-offload={self.optimizer_offload}")
+        if self.param_offload is not Offload.NONE:
+            parts.append(f"param-offload={self.param_offload}")
+        savers = (("optimizer-in-backward", self.optimizer_in_backward), (f"loss={self.loss}", self.loss != "hf"),
+                  ("activation-offload", self.activation_offload))
+        parts += [name for name, on in savers if on]
+        if self.lora:
+            kind = "QLoRA" if self.lora.quantization else "LoRA"
+            parts.append(f"{kind}{'+DoRA' if self.lora.use_dora else ''}{'+rsLoRA' if self.lora.use_rslora else ''}"
+                         f" r={self.lora.rank}" + (f" {self.lora.quantization}" if self.lora.quantization else "")
+                         + (f" saving {','.join(self.lora.modules_to_save)}" if self.lora.modules_to_save else ""))
+        return " ".join(parts)
+
+
+def decisions_of(outer: Config, checkpoint: tuple[Checkpoint, ...], *, lora: LoraDecision | None = None,
+                 attention: str = "sdpa") -> Decisions:
+    """The decisions of one outer configuration with its per-layer checkpoint modes."""
+    knobs = {name: getattr(outer, name) for name in declared(Config) if name != "checkpoint"}
+    return Decisions(**knobs, checkpoint=checkpoint, lora=lora, attention=attention)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverStats:
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    status: str
+    """OPTIMAL (proved best under the cost model), FEASIBLE (time limit hit) or INFEASIBLE."""
+    objective_seconds: float
+    """Step time the solver optimised (its integer resolution)."""
+    bound_seconds: float | None
+    """Best lower bound on the step time CP-SAT proved."""
+    gap: float | None
+    wall_seconds: float
+    """Total planning time, lowering (cached or not) included."""
+    configurations: int
+    """Outer configurations in the search space."""
+    considered: int
+    """Configurations left after exact pruning by bounds: each solved by CP-SAT, or settled by evaluating its few
+    count vectors below the best so far (`count_search`)."""
+    time_limit_seconds: float
+    explored: int | None = None
+    """Configurations whose costs were built before the time limit (all of them unless the limit cut the search;
+    absent in 1.0 plans)."""
+
+    def summary(self) -> str:
+        """One line: the status, and when the time limit cut the search, how much was explored and the way on."""
+        text = (f"{self.status} in {self.wall_seconds:.2f} s, {self.considered} of {self.configurations} "
+                "configurations searched exactly")
+        explored = self.configurations if self.explored is None else self.explored
+        if self.status != "OPTIMAL":
+            gap = "" if self.gap is None else f", gap {self.gap:.1%} within them"
+            text += (f"; time limit {self.time_limit_seconds:g} s reached: {explored} of {self.configurations} "
+                     f"configurations explored{gap}; not proven best: raise --time-limit")
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """A distinct configuration that lost, and why."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    decisions: str
+    step_time: float | None
+    """Seconds, or None when it does not fit."""
+    device_peak: int
+    """Bytes per GPU."""
+    fits: bool
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleOption:
+    """The chosen pipeline layout and recompute under one schedule, so a plan says why its schedule won."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    schedule: str
+    virtual: int
+    """Stages per rank."""
+    split: tuple[int, ...] = ()
+    """Decoder layers of each stage it was priced at (its own FLOP-balanced split unless it is the chosen
+    schedule)."""
+    step_time: float
+    bubble: float
+    """Seconds the busiest rank waits per step."""
+    device_peak: int
+    """Bytes on the fullest rank."""
+    fits: bool
+    chosen: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How to run the job: the answer of `solver.solve`."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    schema_version: str = SCHEMA_VERSION
+    inputs: Inputs
+    decisions: Decisions
+    estimate: Estimate
+    solver: SolverStats
+    alternatives: tuple[Alternative, ...] = ()
+    launchers: tuple[str, ...] = ()
+    """Launchers that can run this plan as emitted."""
+    binding: str = ""
+    """Which constraint binds: memory, or nothing (the fastest configuration already fits)."""
+    advice: tuple[str, ...] = ()
+    """Guide methods and what the plan did with each."""
+    schedules: tuple[ScheduleOption, ...] = ()
+    """A pipeline plan: its layout and recompute priced under each schedule the search had (the chosen first)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return _ADAPTER.dump_python(self, mode="json")
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan of `solve -o`; a 1.x plan is read with its pins renamed to the knob record's names, and a
+        plan of a newer schema is refused (its fields may mean something this version does not know)."""
+        major = check_schema_version(data.get("schema_version") if isinstance(data, dict) else None)
+        return _ADAPTER.validate_python(upgrade_1x(data) if major == 1 else data)
+
+
+# Schema 2.0 records pins by knob name (costmodels.knobs); 1.x used these names.
+_PINS_1X = {"offload": "optimizer_offload", "precisions": "precision", "optimizers": "optimizer"}
+
+
+def upgrade_1x(data: dict[str, Any]) -> dict[str, Any]:
+    """A 1.x plan's JSON in the 2.0 form: the same decisions and estimate, pins under the knobs' names."""
+    inputs = data.get("inputs")
+    if not isinstance(inputs, dict) or not isinstance(inputs.get("pins"), dict):
+        return data
+    pins = {_PINS_1X.get(name, name): value for name, value in inputs["pins"].items()
+            if not (name == "compile" and value == "auto")}
+    if pins.get("compile") in ("on", "off"):
+        pins["compile"] = pins["compile"] == "on"
+    return {**data, "inputs": {**inputs, "pins": pins}}
+
+
+def check_schema_version(version: object) -> int:
+    """The major version of `version` ("MAJOR.MINOR"); FitplanError unless this fitplan reads it: 1.x, and 2.x up
+    to this minor."""
+    ours = tuple(int(part) for part in SCHEMA_VERSION.split("."))
+    parts = version.split(".") if isinstance(version, str) else []
+    theirs = tuple(int(p) for p in parts if p.isdigit() and len(p) <= 6)
+    if len(theirs) != 2 or len(parts) != 2 or theirs[0] not in (1, ours[0]) or \
+            (theirs[0] == ours[0] and theirs[1] > ours[1]):
+        shown = repr(version)[:40]
+        raise FitplanError(f"The plan's schema_version {shown} is not one this fitplan reads: it reads "
+                           f"1.x and {ours[0]}.0 to {SCHEMA_VERSION}.",
+                           "Re-create the plan with this fitplan (`solve ... -o plan.json`), or upgrade fitplan.")
+    return theirs[0]
+
+
+_ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)
+
+
+def json_schema() -> dict[str, Any]:
+    """The plan's JSON Schema (published as solver/plan/schema/plan.schema.json)."""
+    schema = _ADAPTER.json_schema(mode="serialization")
+    schema["$id"] = f"https://fitplan.dev/schema/plan-{SCHEMA_VERSION}.json"
+    schema["title"] = "fitplan Plan"
+    return schema
