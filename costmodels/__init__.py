@@ -6,8 +6,9 @@ Pure functions; knows nothing of search. `estimate(graph, cluster, workload, con
 from .breakdown import Estimate, MemoryBreakdown, TimeBreakdown
 from .cluster import Cluster, InvalidCluster, describe_cluster, load_cluster_file, parse_cluster
 from .config import Config, Engine, Offload, Optimizer, Precision, Workload
-from .estimate import InvalidConfig, check, estimate, lowering_for, model_flops, shared_lowering
+from .estimate import InvalidConfig, check, estimate, model_flops
 from .hardware import GPU, UnknownGPU, find_gpu, load_gpus
+from .lowering import lowering_for, shared_lowering
 from .verdict import DEFAULT_HEADROOM, Verdict, fits
 
 __all__ = [

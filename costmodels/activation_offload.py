@@ -17,7 +17,6 @@ Transfers overlap compute: each node costs max(compute, bytes / host link) in ea
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from graphs import Checkpoint, LayerGraph, Poly
 
@@ -26,9 +25,7 @@ from .cluster import Cluster
 from .compute import KernelSpeed, work_seconds
 from .config import Config
 from .offload import _host_link
-
-if TYPE_CHECKING:  # memory.py may call this module: no import cycle at run time
-    from .memory import MemoryTerms
+from .terms import MemoryTerms
 
 # torchtune `OffloadActivations(min_offload_size=1024)`: smaller saved tensors stay on the device.
 MIN_OFFLOAD_BYTES = 1024

@@ -16,6 +16,7 @@ from importlib import resources
 
 from .config import Config
 from .engines import rules_of
+from .lowering import liger_lowering
 
 # torch.compile adds compile time and occasional graph breaks; "auto" keeps it only when the cost model expects
 # at least this step-time saving. A policy threshold (how much saving is worth the compile), not an efficiency,
@@ -36,16 +37,14 @@ def compiled_memory_bound_speedup() -> float:
 def compile_credited(config: Config) -> bool:
     """Whether the engine runs a compiled model as the speed-up assumes (`EngineRules.compile_stages`: not
     DeepSpeed ZeRO-3, issue 12), and the model is not Liger-patched: its layers are lowered eager with Liger's
-    Triton kernels (`loss.liger_lowering`, graphs/liger.py), which are fused already and which fitplan does not
+    Triton kernels (`lowering.liger_lowering`, graphs/liger.py), which are fused already and which fitplan does not
     trace through Dynamo, so a compiled Liger run is priced as eager (its memory and time as upper bounds)."""
-    from .loss import liger_lowering  # loss.py imports the memory model, which imports this module
 
     return config.compile and rules_of(config.engine).compiles(config.zero) and not liger_lowering(config)
 
 
 def uncredited_reason(config: Config) -> str | None:
     """Why a compiled `config` gets no speed-up (None when it does): the engine's rule or the Liger lowering."""
-    from .loss import liger_lowering
 
     rules = rules_of(config.engine)
     if not rules.compiles(config.zero):

@@ -7,86 +7,26 @@ and reported as `ValueError`s that name the value and the rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Annotated
 
 from graphs import Checkpoint
 
+from .choices import (
+    BNB_OPTIMIZERS,
+    ContextParallel,
+    Engine,
+    Loss,
+    Offload,
+    Optimizer,
+    Precision,
+    require_positive_int,
+)
+from .engines import rules_of
 from .knobs import Knob
 from .pipeline_schedule import Schedule, schedule_problem
 
-
-def require_positive_int(name: str, value: object) -> None:
-    """Raise ValueError unless `value` is an int >= 1 (bools are not counts)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-class _Choice(str, Enum):
-    def __str__(self) -> str:
-        return self.value
-
-
-class Precision(_Choice):
-    """Number formats of weights, gradients and compute."""
-
-    FP32 = "fp32"
-    TF32 = "tf32"  # fp32 storage, matmuls on TF32 tensor cores (Ampere and newer)
-    FP16_MIXED = "fp16-mixed"  # fp16 compute, fp32 master weights, dynamic loss scaling
-    BF16_MIXED = "bf16-mixed"  # bf16 compute, fp32 master weights
-    BF16 = "bf16"  # pure bf16: weights, gradients and optimizer states in bf16, no master copy
-    FP8 = "fp8"  # bf16-mixed with fp8 matmuls in the linear layers (Transformer Engine / torchao float8)
-
-
-class Optimizer(_Choice):
-    ADAMW = "adamw"  # torch.optim.AdamW, foreach implementation (the CUDA default)
-    ADAMW_FUSED = "adamw-fused"  # torch.optim.AdamW(fused=True)
-    ADAFACTOR = "adafactor"  # factored second moment, no first moment
-    ADAMW_8BIT = "adamw-8bit"  # bitsandbytes AdamW8bit: blockwise-quantised uint8 moments
-    SGD = "sgd"  # SGD with momentum
-    # bitsandbytes PagedAdamW8bit / PagedAdamW32bit: AdamW8bit's / 32-bit AdamW's states in CUDA unified memory,
-    # paged to host RAM under device-memory pressure (costmodels/paging.py)
-    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
-    PAGED_ADAMW_32BIT = "paged-adamw-32bit"
-    # Megatron's precision-aware Adam (--use-precision-aware-optimizer, Transformer Engine's FusedAdam): bf16
-    # moments and main gradients, fp32 master weights kept as the 16-bit remainders of the bf16 weights
-    ADAMW_BF16 = "adamw-bf16"
-
-
-# bitsandbytes' optimizers: their CUDA kernels update device (or unified-memory) tensors only.
-BNB_OPTIMIZERS = (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT)
-
-
-class Loss(_Choice):
-    """How the LM head's cross-entropy is computed (costmodels/loss.py)."""
-
-    HF = "hf"  # transformers ForCausalLMLoss: 16-bit logits, fp32 upcast, log-softmax saved
-    CHUNKED = "chunked"  # torchtune CEWithChunkedOutputLoss: head and upcast per chunk of the sequence
-    # Liger's whole patch (use_liger_kernel): LigerFusedLinearCrossEntropyLoss (no full logits, gradients in
-    # forward) with its RMSNorm, SwiGLU and RoPE kernels in the layers (graphs/liger.py)
-    FUSED_LINEAR = "fused-linear"
-
-
-class Engine(_Choice):
-    """Which runtime shards and moves the model states; their buffers differ."""
-
-    DDP = "ddp"  # plain PyTorch (DistributedDataParallel when dp > 1); autocast for mixed precision
-    DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO stages 0-3
-    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard; ZeRO-2/3-like via reshard_after_forward
-    MEGATRON = "megatron"  # Megatron-LM's DistributedDataParallel; zero=1 is its distributed optimizer
-
-
-class ContextParallel(_Choice):
-    """How attention exchanges keys and values across the context-parallel ranks (costmodels/context_parallel.py)."""
-
-    RING = "ring"  # ring attention: each rank passes its K/V shard around the ring, overlapped with attention
-    ALL_TO_ALL = "all-to-all"  # DeepSpeed-Ulysses: all-to-all from sequence shards to head shards and back
-
-
-class Offload(_Choice):
-    NONE = "none"
-    CPU = "cpu"
-    NVME = "nvme"
+__all__ = ["BNB_OPTIMIZERS", "Config", "ContextParallel", "Engine", "Loss", "Offload", "Optimizer", "Precision",
+           "Workload", "require_positive_int"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,8 +139,6 @@ class Config:
         reads=("estimate", "memory", "verdict"))] = True
 
     def __post_init__(self) -> None:
-        from .engines import rules_of  # the engines' rules are written in this module's enums
-
         for name in ("tp", "dp", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):
             require_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
@@ -242,8 +180,6 @@ class Config:
                     isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.pp_split)):
                 raise ValueError(f"pp_split={self.pp_split!r} must give {stages} stages (pp x pp_virtual) at least "
                                  "one decoder layer each")
-            from .engines import rules_of
-
             stages = rules_of(self.engine).pipeline_stages  # costmodels/engines: the runtimes' pipeline rules
             if self.zero not in stages:
                 raise ValueError(f"pp={self.pp} runs {self.engine} at zero={', '.join(map(str, stages))} only, not "
@@ -255,9 +191,7 @@ class Config:
     def _check_memory_savers(self) -> None:
         """The refusals of optimizer-in-backward, the loss and activation offload that need no model."""
         if self.optimizer_in_backward:
-            from .optimizer_in_backward import refusals  # it imports this module
-
-            reasons = refusals(self, clip_grad_norm=False)
+            reasons = self.in_backward_refusals(clip_grad_norm=False)
             if reasons:
                 raise ValueError("optimizer_in_backward cannot run here: " + "; ".join(reasons))
         if self.loss is not Loss.HF and self.tp > 1:
@@ -269,9 +203,45 @@ class Config:
             raise ValueError("activation_offload needs full activation checkpointing on every layer (torchtune "
                              "refuses it otherwise)")
 
+    def in_backward_refusals(self, *, clip_grad_norm: bool) -> list[str]:
+        """Why this configuration cannot step its optimizer in backward (empty when it can). `clip_grad_norm` says
+        whether the run clips gradients (HF Trainer's default `max_grad_norm=1.0` does)."""
+        reasons = []
+        if self.grad_accum > 1:
+            # torchtune 0.6.1 recipes/full_finetune_single_device.py and full_finetune_distributed.py raise
+            # "Gradient accumulation is not supported with optimizer in bwd."
+            reasons.append(f"grad_accum={self.grad_accum}: each gradient is consumed as soon as it is produced, "
+                           "so micro-batches cannot accumulate (torchtune refuses it)")
+        if clip_grad_norm:
+            # Same recipes: "Gradient clipping is not supported with optimizer in bwd."
+            reasons.append("gradient clipping needs the norm over all gradients before any step (torchtune refuses it)")
+        if rules_of(self.engine).own_fused_optimizer:
+            reasons.append("DeepSpeed steps its own (partitioned) optimizer after backward; it has no per-parameter "
+                           "hook path")
+        elif not rules_of(self.engine).reduces_before_grad_hooks and self.shard_ranks > 1:
+            # torch DistributedDataParallel all-reduces buckets from its own autograd hooks; a post-accumulate-grad
+            # hook would step on the unreduced local gradient (DDP uses these hooks only for compiled autograd).
+            ranks = f"dp={self.dp}" + (f" x cp={self.cp}" if self.cp > 1 else "")
+            reasons.append(f"DDP with {ranks} reduces gradients after the hooks would have stepped them; "
+                           "use FSDP2 (which runs the hooks after its reduce-scatter)")
+        if self.optimizer_offload is not Offload.NONE:
+            reasons.append("offloaded optimizer steps are priced as one host step per optimizer step, not per "
+                           "parameter during backward")
+        if self.precision is Precision.FP16_MIXED:
+            reasons.append("fp16 loss scaling unscales and checks all gradients for inf/NaN before stepping")
+        return reasons
+
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks that hold the same weights and reduce their gradients: the data-parallel ranks times the
+        context-parallel ones, which see other tokens of the same sequences (torchtitan shards FSDP2 over its
+        `dp_shard_cp` mesh, Megatron's distributed optimizer and gradient all-reduce use the data-parallel group with
+        CP, DeepSpeed-Ulysses runs ZeRO over its sequence-data-parallel group)."""
+        return self.dp * self.cp
 
     def layer_modes(self, layers: int) -> tuple[Checkpoint, ...]:
         """The per-layer modes, validated against the model's layer count (empty means no checkpointing)."""

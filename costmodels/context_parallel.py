@@ -8,20 +8,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from graphs import Checkpoint, Layer, LayerGraph, ModeCost, Poly, Role, Work
 
 from . import precision
-from .activations import evaluate
+from .activations import NodeMemory, evaluate
 from .cluster import Cluster
 from .collectives import all_to_all_seconds, cp_group, send_seconds
 from .compute import KernelSpeed
 from .config import Config, ContextParallel, Workload
-
-if TYPE_CHECKING:
-    from .activations import NodeMemory
-    from .memory import MemoryTerms
+from .terms import MemoryTerms
 
 # Load-balanced causal sharding cuts each sequence into 2 x cp chunks and gives rank r chunks r and 2 cp - 1 - r
 # (torch 2.13 `_context_parallel._load_balancer._HeadTailLoadBalancer`, torchtitan's default; Megatron-LM

@@ -12,6 +12,7 @@ from .compute import CAUSAL_FRACTION, KERNEL_LAUNCH_SECONDS
 from .config import Config, Loss, Optimizer, Precision, Workload
 from .engines import rules_of
 from .expert_parallel import expert_notes, expert_refusal
+from .lowering import _SHARED, liger_lowering, lowering_for, shared_lowering
 from .memory import memory_breakdown
 from .overhead import allocator_note
 from .pipeline_stages import pipeline_estimate
@@ -20,28 +21,6 @@ from .timing import time_breakdown
 
 class InvalidConfig(FitplanError):
     """A configuration that cannot run on this model or cluster."""
-
-
-def lowering_for(config: Config, *, lora: bool = False) -> tuple[str, str | None]:
-    """The (dtype, autocast) the layer graph must be lowered with for `config`.
-
-    Plain PyTorch mixed precision keeps fp32 weights and autocasts (LoRA keeps the frozen base in 16 bits);
-    DeepSpeed and FSDP2 run the module in 16 bits and keep fp32 masters / shards themselves.
-    """
-    compute = precision.compute_dtype(config.precision)
-    if precision.is_mixed(config.precision) and rules_of(config.engine).runs_autocast:
-        return (compute if lora else "float32"), compute
-    return compute, None
-
-
-# fp16 and bf16 tensors have the same sizes (2 bytes), so one 16-bit lowering serves both.
-_SHARED: dict[str | None, str] = {"float16": "bfloat16"}
-
-
-def shared_lowering(config: Config, *, lora: bool = False) -> tuple[str, str | None]:
-    """`lowering_for(config)` with fp16 mapped to bf16: the lowering to build (or reuse) for `config`."""
-    dtype, autocast = lowering_for(config, lora=lora)
-    return _SHARED.get(dtype, dtype), _SHARED.get(autocast, autocast)
 
 
 def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> None:
@@ -75,7 +54,7 @@ def check(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Confi
     reasons = model_refusals(graph, config, modes_decided=bool(config.checkpoint))  # () : the search's outer
     if reasons:
         raise InvalidConfig("; ".join(reasons), hint)
-    if graph.runtime == "hf" and graph.liger != (liger := loss.liger_lowering(config)):
+    if graph.runtime == "hf" and graph.liger != (liger := liger_lowering(config)):
         raise ValueError(f"graph lowered with liger={graph.liger}, but loss={config.loss} needs lower(..., "
                          f"liger={liger}) (transformers' use_liger_kernel patches the layers)")
     if config.pp > 1:

@@ -10,10 +10,7 @@ memory-bound, and they are why published fp8 training gains stay well below the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .timing import Gemm
+from .terms import Gemm
 
 # Bytes moved per element of a dynamically scaled cast: amax (read bf16, 2 B) + scale and cast (read bf16 2 B,
 # write fp8 1 B).

@@ -13,16 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role, Work
 
 from . import precision
 from .activations import NodeMemory
 from .config import Config, Loss
-
-if TYPE_CHECKING:  # memory.py may call this module: no import cycle at run time
-    from .memory import MemoryTerms
+from .lowering import lowering_for
+from .terms import MemoryTerms
 
 Events = list[tuple[str, int]]
 """(what, bytes allocated (+) or freed (-)) in program order."""
@@ -234,13 +232,6 @@ def loss_nodes(memory: LossMemory, x: HeadShape) -> tuple[NodeMemory, NodeMemory
     return head, empty
 
 
-def liger_lowering(config: Config) -> bool:
-    """Whether `config` runs Liger's whole patch, so its layers are lowered with Liger's kernels (`graphs/liger.py`):
-    the fused linear loss is emitted as transformers' `use_liger_kernel`, which also swaps in Liger's RMSNorm,
-    SwiGLU and RoPE (solver/plan/launchers/hf.py `LIGER_KERNEL_CONFIG`)."""
-    return config.loss is Loss.FUSED_LINEAR
-
-
 def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
     """Why `loss` cannot be priced (or run) for `config` (empty when it can)."""
     if loss is Loss.HF:
@@ -249,7 +240,6 @@ def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
     if config.tp > 1:
         reasons.append(f"{loss} loss with tp={config.tp}: the vocabulary-parallel head is not modelled (both run "
                        "on a whole-vocabulary head)")
-    from .estimate import lowering_for  # estimate.py imports this module through memory.py
 
     weights = lowering_for(config, lora=graph.lora is not None)[0]  # the lowering `config` runs, not `graph`'s
     if loss is Loss.CHUNKED and _ITEMSIZE[weights] != precision.compute_itemsize(config.precision):

@@ -12,47 +12,19 @@ are views of one reduce-scatter output, freed together once all of them have ste
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from graphs import LayerGraph
 
 from . import optimizers, precision
-from .config import Config, Offload, Precision
+from .config import Config
 from .engines import rules_of
+from .terms import MemoryTerms, ModelStates
 from .zero import local_elements, local_shape, shard_ranks
-
-if TYPE_CHECKING:  # memory.py, states.py and config.py call this module: no import cycle at run time
-    from .memory import MemoryTerms
-    from .states import ModelStates
 
 
 def refusals(config: Config, *, clip_grad_norm: bool) -> list[str]:
-    """Why `config` cannot step its optimizer in backward (empty when it can). `clip_grad_norm` says whether the
-    run clips gradients (HF Trainer's default `max_grad_norm=1.0` does)."""
-    reasons = []
-    if config.grad_accum > 1:
-        # torchtune 0.6.1 recipes/full_finetune_single_device.py and full_finetune_distributed.py raise
-        # "Gradient accumulation is not supported with optimizer in bwd."
-        reasons.append(f"grad_accum={config.grad_accum}: each gradient is consumed as soon as it is produced, "
-                       "so micro-batches cannot accumulate (torchtune refuses it)")
-    if clip_grad_norm:
-        # Same recipes: "Gradient clipping is not supported with optimizer in bwd."
-        reasons.append("gradient clipping needs the norm over all gradients before any step (torchtune refuses it)")
-    if rules_of(config.engine).own_fused_optimizer:
-        reasons.append("DeepSpeed steps its own (partitioned) optimizer after backward; it has no per-parameter "
-                       "hook path")
-    elif not rules_of(config.engine).reduces_before_grad_hooks and shard_ranks(config) > 1:
-        # torch DistributedDataParallel all-reduces buckets from its own autograd hooks; a post-accumulate-grad
-        # hook would step on the unreduced local gradient (DDP uses these hooks only for compiled autograd).
-        ranks = f"dp={config.dp}" + (f" x cp={config.cp}" if config.cp > 1 else "")
-        reasons.append(f"DDP with {ranks} reduces gradients after the hooks would have stepped them; "
-                       "use FSDP2 (which runs the hooks after its reduce-scatter)")
-    if config.optimizer_offload is not Offload.NONE:
-        reasons.append("offloaded optimizer steps are priced as one host step per optimizer step, not per "
-                       "parameter during backward")
-    if config.precision is Precision.FP16_MIXED:
-        reasons.append("fp16 loss scaling unscales and checks all gradients for inf/NaN before stepping")
-    return reasons
+    """Why `config` cannot step its optimizer in backward (empty when it can; `Config.in_backward_refusals`)."""
+    return config.in_backward_refusals(clip_grad_norm=clip_grad_norm)
 
 
 def in_backward_states(graph: LayerGraph, config: Config, states: ModelStates) -> ModelStates:

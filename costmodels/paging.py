@@ -15,14 +15,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from .cluster import Cluster
 from .offload import _host_link
 from .optimizers import PAGED_OPTIMIZERS, fixed_state_bytes, state_bytes
-
-if TYPE_CHECKING:  # states.py calls this module: no import cycle at run time
-    from .states import ModelStates
+from .terms import ModelStates
 
 # bitsandbytes 0.50.2 `get_state_buffer`: `if not self.is_paged or p.numel() < 1e5: return torch.zeros_like(...)`.
 BNB_PAGED_MIN_NUMEL = 100_000

@@ -26,7 +26,7 @@ from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
 from .cluster import Cluster
 from .config import Config, Workload
-from .memory import MemoryTerms, Span, memory_breakdown, memory_terms, model_wide_bytes
+from .memory import memory_breakdown, memory_terms, model_wide_bytes
 from .pipeline import (
     Moment,
     PipelineTime,
@@ -43,6 +43,7 @@ from .pipeline import (
 from .pipeline_schedule import Schedule, stage_ranks
 from .stage_split import megatron_split
 from .states import model_states
+from .terms import MemoryTerms, Span
 from .timing import TimeTerms, time_breakdown, time_terms
 
 

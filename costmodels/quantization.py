@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from graphs.lora import Quantization
+from graphs.adapters import Quantization
 
 FP32 = 4
 # Params4bit's default block: one fp32 absmax per 64 weights (bitsandbytes nn/modules.py; transformers'

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from graphs import LayerGraph, ParamTensor
 
@@ -14,29 +13,11 @@ from .config import Config, Offload, Precision
 from .engines import GradientSizes, rules_of
 from .expert_parallel import state_ranks
 from .identity_memo import IdentityMemo
+from .terms import ModelStates
 from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding
 
 Group = tuple[ParamTensor, int]
 """Identical parameter tensors and how many there are (`LayerGraph.tensor_groups`)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelStates:
-    """Bytes per rank. `grads` is what persists between steps; unsharded gradients that accumulate during the
-    first micro-batch's backward are `accumulating_grads` (they appear in the activation timeline)."""
-
-    params: int
-    grads: int
-    accumulating_grads: int
-    master: int
-    optimizer: int
-    step_temp: int
-    cpu: int
-    nvme: int
-
-    @property
-    def gpu_total(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer
 
 
 def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:

@@ -26,23 +26,13 @@ from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
 from .states import paged_split
 from .tensor_parallel import tp_node_seconds
+from .terms import Gemm
 from .zero import dp_traffic, local_elements, reduce_bucket_elements, shard_ranks, sharding
 
 # The optimizer step streams each local parameter's states: fp32 param, grad, 2 moments read and param and
 # moments written (28 bytes), plus the 16-bit copy and master weights under mixed precision (an upper bound;
 # ZeRO paper's accounting of Adam state traffic).
 OPTIMIZER_BYTES_PER_PARAM = 32
-
-
-@dataclass(frozen=True, slots=True)
-class Gemm:
-    """One matmul weight of a layer on one rank: `n` outputs over a reduction of `k`, run on `routed` times the
-    tokens (an expert stack's top-k, else 1) and held `copies` times (the experts of a stack, else 1)."""
-
-    n: int
-    k: int
-    routed: int = 1
-    copies: int = 1
 
 
 @dataclass(frozen=True, slots=True)

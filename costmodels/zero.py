@@ -27,11 +27,8 @@ class Sharding:
 
 
 def shard_ranks(config: Config) -> int:
-    """Ranks that hold the same weights and reduce their gradients: the data-parallel ranks times the
-    context-parallel ones, which see other tokens of the same sequences (torchtitan shards FSDP2 over its
-    `dp_shard_cp` mesh, Megatron's distributed optimizer and gradient all-reduce use the data-parallel group with
-    CP, DeepSpeed-Ulysses runs ZeRO over its sequence-data-parallel group)."""
-    return config.dp * config.cp
+    """`Config.shard_ranks`: the ranks the ZeRO stages shard over."""
+    return config.shard_ranks
 
 
 def sharding(config: Config) -> Sharding:

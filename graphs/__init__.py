@@ -3,11 +3,11 @@
 Knows nothing of GPUs. `lower(model)` is the entry point; the catalog of published configs ships as data.
 """
 
+from .adapters import LoraSpec, Quantization
 from .catalog import catalog_ids, load_entry
 from .errors import FitplanError, MalformedConfig, UnknownModel, UnsupportedModel
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, Layer, ModeCost, MoE, ParamTensor, Role, Work
-from .lora import LoraSpec, Quantization
 from .lower import lower
 from .poly import PeakPoly, Poly
 from .sources import ResolvedModel, resolve

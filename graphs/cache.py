@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .adapters import LoraSpec
     from .graph import LayerGraph
-    from .lora import LoraSpec
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
 FORMAT_VERSION = 11  # 11: compiled lowerings (variants), with the eager trace's work

@@ -9,8 +9,8 @@ from typing import Any
 
 import networkx as nx
 
+from .adapters import LoraSpec
 from .layer import Checkpoint, Layer, ModeCost, MoE, ParamTensor, Role, Work
-from .lora import LoraSpec
 from .poly import ZERO, Poly
 
 

@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .adapters import LoraSpec
 from .errors import MalformedConfig, UnsupportedModel
 from .fake import build_model, to_fake
 from .fit import Probes, model_wide_bytes, segment_costs
 from .graph import ModelDims
 from .layer import Checkpoint, ModeCost, MoE, ParamTensor
-from .lora import LoraSpec, apply_lora
+from .lora import apply_lora
 from .poly import Poly
 from .probe import TraceSlot, build_trace_model, run_pass, trace_slots
 from .sources import ResolvedModel
@@ -81,7 +82,7 @@ def study(config: Any, *, dtype: str, autocast: str | None, attention: str | Non
 
 def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
            b0: int, s0: int, widen: int, op_selective: bool, compiled: bool, patch: Any) -> Study:
-    from .lower import dims_of, widened_config
+    from .assemble import dims_of, widened_config
 
     dims = dims_of(config)
     fake = FakeTensorMode(allow_non_fake_inputs=True)

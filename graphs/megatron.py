@@ -120,7 +120,7 @@ def _package_version(name: str) -> str:
 
 
 def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph:
-    from .lower import assemble, dims_of
+    from .assemble import assemble, dims_of
     from .measure import Study, _versions, transformers_config
 
     config = transformers_config(resolved)
@@ -188,7 +188,7 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
     turns on the SwiGLU and RoPE fusions a default Megatron-LM run uses (call inside `megatron_runtime("te")`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .lower import dims_of
+    from .assemble import dims_of
 
     fused = kernels == "te"
 
@@ -221,7 +221,7 @@ def build_megatron(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloa
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from .lower import dims_of
+    from .assemble import dims_of
     from .titan import _llama_scaling, _rope_theta
 
     text = config.get_text_config()

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from .adapters import LoraSpec
 from .compiled import compile_forward
 from .fake import full_checkpoint_function, quirks
 from .layer import Checkpoint
-from .lora import LoraSpec, adapter_tracing
+from .lora import adapter_tracing
 from .recorder import OpRecord, Recorder, ScopeTracker, StorageRecord
 from .sac import SacRecorder, op_sac_context_fn
 from .structure import ModelParts

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .adapters import Quantization
 from .errors import UnsupportedModel
-from .lora import Quantization
 
 
 def bnb_config(quantization: Quantization, *, double_quant: bool, compute_dtype: str) -> Any:

@@ -78,8 +78,8 @@ def lower_titan(model: str, *, dtype: str = "bfloat16", loss: str = "chunked", u
 @functools.lru_cache(maxsize=16)
 def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", loss: str = "chunked",
                          use_cache: bool = True, compiled: bool = False) -> LayerGraph:
+    from .assemble import eager_work
     from .cache import cache_key, load_cached, store_cached
-    from .lower import eager_work
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
@@ -106,7 +106,7 @@ def _titan_version_tag() -> int:
 
 
 def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) -> LayerGraph:
-    from .lower import assemble, dims_of
+    from .assemble import assemble, dims_of
     from .measure import Study, _versions, transformers_config
 
     config = transformers_config(resolved)
@@ -222,7 +222,7 @@ def titan_config(config: Any, *, family: str, layers: int, widen: int = 1) -> An
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
-    from .lower import dims_of
+    from .assemble import dims_of
 
     text = config.get_text_config()
     dims = dims_of(config)

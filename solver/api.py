@@ -24,7 +24,7 @@ from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
 from costmodels.config import Engine, Loss
 from costmodels.estimate import model_refusals
-from costmodels.loss import liger_lowering
+from costmodels.lowering import liger_lowering
 from costmodels.packing import Lengths, packed, padded
 from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import stage_layers
@@ -187,7 +187,7 @@ def _lower_titan(resolved: ResolvedModel, *, dtype: str, compiled: bool) -> Laye
 
 def _lower_hf(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
               lora: LoraSpec | None, op_selective: bool, compiled: bool, liger: bool = False) -> LayerGraph:
-    """The HF-code lowering (with Liger's patch where the plan runs it, `costmodels.loss.liger_lowering`); a
+    """The HF-code lowering (with Liger's patch where the plan runs it, `costmodels.lowering.liger_lowering`); a
     compiled one falls back to eager where AOTAutograd cannot trace the model (compiling saves memory, so eager
     prices it conservatively)."""
     options = {"dtype": dtype, "autocast": autocast, "attention": attention, "lora": lora,

@@ -49,7 +49,9 @@ def imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
         for _ in range(max(0, node.level - 1)):
             base = base.rpartition(".")[0]
         target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
-        names = [target, *(f"{target}.{alias.name}" for alias in node.names)]
+        names = [f"{target}.{alias.name}" for alias in node.names]
+        if not all(name in known for name in names):  # some name is an attribute of `target`, not a submodule
+            names.append(target)
     return {name for name in names if name in known}
 
 

@@ -5,7 +5,7 @@ Cost modules ask `rules_of(engine)` instead of testing which engine runs."""
 
 from __future__ import annotations
 
-from ..config import Engine
+from ..choices import Engine
 from . import ddp, deepspeed, fsdp2, megatron
 from .base import DataParallelTraffic, EngineRules, GradientSizes, UnitBytes
 

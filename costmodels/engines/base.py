@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import Engine
+from ..choices import Engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import Engine
+from ..choices import Engine
 from .base import EngineRules, GradientSizes
 
 # DDP's gradient buckets hold 25 MB (`bucket_cap_mb=25`, torch.nn.parallel.DistributedDataParallel).

@@ -3,7 +3,7 @@ gradients, 3 also parameters, each as a flat partition; a 16-bit model with an f
 
 from __future__ import annotations
 
-from ..config import Engine
+from ..choices import Engine
 from .base import Buffers, EngineRules, GradientSizes, UnitBytes
 
 # DeepSpeed's estimators size host memory for offload with a 1.5x buffer factor

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..config import Engine
+from ..choices import Engine
 from .base import Buffers, EngineRules, GradientSizes, UnitBytes
 
 

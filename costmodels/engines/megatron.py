@@ -9,7 +9,7 @@ instead (`deepspeed.gradients`), which is why Megatron plans are not priced as D
 
 from __future__ import annotations
 
-from ..config import Engine
+from ..choices import Engine
 from .base import EngineRules, GradientSizes
 
 # megatron/core/distributed/distributed_data_parallel.py (core_v0.16.1): with --overlap-grad-reduce and no

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from costmodels import Cluster, Estimate, load_gpus
 from costmodels.verdict import DEFAULT_HEADROOM, Verdict, fits
-from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
+from graphs import MalformedConfig, catalog_ids, load_entry
 from graphs.files import check_depth, parse_json, parse_yaml, read_text
 from graphs.lora import LoraSpec
 from solver.plan.record import Plan
@@ -27,39 +27,6 @@ def emit_files(plan: Plan, emit: str, folder: Path, *, force: bool = False) -> l
     from solver.cli.outputs import Targets, launcher_names, write_outputs
 
     return write_outputs(plan, Targets(launchers=launcher_names(emit), emit_dir=folder), force=force).paths
-
-
-def plot_plan(plan: Plan, path: Path) -> None:
-    """Two panels: the memory breakdown per GPU, and step time against device memory for the alternatives."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise FitplanError("--plot needs matplotlib", "pip install 'fitplan[plot]'") from error
-    from solver.cli.render import memory_parts
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    bottom = 0.0
-    for name, nbytes in memory_parts(plan.estimate):
-        left.bar(["this plan"], [nbytes / GIB], bottom=[bottom], label=name)
-        bottom += nbytes / GIB
-    left.axhline(plan.inputs.cluster.gpu_memory_bytes / GIB, color="black", linestyle="--", label="device memory")
-    left.set_ylabel("GiB per GPU")
-    left.set_title("Memory breakdown (device peak)")
-    left.legend(fontsize=8)
-    points = [(plan.estimate.memory.device_peak / GIB, plan.estimate.time.step_time, "plan")]
-    points += [(a.device_peak / GIB, a.step_time, a.decisions[:40]) for a in plan.alternatives if a.step_time]
-    for memory, seconds, label in points:
-        right.scatter([memory], [seconds], s=60 if label == "plan" else 30)
-        right.annotate(label, (memory, seconds), fontsize=7)
-    right.set_xlabel("device peak, GiB per GPU")
-    right.set_ylabel("step time, s")
-    right.set_title("Time / memory trade-off of the alternatives")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 @dataclass

@@ -79,7 +79,7 @@ class Written:
 
 def write_outputs(plan: Plan, targets: Targets, *, force: bool) -> Written:
     """Write the plan's files after checking all of them, so that a refusal writes nothing."""
-    from solver.cli.commands import plot_plan
+    from solver.cli.plot import plot_plan
 
     result = emitted(plan, targets.launchers) if targets.launchers else Emitted(files={})
     files: dict[Path, str] = {} if targets.output is None else {targets.output: plan.dumps()}

@@ -19,7 +19,7 @@ from costmodels import Config, Workload, activation_offload, shared_lowering
 from costmodels.activations import evaluate
 from costmodels.config import Loss
 from costmodels.knobs import declared
-from costmodels.loss import liger_lowering
+from costmodels.lowering import liger_lowering
 from costmodels.memory import memory_terms
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from costmodels.memory import MemoryTerms
+from costmodels.terms import MemoryTerms
 from graphs import Checkpoint, FitplanError
 from solver.search.space import CHECKPOINTED
 from solver.search.tables import TICK_SECONDS, Table, rank_step, recompute_weight, tie_weight

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Offload, Workload, precision
 from costmodels.activations import NodeMemory
-from costmodels.memory import MemoryTerms, others_at_most
+from costmodels.memory import others_at_most
 from costmodels.pipeline import Moment
+from costmodels.terms import MemoryTerms
 from graphs import Checkpoint, LayerGraph
 from solver.search.count_search import best_below
 from solver.search.model import SolveResult, add_objective_cutoff, build_model, solve

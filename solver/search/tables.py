@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 
 from costmodels import Cluster, Config, Workload, check
 from costmodels.compilation import COMPILE_MIN_SAVING
-from costmodels.memory import MemoryTerms, allocated_peak, memory_terms, offload_bytes
+from costmodels.memory import allocated_peak, memory_terms, offload_bytes
 from costmodels.pipeline_stages import RankSlice, rank_memory_terms
-from costmodels.states import ModelStates, model_states
+from costmodels.states import model_states
+from costmodels.terms import MemoryTerms, ModelStates
 from costmodels.timing import TimeTerms, time_terms
 from costmodels.verdict import host_fits, memory_budget
 from graphs import Checkpoint, LayerGraph

@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from costmodels import Config, Engine, Optimizer, Precision, lowering_for
-from costmodels.states import ModelStates, model_states
+from costmodels.states import model_states
+from costmodels.terms import ModelStates
 from costmodels.zero import fsdp_shard_dim, local_shape
 from graphs import LayerGraph, lower
 from tests.gloo import run_ranks

@@ -10,7 +10,8 @@ import pytest
 from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster
 from costmodels import fp8 as fp8_module
 from costmodels.fp8 import CAST_BYTES_PER_ELEMENT, cast_elements
-from costmodels.timing import Gemm, layer_gemms, speed_for
+from costmodels.terms import Gemm
+from costmodels.timing import layer_gemms, speed_for
 from graphs import lower
 
 

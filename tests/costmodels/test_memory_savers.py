@@ -14,7 +14,8 @@ from costmodels import Config, Engine, InvalidConfig, Optimizer, Precision, Work
 from costmodels.activation_offload import offload_seconds, offload_terms
 from costmodels.cluster import parse_cluster
 from costmodels.config import Loss
-from costmodels.loss import liger_lowering, loss_terms
+from costmodels.loss import loss_terms
+from costmodels.lowering import liger_lowering
 from costmodels.memory import allocated_peak, memory_terms
 from costmodels.optimizer_in_backward import in_backward_terms
 from costmodels.paging import paged_states, paging_seconds

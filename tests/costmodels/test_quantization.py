@@ -14,7 +14,7 @@ from costmodels.quantization import (
     quant_state_bytes,
     quantized_weight_bytes,
 )
-from graphs.lora import Quantization
+from graphs.adapters import Quantization
 
 bnb = pytest.importorskip("bitsandbytes")
 

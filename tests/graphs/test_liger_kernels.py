@@ -78,7 +78,7 @@ def test_saved_bytes_with_lora_adapters_equal_the_patched_peft_model_s(tmp_path)
     """LoRA on every linear layer under Liger's patch (the common "LoRA with Liger" fine-tune): the adapted
     projections feed Liger's SwiGLU and RoPE, which save the LoRA-summed outputs, not HF's intermediates."""
     pytest.importorskip("peft")
-    from graphs.lora import LoraSpec
+    from graphs.adapters import LoraSpec
 
     folder = write_config(tmp_path / "llama", tiny_values("llama"))
     graph = lower(str(folder), dtype="bfloat16", use_cache=False, liger=True, lora=LoraSpec(rank=8, alpha=16))

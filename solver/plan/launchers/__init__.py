@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from graphs import FitplanError
-from solver.plan.launchers import accelerate, axolotl, deepspeed, hf, megatron, torchrun, torchtitan
+from solver.plan.launchers import accelerate, axolotl, deepspeed, hf, megatron, torchrun, torchtitan, trl
 from solver.plan.launchers.common import checkpointed_layers
 from solver.plan.launchers.support import unsupported
 from solver.plan.record import Plan
@@ -16,7 +16,7 @@ def _deepspeed(plan: Plan) -> dict[str, str]:
 
 
 def _hf(plan: Plan) -> dict[str, str]:
-    files = hf.emit(plan)
+    files = {**hf.emit(plan), **trl.emit(plan)}  # TRL's SFTConfig extends the Trainer's arguments
     if plan.decisions.engine.value == "deepspeed":
         files.update(_deepspeed(plan))  # TrainingArguments(deepspeed="ds_config.json") reads it
     return files

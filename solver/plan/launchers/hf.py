@@ -108,7 +108,7 @@ def quantization_config(plan: Plan) -> str | None:
     16-bit dtype (None without a quantized base): pass it as `quantization_config=BitsAndBytesConfig.from_dict(...)`
     to `from_pretrained`."""
     from costmodels import precision
-    from graphs.lora import Quantization
+    from graphs.adapters import Quantization
     from graphs.quantization import bnb_config
 
     lora = plan.decisions.lora
@@ -122,9 +122,6 @@ def quantization_config(plan: Plan) -> str | None:
 def emit(plan: Plan) -> dict[str, str]:
     files = {"training_args.yaml": yaml.safe_dump(training_arguments(plan), sort_keys=False),
              "training_args.json": json.dumps(training_arguments(plan), indent=2) + "\n"}
-    from solver.plan.launchers.trl import sft_config  # it extends these arguments
-
-    files["sft_config.json"] = json.dumps(sft_config(plan), indent=2) + "\n"  # trl.SFTConfig(**kwargs)
     if plan.decisions.lora:  # load with peft.LoraConfig.from_pretrained(folder) and get_peft_model
         files["adapter_config.json"] = adapter_config(plan)
     quantized = quantization_config(plan)

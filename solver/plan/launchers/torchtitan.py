@@ -335,7 +335,7 @@ def emit(plan: Plan) -> dict[str, str]:
     """fitplan_torchtitan.toml (the job), fitplan_torchtitan.py (the config module torchtitan loads it through),
     torchtitan_launch.sh (torchrun on each node) and, beyond one node, slurm_launch.sh."""
     d = plan.decisions
-    from solver.plan.launchers.support import parallelism_problems  # it imports this module
+    from solver.plan.launchers.parallelism import parallelism_problems
 
     problems = unsupported("torchtitan", d, checkpoint=d.checkpoint, lora=d.lora is not None) + \
         model_problems(plan.inputs, d.attention) + parallelism_problems("torchtitan", d, plan.inputs)

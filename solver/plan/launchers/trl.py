@@ -3,6 +3,7 @@ plus the sequence length and packing the plan's rows were priced with, for `SFTT
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from solver.plan.launchers.hf import training_arguments
@@ -22,3 +23,8 @@ def sft_config(plan: Plan) -> dict[str, Any]:
     else:
         kwargs["pad_to_multiple_of"] = None  # trl's "auto" would round each micro-batch up to 128 tokens
     return kwargs
+
+
+def emit(plan: Plan) -> dict[str, str]:
+    """TRL's config files beside the Trainer's: `trl.SFTConfig(**json.load(open("sft_config.json")))`."""
+    return {"sft_config.json": json.dumps(sft_config(plan), indent=2) + "\n"}
