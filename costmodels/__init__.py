@@ -1,19 +1,69 @@
 """costmodels: memory per GPU and time per step for a lowered model, a cluster, a workload and a config.
 
 Pure functions; knows nothing of search. `estimate(graph, cluster, workload, config)` is the entry point.
+The names load on first use (`graphs.exports`).
 """
 
-from .breakdown import Estimate, MemoryBreakdown, TimeBreakdown
-from .cluster import Cluster, InvalidCluster, describe_cluster, load_cluster_file, parse_cluster
-from .config import Config, Engine, Offload, Optimizer, Precision, Workload
-from .estimate import InvalidConfig, check, estimate, model_flops
-from .hardware import GPU, UnknownGPU, find_gpu, load_gpus
-from .lowering import lowering_for, shared_lowering
-from .verdict import DEFAULT_HEADROOM, Verdict, fits
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_HEADROOM", "GPU", "Cluster", "Config", "Engine", "Estimate", "InvalidCluster", "InvalidConfig",
-    "MemoryBreakdown", "Offload", "Optimizer", "Precision", "TimeBreakdown", "UnknownGPU", "Verdict", "Workload",
-    "check", "describe_cluster", "estimate", "find_gpu", "fits", "load_cluster_file", "load_gpus", "lowering_for",
-    "model_flops", "parse_cluster", "shared_lowering",
+from graphs.exports import lazy_exports
+
+_WHERE = {
+    "Cluster": "costmodels.cluster",
+    "Config": "costmodels.config",
+    "DEFAULT_HEADROOM": "costmodels.verdict",
+    "Engine": "costmodels.config",
+    "Estimate": "costmodels.breakdown",
+    "GPU": "costmodels.hardware",
+    "InvalidCluster": "costmodels.cluster",
+    "InvalidConfig": "costmodels.estimate",
+    "MemoryBreakdown": "costmodels.breakdown",
+    "Offload": "costmodels.config",
+    "Optimizer": "costmodels.config",
+    "Precision": "costmodels.config",
+    "TimeBreakdown": "costmodels.breakdown",
+    "UnknownGPU": "costmodels.hardware",
+    "Verdict": "costmodels.verdict",
+    "Workload": "costmodels.config",
+    "check": "costmodels.estimate",
+    "describe_cluster": "costmodels.cluster",
+    "estimate": "costmodels.estimate",
+    "find_gpu": "costmodels.hardware",
+    "fits": "costmodels.verdict",
+    "load_cluster_file": "costmodels.cluster",
+    "load_gpus": "costmodels.hardware",
+    "lowering_for": "costmodels.lowering",
+    "model_flops": "costmodels.estimate",
+    "parse_cluster": "costmodels.cluster",
+    "shared_lowering": "costmodels.lowering",
+}
+__all__ = [  # noqa: RUF022 (the names _WHERE maps, sorted)
+    "Cluster",
+    "Config",
+    "DEFAULT_HEADROOM",
+    "Engine",
+    "Estimate",
+    "GPU",
+    "InvalidCluster",
+    "InvalidConfig",
+    "MemoryBreakdown",
+    "Offload",
+    "Optimizer",
+    "Precision",
+    "TimeBreakdown",
+    "UnknownGPU",
+    "Verdict",
+    "Workload",
+    "check",
+    "describe_cluster",
+    "estimate",
+    "find_gpu",
+    "fits",
+    "load_cluster_file",
+    "load_gpus",
+    "lowering_for",
+    "model_flops",
+    "parse_cluster",
+    "shared_lowering",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from .adapters import LoraSpec
 from .layer import Checkpoint, Layer, ModeCost, MoE, ParamTensor, Role, Work
 from .poly import ZERO, Poly
+
+if TYPE_CHECKING:  # networkx loads when a graph is built (0.1 s): `from graphs import LayerGraph` stays light
+    import networkx as nx
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,12 +76,14 @@ class LayerGraph:
     versions: tuple[tuple[str, str], ...] = ()
     runtime: str = "hf"
     """The code path traced: "hf" (transformers modeling code) or "torchtitan" (`graphs/titan.py`)."""
-    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+    graph: nx.DiGraph = field(default_factory=lambda: chain_graph([]))
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def nodes(self) -> list[Layer]:
         """All nodes in execution order."""
         if "nodes" not in self._memo:
+            import networkx as nx
+
             self._memo["nodes"] = [self.graph.nodes[name]["layer"] for name in nx.topological_sort(self.graph)]
         return list(self._memo["nodes"])
 
@@ -173,6 +176,8 @@ def group_tensors(tensors: Iterable[ParamTensor]) -> tuple[tuple[ParamTensor, in
 
 def chain_graph(layers: list[Layer]) -> nx.DiGraph:
     """A DiGraph with one node per layer and an edge along each data-flow step."""
+    import networkx as nx
+
     graph = nx.DiGraph()
     for layer in layers:
         graph.add_node(layer.name, layer=layer)

@@ -11,7 +11,7 @@ from costmodels import Config, Engine, Workload, estimate, parse_cluster
 from costmodels.memory import memory_terms
 from graphs import Checkpoint, lower
 from solver import solve
-from solver import tables as tables_module
+from solver.search import tables as tables_module
 from solver.search.space import Outer
 
 MODEL = "gpt2"

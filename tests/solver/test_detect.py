@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from costmodels import find_gpu
-from solver import detect
+from solver.hardware import detect
 from solver.api import cluster_from
 from solver.cli.app import app
 
