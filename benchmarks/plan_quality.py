@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster, shared_lowering
 from costmodels.verdict import fits
 from graphs import Checkpoint, LoraSpec, resolve
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from solver import Infeasible, solve
 
 SEQ_LEN, GLOBAL_BATCH, HEADROOM = 2048, 64, 0.05

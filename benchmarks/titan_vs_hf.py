@@ -3,7 +3,7 @@
 The case from issue 10: Llama-3.1-8B at 8192 tokens, micro-batch 2, which torchtitan trains with op-level SAC on
 8 H100s (FSDP2, bf16 compute). Prints per-layer saved bytes for every mode each runtime lowers, the whole
 model's activations (all layers in that mode, plus embedding, final norm, head and loss), and the allocated peak
-`costmodels.estimate` gives for FSDP2 ZeRO-3 bf16-mixed AdamW on 8xH100. HF "selective" is the attention core
+`costmodels.estimator` gives for FSDP2 ZeRO-3 bf16-mixed AdamW on 8xH100. HF "selective" is the attention core
 (Megatron's selective recompute); "op_selective" is torchtitan's op-level SAC policy on either runtime.
 Usage: FITPLAN_CACHE_DIR=/tmp/fitplan-cache HF_HUB_OFFLINE=1 python benchmarks/titan_vs_hf.py [--model ID]
 """

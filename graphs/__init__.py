@@ -29,7 +29,7 @@ _WHERE = {
     "Work": "graphs.layer",
     "catalog_ids": "graphs.catalog",
     "load_entry": "graphs.catalog",
-    "lower": "graphs.lower",
+    "lower": "graphs.lowering",
     "resolve": "graphs.sources",
 }
 __all__ = [

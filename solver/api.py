@@ -23,7 +23,7 @@ from costmodels import estimate as estimate_config
 from costmodels.cluster import with_profile
 from costmodels.compilation import compile_credited
 from costmodels.config import Engine, Loss
-from costmodels.estimate import model_refusals
+from costmodels.estimator import model_refusals
 from costmodels.lowering import liger_lowering
 from costmodels.packing import Lengths, packed, padded
 from costmodels.pipeline_schedule import Schedule
@@ -32,7 +32,7 @@ from costmodels.profile import load_profile
 from costmodels.verdict import fits
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, UnsupportedModel, resolve
 from graphs.liger import liger_version
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from graphs.megatron import MEGATRON_TYPES, lower_megatron_resolved
 from graphs.positions import sequence_note
 from graphs.sources import ResolvedModel

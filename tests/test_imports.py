@@ -94,3 +94,13 @@ def test_the_analysis_finds_a_cycle_through_a_package_init(function_level: bool)
     graph.add_edge("solver.plan.capability", "solver")  # what `from solver import api` in capability.py would add
     graph.add_edge("solver", "solver.plan.capability")
     assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
+
+
+@pytest.mark.parametrize("package", ["graphs", "costmodels", "solver"])
+def test_no_lazily_exported_name_is_also_a_submodule(package: str):
+    """A package's lazy export named like one of its submodules would be replaced by that module once imported."""
+    import importlib
+
+    exported = set(importlib.import_module(package).__all__)
+    submodules = {name.rpartition(".")[2] for name in modules() if name.startswith(package + ".")}
+    assert exported & submodules == set()

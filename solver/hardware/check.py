@@ -25,7 +25,7 @@ from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
 from graphs.files import parse_json, read_text
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from solver.plan.record import Plan
 
 # A few steps of a real model on GPUs take minutes (model build, NCCL set-up); beyond this the run is stuck.

@@ -14,7 +14,7 @@ from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, W
 from costmodels.compilation import compile_credited
 from costmodels.config import ContextParallel
 from costmodels.engines import RULES
-from costmodels.estimate import model_refusals
+from costmodels.estimator import model_refusals
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 from solver.plan.capability import (

@@ -19,7 +19,7 @@ from costmodels.context_parallel import (
     ring_traffic,
     ulysses_traffic,
 )
-from costmodels.estimate import InvalidConfig
+from costmodels.estimator import InvalidConfig
 from costmodels.memory import memory_terms
 from graphs import Checkpoint, Role, lower
 from tests.costmodels.cp_ring_reference import B, S, launch

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, lowering_for, parse_cluster
 from costmodels import expert_parallel as ep_model
-from costmodels.estimate import InvalidConfig
+from costmodels.estimator import InvalidConfig
 from costmodels.states import model_states
 from graphs import Checkpoint, LayerGraph, lower
 from tests.graphs.reference import write_config

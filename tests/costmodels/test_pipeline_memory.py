@@ -17,7 +17,7 @@ from costmodels.pipeline import Moment
 from costmodels.pipeline_schedule import Schedule, schedule_order
 from costmodels.pipeline_stages import rank_config, rank_memory_terms, rank_slices
 from graphs import Checkpoint, resolve
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 
 MODEL = "meta-llama/Llama-3.2-1B"  # 16 layers
 WORKLOAD = Workload(seq_len=512, global_batch=8)

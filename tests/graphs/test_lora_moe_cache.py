@@ -71,7 +71,7 @@ def test_lowering_cache_round_trips_and_hits_fast(tmp_path, monkeypatch):
     monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path / "cache"))
     folder = write_config(tmp_path / "model", tiny_values("qwen2"))
     first = lower(str(folder), dtype="bfloat16")
-    from graphs.lower import lower_resolved
+    from graphs.lowering import lower_resolved
 
     lower_resolved.cache_clear()
     second = lower(str(folder), dtype="bfloat16")

@@ -13,9 +13,9 @@ import torch
 from typer.testing import CliRunner
 
 from costmodels import find_gpu
-from solver.hardware import detect
 from solver.api import cluster_from
 from solver.cli.app import app
+from solver.hardware import detect
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "nvml_8xh100.json").read_text())
 HOST_RAM, HOST_CORES = 2 * 2**40, 112  # a DGX H100 host (2 TiB, 2 x 56 cores); monkeypatched, not read

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from costmodels import Workload, estimate, parse_cluster
 from graphs import Checkpoint, LoraSpec, resolve
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from solver import Infeasible, solve
 from solver.api import _graph_for
 from solver.cli.app import app

@@ -15,11 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 from costmodels import DEFAULT_HEADROOM, Config, Engine, Optimizer, Precision, Workload, fits, parse_cluster
-from costmodels.estimate import shared_lowering
+from costmodels.lowering import shared_lowering
 from costmodels.overhead import allocated_budget, reserved_bytes
 from costmodels.verdict import usable_bytes
 from graphs import Checkpoint
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from graphs.sources import resolve
 from solver import api
 from solver.cli.app import app

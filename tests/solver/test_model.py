@@ -8,7 +8,7 @@ import pytest
 
 from costmodels import Engine, Offload, Precision, Workload, parse_cluster
 from graphs import Checkpoint, resolve
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from solver.api import _graph_for
 from solver.search.pins import Pins
 from solver.search.reference import enumerate_best

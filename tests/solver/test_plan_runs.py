@@ -8,7 +8,7 @@ import pytest
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, parse_cluster
 from graphs import Checkpoint, FitplanError, resolve
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from solver import api
 from solver.search.pins import Pins
 from solver.search.space import outer_space

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from costmodels import Workload, parse_cluster
 from costmodels import estimate as estimate_config
 from graphs import Checkpoint, FitplanError, resolve
-from graphs.lower import lower_resolved
+from graphs.lowering import lower_resolved
 from solver import solve
 from solver.api import _runtime_lowering
 from solver.cli.app import app
