@@ -28,6 +28,7 @@ LAYERS = {
     "solver.choose": {*BELOW_API, "solver.api"},
     "solver.cli": {*BELOW_API, "solver.api", "solver.choose"},
     "solver": {*BELOW_API, "solver.api"},
+    "solver.__main__": {"solver.cli"},
 }
 
 
