@@ -1,14 +1,19 @@
 """On-disk cache of lowered graphs, keyed by config values, lowering options and library versions.
 
-A cache hit reads one JSON file and never imports torch or transformers.
+A cache hit reads one JSON file and never imports torch or transformers. Entries are looked up in the user's cache,
+then among the lowerings fitplan ships (`graphs/shipped/`, gzip-compressed entries of the catalog's most used models,
+written by `benchmarks/ship_lowerings.py`): their keys hold the library versions that produced them, so under other
+versions they are not found and the model is lowered afresh.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
 import tempfile
+from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,8 +36,10 @@ def cache_dir() -> Path:
 
 
 def _version(package: str) -> str:
+    """The package's public version: a local build tag (torch's "+cpu", "+cu128") does not change what the
+    fake-tensor lowering records, so a CPU and a CUDA build of one release share entries."""
     try:
-        return version(package)
+        return version(package).split("+", 1)[0]
     except PackageNotFoundError:
         return "unknown"
 
@@ -62,24 +69,84 @@ def load_cached(key: str) -> LayerGraph | None:
     miss, for the price of one C-speed `json.dumps` rather than a graph serialisation compared field by field."""
     from .graph import LayerGraph
 
+    for text in (_user_entry(key), _shipped_entry(key)):
+        try:
+            entry = json.loads(text) if text is not None else None
+            if entry is None or _digest(entry["graph"]) != entry["sha256"]:
+                continue
+            return LayerGraph.from_json(entry["graph"])
+        except Exception:  # unreadable, of another shape, or from another LayerGraph: a miss, never a crash
+            continue
+    return None
+
+
+# The largest entry read (a lowering of a 400B-parameter MoE model is ~1 MiB): anything bigger is not an entry.
+MAX_ENTRY_BYTES = 64 * 2**20
+
+
+def _user_entry(key: str) -> str | None:
+    """The text of the user's cache entry, if it is a regular file of a sane size (a FIFO or a device is a miss,
+    never a hang)."""
     path = cache_dir() / "lower" / f"{key}.json"
     try:
-        entry = json.loads(path.read_text())
-        if _digest(entry["graph"]) != entry["sha256"]:
+        if not path.is_file() or path.stat().st_size > MAX_ENTRY_BYTES:
             return None
-        return LayerGraph.from_json(entry["graph"])
-    except Exception:  # unreadable, of another shape, or from another LayerGraph: a miss, never a crash
+        return path.read_text()
+    except OSError:
         return None
 
 
+def _shipped_entry(key: str) -> str | None:
+    """The text of the shipped entry for `key`, if fitplan ships one."""
+    try:
+        packed = resources.files("graphs").joinpath("shipped", f"{key}.json.gz")
+        return gzip.decompress(packed.read_bytes()).decode() if packed.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def shipped_dir() -> Path:
+    """Where the shipped entries live in this checkout (written by `benchmarks/ship_lowerings.py`)."""
+    return Path(__file__).resolve().parent / "shipped"
+
+
+def ship(key: str, graph: LayerGraph) -> Path:
+    """Write `graph` as the shipped entry for `key` (compressed; deterministic bytes: no timestamp)."""
+    data = graph.to_json()
+    text = json.dumps({"sha256": _digest(data), "graph": data})
+    path = shipped_dir() / f"{key}.json.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    return path
+
+
 def store_cached(key: str, graph: LayerGraph) -> None:
-    """Write atomically; a cache that cannot be written is skipped, not an error."""
+    """Write atomically; a cache that cannot be written is skipped, not an error, and leaves no temporary file."""
     folder = cache_dir() / "lower"
+    handle = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(folder)
         data = graph.to_json()
         with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
             json.dump({"sha256": _digest(data), "graph": data}, handle)
         os.replace(handle.name, folder / f"{key}.json")
     except OSError:
-        return
+        if handle is not None:
+            Path(handle.name).unlink(missing_ok=True)
+
+
+# A temporary entry older than this was left by a process that died while writing it.
+STALE_TEMPORARY_SECONDS = 600
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Remove the temporary files that interrupted writers left in the cache folder."""
+    import time
+
+    for path in folder.glob("*.tmp"):
+        try:
+            if path.is_file() and time.time() - path.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+                path.unlink()
+        except OSError:
+            continue

@@ -14,8 +14,9 @@ from costmodels.knobs import Knob, declared
 from graphs import Checkpoint, FitplanError, LoraSpec
 from solver.plan.capability import engine_label
 
-SCHEMA_VERSION = "2.2"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
-# megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16
+SCHEMA_VERSION = "2.3"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+# megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
+# search's time apart from the lowering's)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -203,7 +204,7 @@ class SolverStats:
     """Best lower bound on the step time CP-SAT proved."""
     gap: float | None
     wall_seconds: float
-    """Total planning time, lowering (cached or not) included."""
+    """Search time: building the cost tables and the searches (the time limit's clock), lowering excluded."""
     configurations: int
     """Outer configurations in the search space."""
     considered: int
@@ -213,10 +214,13 @@ class SolverStats:
     explored: int | None = None
     """Configurations whose costs were built before the time limit (all of them unless the limit cut the search;
     absent in 1.0 plans)."""
+    lowering_seconds: float | None = None
+    """Time spent lowering the model's variants before the search (outside the time limit; absent before 2.1)."""
 
     def summary(self) -> str:
         """One line: the status, and when the time limit cut the search, how much was explored and the way on."""
-        text = (f"{self.status} in {self.wall_seconds:.2f} s, {self.considered} of {self.configurations} "
+        lowering = "" if self.lowering_seconds is None else f" (lowering {self.lowering_seconds:.2f} s before it)"
+        text = (f"{self.status} in {self.wall_seconds:.2f} s{lowering}, {self.considered} of {self.configurations} "
                 "configurations searched exactly")
         explored = self.configurations if self.explored is None else self.explored
         if self.status != "OPTIMAL":

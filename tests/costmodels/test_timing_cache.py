@@ -13,7 +13,7 @@ import costmodels.timing as timing
 from costmodels import Config, Engine, Offload, Optimizer, Precision, Workload, parse_cluster
 from costmodels.config import ContextParallel
 from graphs import resolve
-from solver.api import _graph_for
+from solver.search.route import Lowerings, Route
 from solver.search.space import Outer
 from tests.solver.test_pipeline_search import _tiny_moe
 
@@ -44,8 +44,8 @@ class _Recorder:
 
 
 def _cases(tmp_path_factory) -> list[tuple[object, Config]]:
-    dense = _graph_for(resolve("meta-llama/Llama-3.2-1B"), None, None, {})
-    moe = _graph_for(resolve(_tiny_moe(tmp_path_factory.mktemp("moe"))), None, None, {})
+    dense = Lowerings(Route(resolved=resolve("meta-llama/Llama-3.2-1B")))
+    moe = Lowerings(Route(resolved=resolve(_tiny_moe(tmp_path_factory.mktemp("moe")))))
     return [(dense(Outer(**c)), Config(**c)) for c in DENSE] + [(moe(Outer(**c)), Config(**c)) for c in MOE]
 
 

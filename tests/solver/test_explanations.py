@@ -12,10 +12,10 @@ from costmodels import Workload, estimate, parse_cluster
 from graphs import Checkpoint, LoraSpec, resolve
 from graphs.lowering import lower_resolved
 from solver import Infeasible, solve
-from solver.api import _graph_for
 from solver.cli.app import app
 from solver.search.alternatives import misfit_reason
 from solver.search.pins import Pins
+from solver.search.route import Lowerings, Route
 from solver.search.space import leanest_modes, outer_space
 from solver.search.table_search import build_tables
 
@@ -107,7 +107,7 @@ def test_misfit_reason_numbers_are_the_estimate_numbers():
     workload = Workload(seq_len=4096, global_batch=16)
     graph = lower_resolved(resolved)
     space = outer_space(graph, cluster, workload, Pins.of(checkpoint=Checkpoint.NONE))
-    graph_of = _graph_for(resolved, None, None, {})
+    graph_of = Lowerings(Route(resolved=resolved))
     tables = build_tables(space, graph_of, cluster, workload, headroom=0.05)
     lean = leanest_modes(space.modes, len(graph.decoder_layers()))
     misfits = [t for t in tables if t.host_ok and t.peak_of(lean) > t.budget]

@@ -206,7 +206,7 @@ def test_offloading_configurations_keep_every_layer_fully_checkpointed():
 
 
 def test_liger_s_loss_without_liger_kernel_is_left_out_of_a_list_and_refused_alone(monkeypatch):
-    monkeypatch.setattr("solver.api.liger_version", lambda: None)
+    monkeypatch.setattr("solver.search.pin_rules.liger_version", lambda: None)
     plan = solve(MODEL, GPUS, **WORKLOAD, loss=("hf", "fused-linear"), time_limit=5)
     assert plan.decisions.loss is Loss.HF
     assert any("liger-kernel is not installed" in note for note in plan.inputs.assumed)

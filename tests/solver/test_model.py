@@ -9,9 +9,9 @@ import pytest
 from costmodels import Engine, Offload, Precision, Workload, parse_cluster
 from graphs import Checkpoint, resolve
 from graphs.lowering import lower_resolved
-from solver.api import _graph_for
 from solver.search.pins import Pins
 from solver.search.reference import enumerate_best
+from solver.search.route import Lowerings, Route
 from solver.search.space import all_counts, canonical_modes, outer_space
 from solver.search.table_search import build_tables, search
 from solver.search.tables import TICK_SECONDS, objective, tie_weight
@@ -48,7 +48,7 @@ MAX_ASSIGNMENTS = 300
 def tables_for(case: dict, seed: int = 0) -> tuple[list, list[int], tuple[Checkpoint, ...]]:
     """The tables of a case's space, lowered with op-level SAC traced (the torchrun launcher runs it per layer)."""
     resolved = resolve(case["model"])
-    graph_of = _graph_for(resolved, None, None, {}, op_selective=True)
+    graph_of = Lowerings(Route(resolved=resolved, op_selective=True))
     graph = lower_resolved(resolved, op_selective=True)
     space = outer_space(graph, case["cluster"], case["workload"], case["pins"])
     tables = build_tables(space, graph_of, case["cluster"], case["workload"], headroom=case["headroom"])
@@ -81,7 +81,7 @@ def test_table_costs_equal_a_fresh_estimate_of_the_same_configuration():
             "headroom": 0.05}
     tables, kinds, _ = tables_for(case)
     resolved = resolve(case["model"])
-    graph_of = _graph_for(resolved, None, None, {}, op_selective=True)
+    graph_of = Lowerings(Route(resolved=resolved, op_selective=True))
     from costmodels import estimate
 
     for table in tables[::7]:

@@ -81,16 +81,18 @@ def test_a_pipeline_no_launcher_runs_for_this_model_is_never_searched(checkpoint
 def test_every_pipeline_configuration_searched_runs_on_a_launcher_of_the_model(model):
     # What the search may pick is what some launcher runs for this model, with the model's own limits (an
     # architecture the torchrun script cannot cut, tied embeddings torchtitan refuses) and every mode it searches.
-    from solver.api import _graph_for, _inputs
     from solver.plan.launchers.support import model_launchers, pipeline_launchers, runnable_by
     from solver.plan.record import decisions_of
     from solver.search.pins import Pins
+    from solver.search.request import Request, plan_inputs
+    from solver.search.route import Lowerings, Route
     from solver.search.space import Outer, outer_space
 
     resolved, cluster = resolve(model), parse_cluster("2x4xA100")
     workload, pins = Workload(seq_len=1024, global_batch=64), Pins()
-    graph = _graph_for(resolved, None, None, {})(Outer())
-    inputs = _inputs(resolved, cluster, workload, pins, 0.1, [], "2x4xA100", graph)
+    graph = Lowerings(Route(resolved=resolved))(Outer())
+    inputs = plan_inputs(Request(resolved=resolved, cluster=cluster, workload=workload, gpus="2x4xA100",
+                                  headroom=0.1), pins, graph)
     launchers = model_launchers(inputs, graph.attention)
     space = outer_space(graph, cluster, workload, pins, launchers, pipeline_launchers(inputs, launchers))
     layers = len(graph.decoder_layers())

@@ -16,7 +16,6 @@ from costmodels.pipeline_stages import stage_layers
 from costmodels.stage_split import megatron_splits
 from costmodels.verdict import memory_budget
 from graphs import Checkpoint, resolve
-from solver.api import _graph_for
 from solver.search.pins import Pins
 from solver.search.pipeline_search import (
     best_recompute,
@@ -38,6 +37,7 @@ from solver.search.reference import (
     every_split_best,
     every_split_candidate,
 )
+from solver.search.route import Lowerings, Route
 from solver.search.space import Outer, outer_space
 from solver.search.tables import TICK_SECONDS
 
@@ -99,7 +99,7 @@ def tight(case: dict, graph_of, space, modes: tuple[Checkpoint, ...], fraction: 
 
 def space_of(case: dict):
     resolved = resolve(case["model"])
-    graph_of = _graph_for(resolved, None, None, {}, op_selective=True)
+    graph_of = Lowerings(Route(resolved=resolved, op_selective=True))
     space = outer_space(graph_of(Outer()), case["cluster"], case["workload"], case["pins"])
     return graph_of, space
 
@@ -402,7 +402,7 @@ def test_peak_lower_bound_of_a_rank_running_several_stages_is_its_peak_with_one_
     from solver.search.space import all_counts, canonical_modes
     from solver.search.table_search import peak_lower_bound
 
-    graph = _graph_for(resolve(model), None, None, {}, op_selective=True)(Outer())
+    graph = Lowerings(Route(resolved=resolve(model), op_selective=True))(Outer())
     outer = Outer(pp=2, pp_schedule=schedule, pp_virtual=2, grad_accum=m, micro_batch=1, dp=1,
                   precision=Precision.BF16_MIXED, engine=Engine.DDP)
     modes = (Checkpoint.NONE, Checkpoint.FULL)

@@ -16,11 +16,12 @@ from costmodels import estimate as estimate_config
 from graphs import Checkpoint, FitplanError, resolve
 from graphs.lowering import lower_resolved
 from solver import solve
-from solver.api import _runtime_lowering
 from solver.cli.app import app
 from solver.plan.capability import LAUNCHERS
 from solver.plan.launchers import torchtitan
 from solver.search.pins import Pins
+from solver.search.request import Request
+from solver.search.solve import runtime_route
 
 LLAMA_8B = ["--model", "meta-llama/Llama-3.1-8B", "--gpus", "8xH100", "--seq-len", "8192", "--global-batch", "16"]
 
@@ -101,15 +102,18 @@ def test_gpt2_pinned_to_op_selective_plans_it_on_every_layer_for_torchrun():
 
 
 @pytest.mark.parametrize(("pins", "expected"), [
-    (Pins.of(), {"op_selective": True}),  # the torchrun script runs it per layer
-    (Pins.of(launcher="hf"), {"op_selective": False}),
-    (Pins.of(launcher="deepspeed"), {"op_selective": False}),
-    (Pins.of(checkpoint="full"), {"op_selective": False}),
-    (Pins.of(launcher="torchrun", checkpoint="op_selective"), {"op_selective": True}),
-    (Pins.of(launcher="torchtitan", checkpoint="op_selective"), {"runtime": "torchtitan"}),
+    (Pins.of(), {"op_selective": True, "titan": False}),  # the torchrun script runs it per layer
+    (Pins.of(launcher="hf"), {"op_selective": False, "titan": False}),
+    (Pins.of(launcher="deepspeed"), {"op_selective": False, "titan": False}),
+    (Pins.of(checkpoint="full"), {"op_selective": False, "titan": False}),
+    (Pins.of(launcher="torchrun", checkpoint="op_selective"), {"op_selective": True, "titan": False}),
+    (Pins.of(launcher="torchtitan", checkpoint="op_selective"), {"op_selective": False, "titan": True}),
 ])
 def test_op_sac_is_traced_only_where_an_allowed_launcher_runs_it(pins, expected):
-    assert _runtime_lowering(pins, LAUNCHERS) == expected
+    request = Request(resolved=resolve("gpt2"), cluster=parse_cluster("1xA100"),
+                      workload=Workload(seq_len=128, global_batch=1), gpus="1xA100")
+    route = runtime_route(request, pins, LAUNCHERS)
+    assert {"op_selective": route.op_selective, "titan": route.titan} == expected
 
 
 def test_lowering_cache_keeps_op_sac_and_plain_graphs_apart():
@@ -232,10 +236,10 @@ def test_megatron_engine_estimate_without_a_plan_uses_the_megatron_lowering_too(
 def test_which_models_megatron_prices_on_its_own_layers(model, lora, attention, expected):
     pytest.importorskip("megatron.core")
     from graphs import LoraSpec
-    from solver.api import megatron_lowered
+    from solver.search.route import Route
 
     spec = LoraSpec(rank=8) if lora else None
-    assert megatron_lowered(resolve(model), spec, attention) is expected
+    assert Route(resolved=resolve(model), lora=spec, attention=attention).megatron_lowers() is expected
 
 
 def test_te_attention_without_megatrons_engine_is_refused_clearly():
@@ -248,13 +252,13 @@ def test_te_attention_without_megatrons_engine_is_refused_clearly():
 def test_a_config_megatron_core_cannot_build_is_priced_on_the_hf_code(monkeypatch):
     # A Llama-type config the megatron-core lowering refuses (UnsupportedModel) still plans, on the HF lowering.
     pytest.importorskip("megatron.core")
-    import solver.api as api
+    import graphs.megatron
     from graphs import UnsupportedModel
 
     def refuse(*args, **kwargs):
         raise UnsupportedModel("not buildable", "")
 
-    monkeypatch.setattr(api, "lower_megatron_resolved", refuse)
+    monkeypatch.setattr(graphs.megatron, "lower_megatron_resolved", refuse)
     plan = solve(*MEGATRON_1B, seq_len=2048, global_batch=64, time_limit=20, launcher="megatron")
     assert plan.decisions.engine.value == "megatron" and plan.decisions.attention == "sdpa"
     assert not any("megatron-core's GPT layers" in note for note in plan.estimate.notes)

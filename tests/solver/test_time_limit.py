@@ -12,10 +12,10 @@ from costmodels import Offload, Workload, parse_cluster
 from graphs import Checkpoint, resolve
 from graphs.lowering import lower_resolved
 from solver import Infeasible, solve
-from solver.api import _graph_for
 from solver.cli.app import app
 from solver.search.diagnose import NoPlanInTime
 from solver.search.pins import Pins
+from solver.search.route import Lowerings, Route
 from solver.search.space import outer_space
 from solver.search.table_search import build_order, build_tables, search, tie_break_ranks
 
@@ -30,7 +30,7 @@ def space_and_tables(model: str, gpus: str, *, headroom: float = 0.05, deadline:
     workload = Workload(seq_len=seq_len, global_batch=global_batch)
     graph = lower_resolved(resolved)
     space = outer_space(graph, cluster, workload, pins or Pins())
-    tables = build_tables(space, _graph_for(resolved, None, None, {}), cluster, workload, headroom=headroom,
+    tables = build_tables(space, Lowerings(Route(resolved=resolved)), cluster, workload, headroom=headroom,
                           deadline=deadline)
     kinds = [layer.kind for layer in graph.decoder_layers()]
     return space, tables, kinds

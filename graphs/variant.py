@@ -1,0 +1,83 @@
+"""A lowering variant: which runtime's code is traced, and how (dtype, autocast, LoRA, compiled, Liger, op-level
+SAC). One model has several; `lower_variant` lowers one, through the module of its runtime, imported only when a
+lowering is needed (a cache hit reads one JSON file and imports no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from .adapters import LoraSpec
+from .errors import UnsupportedModel
+
+if TYPE_CHECKING:  # graphs.graph and graphs.sources are light, but only the annotations need them here
+    from .graph import LayerGraph
+    from .sources import ResolvedModel
+
+RUNTIMES = ("hf", "torchtitan", "megatron")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    """One lowering of a model: the code that runs the plan, traced as that runtime trains it."""
+
+    runtime: str = "hf"
+    """"hf" (transformers modeling code), "torchtitan" (its own models) or "megatron" (megatron-core's layers)."""
+    dtype: str = "bfloat16"
+    """Parameter dtype the module holds."""
+    autocast: str | None = None
+    """torch.autocast dtype of forward (plain PyTorch mixed precision over fp32 weights), or None."""
+    attention: str | None = None
+    """The HF attention implementation asked for (None: the model's default)."""
+    lora: LoraSpec | None = None
+    compiled: bool = False
+    """The layers as torch.compile trains them (Inductor's partitioner decides what they save)."""
+    liger: bool = False
+    """transformers' `use_liger_kernel` patch (Liger's RMSNorm, SwiGLU and RoPE kernels in the layers)."""
+    op_selective: bool = False
+    """Also trace op-level selective checkpointing (a fourth checkpoint mode)."""
+    loss: str = "chunked"
+    """torchtitan's loss: its ChunkedLossWrapper ("chunked") or plain cross-entropy over full logits ("plain")."""
+    kernels: str = "te"
+    """megatron-core's layer spec: Transformer Engine's kernels ("te", what Megatron-LM runs) or "local"."""
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r} must be one of {', '.join(RUNTIMES)}")
+        if self.runtime != "hf" and (self.lora is not None or self.autocast is not None or self.attention is not None
+                                     or self.liger or self.op_selective):
+            raise ValueError(f"the {self.runtime} lowering runs its own attention, without LoRA, autocast, Liger or "
+                             "op-level SAC tracing")
+
+    @property
+    def eager(self) -> Variant:
+        """The same variant without torch.compile (what a compiled lowering falls back to)."""
+        return replace(self, compiled=False)
+
+
+def lower_variant(resolved: ResolvedModel, variant: Variant) -> LayerGraph:
+    """The variant's layer graph (cached on disk by its runtime's module). A compiled variant whose model AOTAutograd
+    cannot trace falls back to its eager lowering: compiling only saves memory, so eager prices it
+    conservatively."""
+    try:
+        return _lower(resolved, variant)
+    except UnsupportedModel:
+        if not variant.compiled:
+            raise
+        return _lower(resolved, variant.eager)
+
+
+def _lower(resolved: ResolvedModel, variant: Variant) -> LayerGraph:
+    if variant.runtime == "torchtitan":
+        from .titan import lower_titan_resolved
+
+        return lower_titan_resolved(resolved, dtype=variant.dtype, loss=variant.loss, compiled=variant.compiled)
+    if variant.runtime == "megatron":
+        from .megatron import lower_megatron_resolved
+
+        return lower_megatron_resolved(resolved, dtype=variant.dtype, kernels=variant.kernels)
+    from .lowering import lower_resolved
+
+    return lower_resolved(resolved, dtype=variant.dtype, autocast=variant.autocast, attention=variant.attention,
+                          lora=variant.lora, op_selective=variant.op_selective, compiled=variant.compiled,
+                          liger=variant.liger)

@@ -1,0 +1,99 @@
+"""The pricing route: which lowering of the model prices a configuration, given the launchers that may run it.
+
+One function decides it for `solve` and `estimate` alike: torchtitan's own model code when the torchtitan launcher
+is pinned, megatron-core's layers for Megatron's engine where megatron-core lowers the model, else the Hugging Face
+modeling code, traced in the dtype and autocast the engine trains in, compiled where the configuration compiles,
+with Liger's kernels where its loss runs them, and with op-level SAC where an allowed launcher runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from costmodels.compilation import compile_credited
+from costmodels.config import Config, Engine
+from costmodels.lowering import liger_lowering, shared_lowering
+from graphs import LayerGraph, LoraSpec, UnsupportedModel
+from graphs.sources import ResolvedModel
+from graphs.variant import Variant, lower_variant
+from solver.plan.launchers.support import MEGATRON_PRICED, TITAN_PRICED
+
+__all__ = ["MEGATRON_PRICED", "TITAN_PRICED", "Lowerings", "Route", "variant_for"]
+
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Route:
+    """What decides the lowering beyond a configuration: the model, its adapters and attention, and the runtimes the
+    allowed launchers run."""
+
+    resolved: ResolvedModel
+    lora: LoraSpec | None = None
+    attention: str | None = None
+    titan: bool = False
+    """The torchtitan launcher is pinned: its own model code prices every configuration."""
+    op_selective: bool = False
+    """Some allowed launcher runs op-level selective checkpointing: the HF lowering traces it too."""
+
+    def megatron_lowers(self) -> bool:
+        """Whether Megatron's engine is priced on megatron-core's own GPT layers with the kernels a default
+        Megatron-LM run uses (Transformer Engine's): Llama-style models, dense or MoE, without LoRA (Megatron runs
+        no PEFT) or a pinned HF attention, with megatron-core installed (fitplan's `dev` extra has it). Other
+        models keep the HF lowering, which the plan's notes say."""
+        from graphs.megatron import MEGATRON_TYPES
+
+        return (self.lora is None and self.attention in (None, MEGATRON_PRICED)
+                and self.resolved.model_type in MEGATRON_TYPES and importlib.util.find_spec("megatron") is not None)
+
+
+def variant_for(config: Config, route: Route, *, megatron: bool) -> Variant:
+    """The lowering that prices `config` on `route` (`megatron`: megatron-core's layers price Megatron's engine)."""
+    dtype, autocast = shared_lowering(config, lora=route.lora is not None)
+    if route.titan:  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out); the loss is the
+        # ChunkedLossWrapper torchtitan 0.3.0's jobs run and the emitted job configures (the loss knob prices the
+        # HF-code runtimes: torchtitan's plain cross-entropy is not emitted)
+        return Variant(runtime="torchtitan", dtype=dtype, compiled=compile_credited(config), loss="chunked")
+    if config.engine is Engine.MEGATRON and megatron:
+        return Variant(runtime="megatron", dtype=dtype)
+    attention = None if route.attention == MEGATRON_PRICED else route.attention
+    return Variant(dtype=dtype, autocast=autocast, attention=attention, lora=route.lora,
+                   op_selective=route.op_selective, compiled=compile_credited(config), liger=liger_lowering(config))
+
+
+@dataclass(slots=True)
+class Lowerings:
+    """The graphs a search prices, one per variant, lowered on first use. A model megatron-core's layers cannot
+    build is priced on the HF code instead (the plan's notes say which code priced it)."""
+
+    route: Route
+    lower: Callable[[ResolvedModel, Variant], LayerGraph] = lower_variant
+    graphs: dict[Variant, LayerGraph] = field(default_factory=dict)
+    megatron: bool = field(init=False)
+    """megatron-core's layers price Megatron's engine (until they refuse to build the model)."""
+
+    def __post_init__(self) -> None:
+        self.megatron = self.route.megatron_lowers()
+
+    def variant(self, config: Config) -> Variant:
+        """The variant that prices `config`."""
+        return variant_for(config, self.route, megatron=self.megatron)
+
+    def __call__(self, outer: Any) -> LayerGraph:
+        """The graph that prices a search configuration (`space.Outer`: anything with `config()`)."""
+        return self.graph(outer.config())
+
+    def graph(self, config: Config) -> LayerGraph:
+        """The graph that prices `config`, lowered the first time its variant is asked for."""
+        variant = self.variant(config)
+        if variant not in self.graphs:
+            try:
+                self.graphs[variant] = self.lower(self.route.resolved, variant)
+            except UnsupportedModel:
+                if variant.runtime != "megatron":
+                    raise
+                self.megatron = False  # a config megatron-core's GPT layers cannot build: the HF code prices it
+                return self.graph(config)
+        return self.graphs[variant]

@@ -1,0 +1,243 @@
+"""One search, from a request and its pins to a plan: the space the allowed launchers run, the lowerings its
+configurations are priced on (lowered before the clock starts), the whole-model and pipeline searches under the
+time limit, then the plan assembled from a fresh estimate of the winner."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from costmodels.config import Config, Offload
+from costmodels.estimator import estimate
+from costmodels.lowering import shared_lowering
+from costmodels.pipeline_stages import stage_layers
+from graphs import Checkpoint, FitplanError, LayerGraph
+from solver.plan import capability
+from solver.plan.advice import advise
+from solver.plan.launchers.support import model_launchers, model_problems, pipeline_launchers, runnable_by
+from solver.plan.record import Inputs, LoraDecision, Plan, SolverStats, decisions_of
+from solver.search.alternatives import alternatives
+from solver.search.diagnose import Infeasible, NoPlanInTime, diagnose
+from solver.search.model import SolveResult
+from solver.search.pin_rules import check_memory_savers
+from solver.search.pins import Pins
+from solver.search.pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
+from solver.search.request import Request, plan_inputs
+from solver.search.route import Lowerings, Route
+from solver.search.schedules import schedule_options
+from solver.search.space import Outer, Space, outer_space
+from solver.search.table_search import SearchResult, build_tables, search
+from solver.search.tables import TICK_SECONDS
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A search's fixed parts: the request, its pins, what the plan records of its inputs, the launchers that may
+    run it, the lowerings that price it and the space of configurations."""
+
+    request: Request
+    pins: Pins
+    inputs: Inputs
+    launchers: tuple[str, ...]
+    lowerings: Lowerings
+    space: Space
+
+    @property
+    def any_graph(self) -> LayerGraph:
+        return self.lowerings(Outer())
+
+
+@dataclass(frozen=True, slots=True)
+class Searched:
+    """What the searches found, and the time they took (lowering excluded)."""
+
+    found: SearchResult
+    tables: list
+    piped: PipelineResult | None
+    pipeline_status: str | None
+    seconds: float
+    lowering_seconds: float
+
+
+def solve_request(request: Request, pins: Pins) -> Plan:
+    """The fastest configuration of `request` within `pins` that fits (`Infeasible` with a diagnosis when none
+    does, `NoPlanInTime` when the limit cut the search before any plan)."""
+    prepared = prepare(request, pins)
+    lowered = time.perf_counter()
+    lower_needed(prepared)
+    searched = run_searches(prepared, lowering_seconds=time.perf_counter() - lowered)
+    outer, modes, result = decide(prepared, searched)
+    return assemble(prepared, searched, outer, modes, result)
+
+
+def prepare(request: Request, pins: Pins) -> Prepared:
+    """The inputs, launchers, lowerings and space of a search; `Infeasible` when pins and divisibility leave no
+    configuration at all."""
+    hf = Lowerings(Route(resolved=request.resolved, lora=request.lora, attention=request.attention))
+    hf_graph = hf(Outer())
+    inputs = plan_inputs(request, pins, hf_graph)
+    launchers = model_launchers(inputs, hf_graph.attention)
+    if pins.launcher is not None and pins.launcher not in launchers:
+        raise FitplanError(f"The {pins.launcher} launcher cannot run this model: "
+                           f"{'; '.join(model_problems(pins.launcher, inputs, hf_graph.attention))}.",
+                           f"Launchers that can: {', '.join(launchers)}.")
+    lowerings = Lowerings(runtime_route(request, pins, launchers), graphs=dict(hf.graphs))
+    any_graph = lowerings(Outer())
+    pipelined = pipeline_launchers(inputs, launchers)
+    space = outer_space(any_graph, request.cluster, request.workload, pins, launchers, pipelined)
+    if any_graph.runtime == "torchtitan":
+        space = titan_priced(space, lora=request.lora is not None)
+    if not space.outers and not space.pipelines:
+        check_memory_savers(pins, any_graph, (pins.launcher,) if pins.launcher else launchers)
+        raise Infeasible(*diagnose(None, inputs, pins, space, rebuild=lambda relaxed: outer_space(
+            any_graph, request.cluster, request.workload, relaxed, launchers, pipelined)))
+    return Prepared(request, pins, inputs, launchers, lowerings, space)
+
+
+def runtime_route(request: Request, pins: Pins, launchers: tuple[str, ...]) -> Route:
+    """The route the allowed launchers' runtimes price on: torchtitan's code when it is pinned, else HF's with
+    op-level SAC traced where an allowed launcher runs it and the checkpoint pin allows it."""
+    titan = pins.launcher == "torchtitan"
+    allowed = (pins.launcher,) if pins.launcher else launchers
+    wanted = not titan and pins.allows("checkpoint", Checkpoint.OP_SELECTIVE) and bool(capability.op_selective_runners(
+        allowed, all_layers=pins.value("checkpoint") is Checkpoint.OP_SELECTIVE))
+    return Route(resolved=request.resolved, lora=None if titan else request.lora,
+                 attention=None if titan else request.attention, titan=titan, op_selective=wanted)
+
+
+def titan_priced(space: Space, *, lora: bool) -> Space:
+    """The configurations torchtitan's lowering prices: without FSDP2, torchtitan runs mixed precision under
+    torch.autocast (train.py maybe_enable_amp), which its trace (parameters in the compute dtype) does not run."""
+    def priced(outers: tuple[Outer, ...]) -> tuple[Outer, ...]:
+        return tuple(o for o in outers if shared_lowering(o.config(), lora=lora)[1] is None)
+
+    kept, pipelines = priced(space.outers), priced(space.pipelines)
+    note = "DDP with mixed precision left out (torchtitan autocasts it; its lowering traces FSDP2's casting)"
+    dropped = len(kept) < len(space.outers) or len(pipelines) < len(space.pipelines)
+    return replace(space, outers=kept, pipelines=pipelines, notes=(*space.notes, note) if dropped else space.notes)
+
+
+def lower_needed(prepared: Prepared) -> None:
+    """Lower every variant the space's configurations are priced on, before the time limit starts (a compiled
+    configuration's table may keep it eager, `tables.build_table`, so its eager variant too)."""
+    space = prepared.space
+    for outer in (*space.outers, *space.pipelines):
+        prepared.lowerings(outer)
+        if space.compile_auto and outer.compile:
+            prepared.lowerings(replace(outer, compile=False))
+
+
+def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:
+    """The whole-model search, then the pipeline search against its plan. Of the limit, table building gets half,
+    the searches run until 85%, and the rest is for the report (alternatives stop at the limit)."""
+    request, space, pins = prepared.request, prepared.space, prepared.pins
+    begin = time.perf_counter()
+    limit = request.time_limit
+    tables = build_tables(space, prepared.lowerings, request.cluster, request.workload, headroom=request.headroom,
+                          deadline=begin + 0.5 * limit)
+    kinds = [layer.kind for layer in prepared.any_graph.decoder_layers()]
+    found = search(tables, kinds, space.modes, time_limit=max(0.01, begin + 0.85 * limit - time.perf_counter()),
+                   configurations=len(space.outers))
+    adapters = LoraDecision.of(request.lora) if request.lora is not None else None
+    attention = prepared.any_graph.attention
+
+    def runs(config: Config) -> bool:  # the launchers the plan will list run it (its model's limits included)
+        d = decisions_of(config, config.checkpoint, lora=adapters, attention=attention)
+        return any(pins.launcher in (None, name) for name in runnable_by(d, prepared.inputs))
+
+    piped = None
+    if space.pipelines:
+        result = found.result
+        incumbent = result.objective // found.weight if result.objective is not None else None
+        piped = pipeline_search(space.pipelines, prepared.lowerings, request.cluster, request.workload,
+                                headroom=request.headroom, modes=space.modes, incumbent=incumbent,
+                                deadline=begin + 0.85 * limit, runs=runs)
+    return Searched(found, tables, piped, piped.status if piped else None, time.perf_counter() - begin,
+                    lowering_seconds)
+
+
+def decide(prepared: Prepared, searched: Searched) -> tuple[Outer, tuple[Checkpoint, ...], SolveResult]:
+    """The winner of the two searches, or the reason there is none."""
+    request, space, result = prepared.request, prepared.space, searched.found.result
+    piped, status = searched.piped, searched.pipeline_status
+    configurations = len(space.outers) + len(space.pipelines)
+    no_pipeline = piped is None or piped.outer is None
+    if not space.outers and piped is not None and piped.outer is None and status == "INFEASIBLE":
+        raise Infeasible(*pipeline_infeasible(space.pipelines, prepared.lowerings, request.cluster,
+                                              request.workload, headroom=request.headroom,
+                                              model=prepared.inputs.model, gpus=prepared.inputs.cluster.spec))
+    if no_pipeline and result.table is None and result.status == "INFEASIBLE" and status in ("INFEASIBLE", None):
+        lora = request.lora
+        message, hint, diagnosis = diagnose(searched.found, prepared.inputs, prepared.pins, space,
+                                            lora=lora is not None,
+                                            quantized=lora is not None and lora.quantization is not None,
+                                            tp_degrees=prepared.any_graph.tp_degrees)
+        raise Infeasible(message, hint, {**diagnosis, "explored": len(searched.tables),
+                                         "configurations": configurations})
+    if no_pipeline and result.table is None:
+        raise NoPlanInTime(request.time_limit, len(searched.tables), configurations)
+    if not no_pipeline:  # a pipeline configuration beats every whole-model one
+        assert piped is not None and piped.outer is not None
+        won = "OPTIMAL" if result.status in ("OPTIMAL", "INFEASIBLE") and piped.status == "OPTIMAL" else "FEASIBLE"
+        return piped.outer, piped.modes, SolveResult(won, piped.step_ticks * searched.found.weight, None,
+                                                     result.wall_seconds, None, piped.modes)
+    if status not in (None, "OPTIMAL", "INFEASIBLE") and result.status == "OPTIMAL":
+        result = replace(result, status="FEASIBLE")  # a pipeline configuration left unsearched might be faster
+    return searched.tables[result.table].outer, result.modes, result
+
+
+def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[Checkpoint, ...],
+             result: SolveResult) -> Plan:
+    """The plan of the winner: a fresh, unscaled estimate (the self-consistency check of the tables), the guide's
+    advice, the solver's statistics, the alternatives and, for pipelines, the other schedules."""
+    request, pins = prepared.request, prepared.pins
+    cluster, workload = request.cluster, request.workload
+    graph = prepared.lowerings(outer)
+    if outer.pp > 1:  # the plan records the split it was priced with
+        outer = replace(outer, pp_split=stage_layers(graph, workload, outer.config()))
+    config = outer.config(modes)
+    priced = estimate(graph, cluster, workload, config)
+    guide = advise(graph, cluster, workload, config, priced, compile_pin=pins.value("compile"),
+                   input_tokens_per_s=request.input_tokens_per_s,
+                   allowed_optimizers=pins.allowed("optimizer") or (Config().optimizer,), lora=request.lora is not None,
+                   savers_allowed=len(pins.allowed("loss") or ()) > 1
+                   or len(pins.allowed("activation_offload") or ()) > 1, headroom=request.headroom)
+    if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
+        priced = estimate(graph, cluster, workload, replace(config, compile=guide.compile))
+    adapters = LoraDecision.of(request.lora) if request.lora is not None else None
+    decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),
+                        compile=guide.compile, dataloader_num_workers=guide.workers)
+    runners = runnable_by(decisions, prepared.inputs)  # a plan priced on torchtitan's code runs there only
+    if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
+        raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
+                           "This is a fitplan bug; please report it with the command line.")
+    alts = alternatives(searched.found, [layer.kind for layer in prepared.any_graph.decoder_layers()],
+                        prepared.space.modes, prepared.lowerings, cluster, workload, chosen=result.table,
+                        pipeline=(outer, priced.time.step_time) if searched.piped is not None else None,
+                        count=request.alternatives, deadline=request.started + request.time_limit)
+    schedules = schedule_options(prepared.space, outer, modes, graph, cluster, workload, request.headroom, priced) \
+        if outer.pp > 1 else ()
+    return Plan(inputs=prepared.inputs, decisions=decisions, estimate=priced,
+                solver=solver_stats(prepared, searched, result, priced.time.step_time), alternatives=alts,
+                schedules=schedules, launchers=runners, binding=binding(outer, modes), advice=guide.lines)
+
+
+def solver_stats(prepared: Prepared, searched: Searched, result: SolveResult, step_time: float) -> SolverStats:
+    """The search's status, objective and bound in seconds, and its time apart from the lowering's."""
+    weight = searched.found.weight
+    objective = result.objective // weight * TICK_SECONDS if result.objective is not None else step_time
+    bound = result.bound // weight * TICK_SECONDS if result.bound is not None else None
+    return SolverStats(status=result.status, objective_seconds=objective, bound_seconds=bound,
+                       gap=None if bound is None or objective == 0 else max(0.0, (objective - bound) / objective),
+                       wall_seconds=searched.seconds, lowering_seconds=searched.lowering_seconds,
+                       configurations=len(prepared.space.outers) + len(prepared.space.pipelines),
+                       considered=len(searched.found.candidates), time_limit_seconds=prepared.request.time_limit,
+                       explored=len(searched.tables))
+
+
+def binding(outer: Outer, modes: tuple[Checkpoint, ...]) -> str:
+    """What limits the plan: nothing (the fastest settings fit) or device memory."""
+    fastest_fits = all(m is Checkpoint.NONE for m in modes) and outer.optimizer_offload is Offload.NONE \
+        and outer.param_offload is Offload.NONE
+    return "none: the fastest settings already fit" if fastest_fits else \
+        "device memory: faster settings (less recompute, less sharding or offload) do not fit"
