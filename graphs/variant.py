@@ -49,6 +49,13 @@ class Variant:
             raise ValueError(f"the {self.runtime} lowering runs its own attention, without LoRA, autocast, Liger or "
                              "op-level SAC tracing")
 
+    def describe(self) -> str:
+        """A few words: the runtime and what is traced beyond the eager model."""
+        extras = [name for name, on in (("autocast " + str(self.autocast), self.autocast), ("LoRA", self.lora),
+                                        ("compiled", self.compiled), ("Liger", self.liger),
+                                        ("op-level SAC", self.op_selective)) if on]
+        return ", ".join([f"{self.runtime} {self.dtype}", *extras])
+
     @property
     def eager(self) -> Variant:
         """The same variant without torch.compile (what a compiled lowering falls back to)."""

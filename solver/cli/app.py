@@ -7,9 +7,11 @@ within the time limit (nothing proven; raise --time-limit).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,6 +31,8 @@ from solver.cli.knob_options import (
     with_knob_options,
 )
 from solver.cli.options import Text, help_width, number, text
+from solver.cli.progress import status_line
+from solver.cli.quiet import captured, user_stderr
 from solver.plan.capability import LAUNCHERS
 from solver.search import bounds as B
 from solver.search.conflicts import check_pins
@@ -40,7 +44,7 @@ HELP = {"max_content_width": help_width()}
 app = typer.Typer(help="Plan LLM training on GPUs: what fits, what is fastest, and the launcher configs.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, context_settings=HELP)
 out = Console()
-err = Console(stderr=True)
+err = Console(file=user_stderr)  # stays the terminal while third-party output is captured (`quiet.captured`)
 
 Model = Annotated[str, text(4096, "Catalog id (see `fitplan models`), a local config.json or folder, or a Hub id "
                              "in the local HF cache.", "--model", "-m")]
@@ -63,7 +67,10 @@ ModulesToSave = Annotated[str | None, text(1000, "Modules trained in full beside
                                            "and optimizer states are priced; needs --lora-rank).",
                                            "--modules-to-save")]
 Launcher = Enum("Launcher", {name: name for name in LAUNCHERS}, type=str)  # typer shows the registry's names
-AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout (with a \"log\" list of what "
+                                                    "libraries printed).")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show what libraries printed (warnings, logs) after "
+                                                              "the result; hidden by default.")]
 # What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
 CpuRamGib = Annotated[float | None, number(float, 0, C.MAX_CPU_RAM_GIB, "Host RAM per node in GiB (default: the GPU's "
                                             "typical host, its share for fewer GPUs).", lo_open=True,
@@ -115,6 +122,20 @@ def _fail(error: Exception, *, as_json: bool = False) -> None:
             err.print(error.hint)
         raise typer.Exit(code=2)
     raise error
+
+
+@contextlib.contextmanager
+def _quietly(first: str, *, verbose: bool) -> Iterator[tuple[list[str], Callable[[str], None]]]:
+    """Run the block with third-party output captured (`quiet.captured`) and a progress line on the terminal;
+    with `verbose`, print what was captured once the block is done (also when it failed)."""
+    log: list[str] = []
+    try:
+        with captured() as log, status_line(err, first) as progress:
+            yield log, progress
+    finally:
+        if verbose:
+            for line in log:
+                err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _check_lora_flags(rank: int | None, alpha: int | None, targets: str, adapter: dict[str, Any] | None = None
@@ -183,6 +204,7 @@ def solve_command(
     force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
     cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
     nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
+    verbose: Verbose = False,
     **knobs: Any,
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
@@ -202,21 +224,19 @@ def solve_command(
             raise FitplanError(f"--packing {packing} needs --dataset-lengths.",
                                "Give the lengths of the training sequences (a JSON histogram or JSON Lines).")
         lengths = read_lengths(dataset_lengths) if dataset_lengths is not None else None
-        if not as_json:
-            err.print(f"[dim]Planning {model} on {gpus} (lowering may take a few seconds the first time)...[/]")
-        plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
-                     headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
-                     allow_savers=allow_savers,
-                     attention=attention, input_tokens_per_s=input_tokens_per_s,
-                     cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
-                                                      inter_node_gbps, profile), pins=pins,
-                     dataset_lengths=lengths, packing=packing)
+        with _quietly(f"Planning {model} on {gpus}", verbose=verbose) as (log, progress):
+            plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
+                         headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
+                         allow_savers=allow_savers, attention=attention, input_tokens_per_s=input_tokens_per_s,
+                         cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
+                                                          inter_node_gbps, profile), pins=pins,
+                         dataset_lengths=lengths, packing=packing, progress=progress)
         for line in write_outputs(plan, targets, force=force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:
         _fail(error, as_json=as_json)
     if as_json:
-        print(plan.dumps())
+        print(json.dumps({**plan.to_json(), "log": log}, indent=2))
     else:
         from solver.cli.render import render_plan
 
@@ -238,6 +258,7 @@ def estimate_command(
     as_json: AsJson = False,
     cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
     nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
+    verbose: Verbose = False,
     **knobs: Any,
 ) -> None:
     """Memory and time of one configuration: will it fit, and where does the memory go?"""
@@ -247,14 +268,15 @@ def estimate_command(
         flags = knob_values(knobs)
         adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
         _check_lora_flags(lora_rank, None, "all-linear", adapter)
-        report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter,
-                                 headroom=headroom,
-                                 cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
-                                                                  inter_node_gbps, profile))
+        with _quietly(f"Estimating {model} on {gpus}", verbose=verbose) as (log, _progress):
+            report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank,
+                                     adapter=adapter, headroom=headroom,
+                                     cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node,
+                                                                      nvme_gbps, inter_node_gbps, profile))
     except Exception as error:
         _fail(error)
     if as_json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps({**report.to_json(), "log": log}, indent=2))
     else:
         report.render(out)
     if not report.fits:  # as solve: 3 means it does not fit
@@ -304,16 +326,17 @@ def gpus_command(as_json: AsJson = False) -> None:
 
 @app.command("explain")
 def explain_command(plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
-                    as_json: AsJson = False) -> None:
+                    as_json: AsJson = False, verbose: Verbose = False) -> None:
     """Why this plan: the binding constraint, what the alternatives cost, and each guide method's decision."""
     from solver.cli.commands import explain_plan
 
     try:
-        lines = explain_plan(plan_file)
+        with _quietly(f"Explaining {plan_file}", verbose=verbose) as (log, _progress):
+            lines = explain_plan(plan_file)
     except Exception as error:
         _fail(error)
     if as_json:
-        print(json.dumps({"explanation": lines}, indent=2))
+        print(json.dumps({"explanation": lines, "log": log}, indent=2))
     else:
         for line in lines:
             out.print(line)
@@ -341,6 +364,7 @@ def choose_command(
     time_limit: Annotated[float, typer.Option(help="Solver time limit per cluster, seconds.")] = 10.0,
     as_json: AsJson = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
+    verbose: Verbose = False,
 ) -> None:
     """Which GPUs, how many, how long and at what cost: the time/cost front over GPU types and counts."""
     from solver.choose import choose, parse_duration
@@ -350,17 +374,18 @@ def choose_command(
         pins = {"pins": pins_from_options({"precision": precision, "optimizer": optimizers}, launcher=None),
                 "lora": None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=2 * lora_rank)}
         shown = None if as_json else lambda p: err.print(f"[dim]{p.gpus} x {p.gpu_name}: {p.status}[/]")
-        choice = choose(model, tokens, gpu_types=gpu_types.split(","), max_gpus=max_gpus, prices=prices, spot=spot,
-                        deadline_hours=None if deadline is None else parse_duration(deadline), budget_usd=budget,
-                        progress=shown, seq_len=seq_len, global_batch=global_batch, allow_lora=allow_lora,
-                        allow_savers=allow_savers, time_limit=time_limit, **pins)
+        with _quietly(f"Choosing GPUs for {model}", verbose=verbose) as (log, _progress):
+            choice = choose(model, tokens, gpu_types=gpu_types.split(","), max_gpus=max_gpus, prices=prices,
+                            spot=spot, deadline_hours=None if deadline is None else parse_duration(deadline),
+                            budget_usd=budget, progress=shown, seq_len=seq_len, global_batch=global_batch,
+                            allow_lora=allow_lora, allow_savers=allow_savers, time_limit=time_limit, **pins)
         if plot:
             plot_choice(choice, plot)
             err.print(f"wrote {plot}")
     except Exception as error:
         _fail(error)
     if as_json:
-        print(json.dumps(choice.to_json(), indent=2))
+        print(json.dumps({**choice.to_json(), "log": log}, indent=2))
     else:
         render_choice(choice, out)
     if not choice.front:  # nothing fits anywhere in the sweep
@@ -378,6 +403,7 @@ def measure_command(
     ranks: Annotated[int | None, typer.Option(help="Processes for the collectives (default: the local GPUs; 2 "
                                               "on CPU; 1 skips them).")] = None,
     as_json: AsJson = False,
+    verbose: Verbose = False,
 ) -> None:
     """Microbenchmark this node (GEMMs, attention, collectives, copies, CPU Adam) into a profile for --profile."""
     from costmodels.profile import profile_json
@@ -385,8 +411,9 @@ def measure_command(
     from solver.hardware.measure import measure_to_file
 
     try:
-        profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output,
-                                        progress=lambda step: err.print(f"[dim]measuring {step}...[/]"))
+        with _quietly("Measuring this node", verbose=verbose) as (_log, progress):
+            profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output,
+                                            progress=lambda step: progress(f"Measuring {step}"))
     except Exception as error:
         _fail(error)
     err.print(f"wrote {path}", markup=False, highlight=False)

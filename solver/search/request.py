@@ -4,6 +4,7 @@ that bound the search. Built once by `solver.api` from the caller's arguments; r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ class Request:
     alternatives: int = 3
     input_tokens_per_s: float | None = None
     started: float = field(default_factory=time.perf_counter)
+    progress: Callable[[str], None] = field(default=lambda _text: None, compare=False)
+    """Told each long step as it starts (a lowering, the search), for a progress display."""
 
     def with_notes(self, *notes: str) -> Request:
         return replace(self, assumed=(*self.assumed, *notes))

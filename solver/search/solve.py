@@ -120,17 +120,20 @@ def titan_priced(space: Space, *, lora: bool) -> Space:
 def lower_needed(prepared: Prepared) -> None:
     """Lower every variant the space's configurations are priced on, before the time limit starts (a compiled
     configuration's table may keep it eager, `tables.build_table`, so its eager variant too)."""
-    space = prepared.space
+    space, lowerings = prepared.space, prepared.lowerings
     for outer in (*space.outers, *space.pipelines):
-        prepared.lowerings(outer)
-        if space.compile_auto and outer.compile:
-            prepared.lowerings(replace(outer, compile=False))
+        for needed in (outer, replace(outer, compile=False)) if space.compile_auto and outer.compile else (outer,):
+            variant = lowerings.variant(needed.config())
+            if variant not in lowerings.graphs:
+                prepared.request.progress(f"Lowering {prepared.inputs.model}: {variant.describe()}")
+                lowerings(needed)
 
 
 def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:
     """The whole-model search, then the pipeline search against its plan. Of the limit, table building gets half,
     the searches run until 85%, and the rest is for the report (alternatives stop at the limit)."""
     request, space, pins = prepared.request, prepared.space, prepared.pins
+    request.progress(f"Searching {len(space.outers) + len(space.pipelines):,} configurations")
     begin = time.perf_counter()
     limit = request.time_limit
     tables = build_tables(space, prepared.lowerings, request.cluster, request.workload, headroom=request.headroom,

@@ -1,0 +1,87 @@
+"""The command line in fresh processes, as a user runs it: `--help` and a solve whose lowerings are cached import no
+heavy library (torch, transformers, megatron-core, torchtitan, peft, bitsandbytes), and no command prints what
+libraries print (warnings, logs) unless asked with --verbose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("torch", "transformers", "megatron", "torchtitan", "peft", "bitsandbytes", "torchao")
+# Run a command in-process after `python -c`, then report which heavy modules it imported.
+PROBE = """
+import json, sys
+from solver.cli.app import main
+sys.argv = ["fitplan", *json.loads(sys.argv[1])]
+try:
+    main()
+except SystemExit:
+    pass
+print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)), file=sys.__stderr__)
+"""
+# What third-party output looks like: Python warnings, torch's and torchao's log lines.
+NOISE = ("Warning:", "warnings.warn", "W1204", "Failed to load", "FutureWarning", "DeprecationWarning", "WARNING ")
+
+
+def run(args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FITPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+
+
+def imported(result: subprocess.CompletedProcess[str]) -> list[str]:
+    return json.loads(result.stderr.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """A cache holding gpt2's lowerings for one A100 (the first solve lowers them)."""
+    folder = tmp_path_factory.mktemp("cache")
+    assert run(["solve", "--model", "gpt2", "--gpus", "1xA100", "--json"], folder).returncode == 0
+    return folder
+
+
+@pytest.mark.parametrize("args", [["--help"], ["solve", "--help"], ["models"], ["gpus"]])
+def test_help_and_listings_import_no_heavy_library(args, tmp_path):
+    result = run(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert imported(result) == []
+
+
+def test_a_solve_whose_lowerings_are_cached_imports_no_heavy_library(cache):
+    result = run(["solve", "--model", "gpt2", "--gpus", "1xA100", "--json"], cache)
+    assert result.returncode == 0, result.stderr
+    assert imported(result) == []
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_solve_that_lowers_prints_library_output_only_when_verbose(verbose, tmp_path):
+    # A fresh cache: the lowering imports torch and transformers, whose warnings and logs are captured.
+    args = ["solve", "--model", "gpt2", "--gpus", "1xA100", "--time-limit", "5", *(["--verbose"] if verbose else [])]
+    result = run(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines()[:-1] if any(mark in line for mark in NOISE)]
+    assert bool(lines) is verbose
+
+
+def test_json_output_lists_what_libraries_printed(tmp_path):
+    result = run(["solve", "--model", "gpt2", "--gpus", "1xA100", "--json", "--time-limit", "5"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    log = json.loads(result.stdout)["log"]
+    assert any(any(mark in line for mark in NOISE) for line in log)  # the lowering's imports printed some
+    assert not any(any(mark in line for mark in NOISE) for line in result.stderr.splitlines()[:-1])
+
+
+@pytest.mark.parametrize("args", [
+    ["estimate", "--model", "gpt2", "--gpus", "1xA100", "--micro-batch", "2"],
+    ["choose", "--model", "gpt2", "--tokens", "1e6", "--gpu-types", "A10G", "--max-gpus", "1"],
+])
+def test_other_commands_print_no_library_output(args, cache):
+    result = run(args, cache)
+    assert result.returncode in (0, 3), result.stderr
+    assert not [line for line in result.stderr.splitlines()[:-1] if any(mark in line for mark in NOISE)]
