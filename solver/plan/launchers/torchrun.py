@@ -263,7 +263,8 @@ def apply_tensor_parallel(model, mesh):
     for pattern, style in (getattr(model, "_tp_plan", None) or {}).items():
         for name, module in model.named_modules():
             parts, names = pattern.split("."), name.split(".")
-            if len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names)) and style in styles \
+            if len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names, strict=True)) \
+                    and style in styles \
                     and not isinstance(module, torch.nn.Identity):  # a pipeline stage's stand-in norm or head
                 plan[name] = styles[style]
     parallelize_module(model, mesh, plan)
