@@ -24,7 +24,9 @@ NAMES = sorted(path.name for path in TEMPLATES.glob("*.py") if path.name != "__i
 
 @pytest.mark.parametrize("case", sorted(template_golden.CASES))
 def test_emitted_python_files_match_the_golden_digests(case: str):
-    assert template_golden.digests(case) == template_golden.stored()["digests"][case]
+    assert template_golden.digests(case) == template_golden.stored()["digests"][case], (
+        "an emitted Python file changed; if that is meant (a template, a priced constant or the plan's JSON), "
+        "rewrite the digests with `python -m tests.solver.template_golden` and say why in the commit")
 
 
 def test_golden_cases_cover_every_pipeline_schedule_and_launcher_python_file():
