@@ -25,6 +25,7 @@ from solver.plan.launchers.common import (
     precision_flags,
 )
 from solver.plan.launchers.shell import comment, exports
+from solver.plan.launchers.templating import python_file
 from solver.plan.record import Plan
 
 # transformers 5.24 `OptimizerNames`; `adamw_hf` no longer exists (removed in 5.x). The paged ones build
@@ -79,21 +80,8 @@ def training_arguments(plan: Plan) -> dict[str, Any]:
 def checkpoint_snippet(plan: Plan) -> str:
     """Python that keeps only the planned layers checkpointed (HF flags are per layer since transformers 4.57)."""
     layers = checkpointed_layers(plan)
-    return (
-        "# Emitted by fitplan: checkpoint exactly the planned decoder layers (the first ones, whose activations\n"
-        "# live longest). Call after building the model and before training; the emitted configs leave the\n"
-        "# launcher's all-layer checkpointing off, so this mask is what runs.\n"
-        "from transformers.modeling_layers import GradientCheckpointingLayer\n"
-        "\n"
-        "\n"
-        "def apply_fitplan_checkpointing(model):\n"
-        "    model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})\n"
-        f"    keep = set(range({len(plan.decisions.checkpoint)})) - {set(layers) or 'set()'}\n"
-        "    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]\n"
-        "    for index, layer in enumerate(layers):\n"
-        "        if index in keep:\n"
-        "            layer.gradient_checkpointing = False\n"
-    )
+    values = {"LAYERS": str(len(plan.decisions.checkpoint)), "CHECKPOINTED": f"{set(layers) or 'set()'}"}
+    return python_file(("fitplan_checkpointing.py",), values, name="fitplan_checkpointing.py")
 
 
 def adapter_config(plan: Plan) -> str:

@@ -3,8 +3,9 @@
 torchtitan 0.3.0 (the PyPI release this targets) reads no TOML job file: since PR #2386 a job is a Python function
 returning `Trainer.Config`, selected with `--module M --config F`, with `--section.key value` overrides on top
 (torchtitan/config/manager.py). So the plan's settings go into `fitplan_torchtitan.toml`, keyed by torchtitan's own
-section and field names, and `fitplan_torchtitan.py` is a fixed config module (the same text for every plan) that
-builds the `Trainer.Config` from it: `torchrun ... -m torchtitan.train --module fitplan_torchtitan --config fitplan`.
+section and field names, and `fitplan_torchtitan.py` is a fixed config module (templates/fitplan_torchtitan.py, the
+same text for every plan) that builds the `Trainer.Config` from it:
+`torchrun ... -m torchtitan.train --module fitplan_torchtitan --config fitplan`.
 Field names are checked by torchtitan's dataclasses when the job starts (an unknown key is a TypeError there).
 """
 
@@ -32,6 +33,7 @@ from solver.plan.launchers.common import (
 )
 from solver.plan.launchers.nodes import nodes_note, slurm_script, torchrun_argv
 from solver.plan.launchers.shell import comment, launch_script
+from solver.plan.launchers.templating import python_file
 from solver.plan.record import Decisions, Inputs, Plan
 
 TORCHTITAN = "0.3.0"
@@ -250,74 +252,11 @@ converters applied to it, [optimizer] the one AdamW parameter group, [activation
 ("none", "full", "selective" = op-level SAC, "memory_budget"). Command-line flags override any of it:
 --training.steps 200 --lr-scheduler.warmup-steps 20."""
 
-CONFIG_MODULE = f'''"""torchtitan config module emitted by fitplan: the job in {JOB_FILE} (next to this file)
-as the Trainer.Config torchtitan {TORCHTITAN} runs. The same text for every plan: the plan is in the TOML file.
 
-Run: torchrun ... -m torchtitan.train --module fitplan_torchtitan --config fitplan [--section.key value ...]
-torchtitan's ConfigManager imports this module, calls fitplan(), then applies command-line overrides on top.
-"""
-
-import importlib
-import tomllib
-from pathlib import Path
-
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-from torchtitan.components.quantization import Float8LinearConverter
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.trainer import Trainer
-
-JOB_FILE = Path(__file__).with_name("{JOB_FILE}")
-CONVERTERS = {{"float8": Float8LinearConverter}}
-ACTIVATION_CHECKPOINT = {{"none": None, "full": FullAC.Config, "selective": SelectiveAC.Config,
-                         "memory_budget": MemoryBudgetAC.Config}}
-
-
-def load(path=JOB_FILE):
-    with open(path, "rb") as file:
-        return tomllib.load(file)
-
-
-def model_spec(model, compile_config):
-    """The flavour from torchtitan's own model registry, with the named converters (float8) applied."""
-    registry = importlib.import_module(f"torchtitan.models.{{model['name']}}").model_registry
-    compiled = compile_config.enable and "model" in compile_config.components
-    converters = [CONVERTERS[name].Config(model_compile_enabled=compiled, **model.get(name, {{}}))
-                  for name in model["converters"]]
-    return registry(model["flavor"], converters=converters or None)
-
-
-def optimizer(section):
-    kwargs = {{"lr": section["lr"], "betas": tuple(section["betas"]), "eps": section["eps"],
-              "weight_decay": section["weight_decay"]}}
-    return OptimizersContainer.Config(
-        implementation=section["implementation"],
-        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name=section["name"], optimizer_kwargs=kwargs)])
-
-
-def fitplan():
-    job = load()
-    compile_config = CompileConfig(**job["compile"])
-    spec = model_spec(job["model"], compile_config)
-    policy = ACTIVATION_CHECKPOINT[job["activation_checkpoint"]["mode"]]
-    return Trainer.Config(
-        model_spec=spec,
-        hf_assets_path=job["hf_assets_path"],
-        # torchtitan's own llama3/qwen3 jobs compute the loss this way (chunked cross-entropy over the LM head)
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
-        optimizer=optimizer(job["optimizer"]),
-        lr_scheduler=LRSchedulersContainer.Config(**job["lr_scheduler"]),
-        training=TrainingConfig(**job["training"]),
-        parallelism=ParallelismConfig(**job["parallelism"]),
-        activation_checkpoint=None if policy is None else policy(),
-        compile=compile_config,
-        dataloader=HuggingFaceTextDataLoader.Config(**job["dataloader"]),
-    )
-'''
+@cache
+def config_module() -> str:
+    """fitplan_torchtitan.py: the config module that reads the job file into torchtitan's Trainer.Config."""
+    return python_file((f"{MODULE}.py",), {"JOB_FILE": JOB_FILE, "TORCHTITAN": TORCHTITAN}, name=f"{MODULE}.py")
 
 
 def _notes(plan: Plan) -> str:
@@ -345,7 +284,7 @@ def emit(plan: Plan) -> dict[str, str]:
     text = toml_text(job(plan), header=f"{about(plan)}\n{HEADER}")
     launch = launch_script([*torchrun_argv(plan), *PROGRAM], about=about(plan),
                            environment=launch_environment(plan), forward=True, notes=_notes(plan))
-    files = {JOB_FILE: text, f"{MODULE}.py": CONFIG_MODULE, "torchtitan_launch.sh": launch}
+    files = {JOB_FILE: text, f"{MODULE}.py": config_module(), "torchtitan_launch.sh": launch}
     if plan.inputs.cluster.nodes > 1:
         files["slurm_launch.sh"] = slurm_script(plan, list(PROGRAM), about=about(plan))
     return files
