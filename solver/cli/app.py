@@ -53,6 +53,7 @@ Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100
 SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
                                       "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
 LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
+LoraTargets = Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")]
 LoraQuantization = Annotated[Literal["nf4", "fp4"] | None, typer.Option(
     help="QLoRA: the frozen base in bitsandbytes 4-bit, nf4 or fp4 (needs --lora-rank; DDP and tp=1 only).")]
 DoubleQuant = Annotated[bool, typer.Option("--double-quant", help="QLoRA: quantize the 4-bit block scales again "
@@ -174,8 +175,7 @@ def solve_command(
     lora_rank: LoraRank = None,
     lora_alpha: Annotated[int | None, number(int, 1, B.MAX_LORA_ALPHA, "LoRA alpha (default 2 x rank; needs "
                                              "--lora-rank).")] = None,
-    lora_targets: Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")
-                            ] = "all-linear",
+    lora_targets: LoraTargets = "all-linear",
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let the search choose the memory savers that keep the "
                                                "training (--loss, --activation-offload) where not pinned (Liger's "
@@ -217,9 +217,11 @@ def solve_command(
         lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
                                                      targets=tuple(t.strip() for t in lora_targets.split(",")),
                                                      **adapter)
-        pins = pins_from_options(knob_values(knobs), launcher=launcher.value if launcher else None)
-        check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
+        # --emit X alone plans for what X runs (the first named, when several are)
+        planned_for = launcher.value if launcher else (targets.launchers[0] if targets.launchers else None)
+        pins = pins_from_options(knob_values(knobs), launcher=planned_for)
+        check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         if packing != "none" and dataset_lengths is None:
             raise FitplanError(f"--packing {packing} needs --dataset-lengths.",
                                "Give the lengths of the training sequences (a JSON histogram or JSON Lines).")
@@ -252,7 +254,10 @@ def estimate_command(
     headroom: Annotated[float | None, number(float, 0, 1, "Fraction of GPU memory kept free, as in solve (default "
                                              "0.05, or the plan's when --config is a plan).", hi_open=True)] = None,
     seq_len: SeqLen = None,
+    launcher: Annotated[Launcher | None, typer.Option(help="Price on the code this launcher runs (torchtitan: its own "
+                                                      "model code), and refuse what it cannot express.")] = None,
     lora_rank: LoraRank = None,
+    lora_targets: LoraTargets = "all-linear",
     lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
     use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
     as_json: AsJson = False,
@@ -267,10 +272,11 @@ def estimate_command(
     try:
         flags = knob_values(knobs)
         adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
-        _check_lora_flags(lora_rank, None, "all-linear", adapter)
+        _check_lora_flags(lora_rank, None, lora_targets, adapter)
+        adapter["targets"] = tuple(t.strip() for t in lora_targets.split(","))
         with _quietly(f"Estimating {model} on {gpus}", verbose=verbose) as (log, _progress):
             report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank,
-                                     adapter=adapter, headroom=headroom,
+                                     adapter=adapter, headroom=headroom, launcher=launcher.value if launcher else None,
                                      cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node,
                                                                       nvme_gbps, inter_node_gbps, profile))
     except Exception as error:

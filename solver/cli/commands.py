@@ -63,15 +63,18 @@ class EstimateReport:
 
 def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
                     lora_rank: int | None, adapter: dict[str, Any] | None = None,
-                    headroom: float | None = None, cluster_options: dict[str, Any] | None = None) -> EstimateReport:
-    """`adapter`: LoraSpec fields beside the rank (quantization, double_quant, use_dora), from the CLI."""
+                    headroom: float | None = None, cluster_options: dict[str, Any] | None = None,
+                    launcher: str | None = None) -> EstimateReport:
+    """`adapter`: LoraSpec fields beside the rank (targets, quantization, double_quant, use_dora), from the CLI;
+    `launcher`: price on the lowering `solve --launcher` would, and refuse what that launcher cannot run."""
     from solver.api import cluster_from, estimate
 
     cluster = cluster_from(gpus, **(cluster_options or {}))
     values = read_config_file(config_file) if config_file else dict(flags)
     plan = _as_plan(values, config_file)
     if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
-        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter)
+        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter,
+                              launcher=launcher)
         return report if headroom is None else replace(report, verdict=fits(report.estimate, cluster, headroom))
     if values.get("dp") is None:
         # the rest of the GPUs; a wrong type is reported by the Config check below, naming the field
@@ -84,7 +87,7 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
     elif isinstance(split, str):  # --pp-split 9,10,10,3
         values["pp_split"] = tuple(part.strip() for part in split.split(",") if part.strip())
     lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {})) if lora_rank is not None else None
-    result = estimate(model, cluster, values, seq_len=seq_len, lora=lora)
+    result = estimate(model, cluster, values, seq_len=seq_len, lora=lora, launcher=launcher)
     verdict = fits(result, cluster, DEFAULT_HEADROOM if headroom is None else headroom)
     return EstimateReport(result, verdict, f"{model} on {gpus}")
 
@@ -101,7 +104,7 @@ def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
 
 
 def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None, lora_rank: int | None,
-                 adapter: dict[str, Any] | None = None) -> EstimateReport:
+                 adapter: dict[str, Any] | None = None, launcher: str | None = None) -> EstimateReport:
     """The estimate of a plan's decisions on `model`/`gpus`; seq_len and LoRA rank given as flags override it."""
     from solver.api import estimate
 
@@ -111,7 +114,7 @@ def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len
     if lora_rank is not None:
         lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {}))
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
-                      global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention)
+                      global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention, launcher=launcher)
     return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), f"{model} on {gpus}")
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from costmodels.knobs import Declared
+from graphs.errors import FitplanError
 from solver.cli.options import Bounded, Text
 from solver.search.pins import GPU_DEFAULTS, KNOBS, Pins, pinned_kind
 
@@ -32,10 +33,16 @@ def estimate_parameters() -> list[inspect.Parameter]:
 
 
 def pins_from_options(values: dict[str, Any], *, launcher: str | None) -> Pins:
-    """`Pins` from `solve`'s knob options (a set knob's comma-separated values split)."""
+    """`Pins` from `solve`'s knob options (a set knob's comma-separated values split; an empty list is refused:
+    it would allow nothing)."""
     given = {name: _split(value) if KNOBS[name].knob.pin == "set" and isinstance(value, str) and value != "auto"
              else value
              for name, value in values.items()}
+    for name, value in given.items():
+        if value == ():
+            raise FitplanError(f"{KNOBS[name].option} lists no value: it would allow none.",
+                               f"Give at least one value, or leave {KNOBS[name].option} out to let the solver "
+                               "choose.")
     return Pins.of(launcher=launcher, **given)
 
 

@@ -255,3 +255,31 @@ def test_solve_script_bad_gpus_exits_2_without_traceback():
     assert result.returncode == 2
     assert result.stdout == ""
     assert "Traceback" not in result.stderr
+
+
+def test_emit_without_launcher_plans_for_what_the_emitted_launcher_runs(tmp_path):
+    # issue 33: `--emit axolotl` alone used to solve for any launcher, then fail with "no launcher in --emit can
+    # run this plan"; now it plans for axolotl (its one checkpoint policy for every layer, its engines).
+    result = invoke([*SOLVE_GPT2, "--emit", "axolotl", "--emit-dir", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert "axolotl" in plan["launchers"]
+    assert (tmp_path / "out" / "axolotl.yaml").is_file() or any((tmp_path / "out").iterdir())
+
+
+def test_an_empty_list_pin_is_refused():
+    result = invoke([*SOLVE_GPT2, "--optimizers", ""])
+    assert result.exit_code == 2
+    assert "--optimizers lists no value" in result.stderr
+
+
+def test_estimate_takes_lora_targets_and_a_launcher():
+    targeted = invoke([*ESTIMATE_GPT2, "--lora-rank", "8", "--lora-targets", "c_attn", "--json"])
+    everywhere = invoke([*ESTIMATE_GPT2, "--lora-rank", "8", "--json"])
+    assert targeted.exit_code == everywhere.exit_code == 0, targeted.output + everywhere.output
+    # adapters on one projection train fewer parameters than on every linear layer
+    assert json.loads(targeted.stdout)["memory"]["optimizer_states"] < \
+        json.loads(everywhere.stdout)["memory"]["optimizer_states"]
+    refused = invoke([*ESTIMATE_GPT2, "--launcher", "megatron", "--engine", "fsdp2", "--zero", "3"])
+    assert refused.exit_code == 2
+    assert "megatron launcher cannot run this configuration" in refused.stderr
