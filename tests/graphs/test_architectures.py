@@ -123,6 +123,8 @@ def test_liger_patched_types_are_the_decoders_liger_kernels_patch_table_holds():
 
     decoders = {t for t in MODEL_TYPE_TO_APPLY_LIGER_FN if t in CAUSAL_LM}
     assert set(supported("liger")) == decoders
+    for model_type in decoders:  # each source names the patch function
+        assert MODEL_TYPE_TO_APPLY_LIGER_FN[model_type].__name__ in architecture(model_type).liger.source
 
 
 def test_liger_fused_linear_is_what_each_patch_function_accepts():
