@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role, Work
+from graphs.architectures import liger_fused_linear, liger_patched
 
 from . import precision
 from .activations import NodeMemory
@@ -29,12 +30,6 @@ Events = list[tuple[str, int]]
 # modules/loss/ce_chunked_output_loss.py), used by its recipes' configs.
 TORCHTUNE_CHUNKS = 8
 LABEL_ITEMSIZE = 8  # int64 token ids
-# Model types liger-kernel 0.8.5 patches (`liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`,
-# text decoders only); transformers' `use_liger_kernel` does nothing for others.
-LIGER_MODEL_TYPES = frozenset({
-    "deepseek_v2", "deepseek_v3", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text", "glm4",
-    "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama", "llama4_text", "ministral", "mistral",
-    "mixtral", "nemotron", "olmo2", "olmo3", "phi3", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "smollm3"})
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 # liger-kernel 0.8.5 ops/cross_entropy.py `liger_cross_entropy_kernel`, per logits row: "[Online softmax] first
 # pass: find max + sum" loads the row, the "Second pass: compute gradients" loads it again and stores the gradient in
@@ -245,8 +240,10 @@ def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
     if loss is Loss.CHUNKED and _ITEMSIZE[weights] != precision.compute_itemsize(config.precision):
         reasons.append("torchtune's chunked loss runs in one dtype (`dtype: bf16|fp32`), without autocast over "
                        f"fp32 weights ({config.precision} with {config.engine})")
-    if loss is Loss.FUSED_LINEAR and graph.model_type not in LIGER_MODEL_TYPES:
-        reasons.append(f"liger-kernel has no fused linear cross-entropy patch for model type {graph.model_type!r}")
+    if loss is Loss.FUSED_LINEAR and not liger_fused_linear(graph.model_type):  # graphs/data/architectures.json
+        patched = " (its patch for it refuses fused_linear_cross_entropy)" if liger_patched(graph.model_type) else ""
+        reasons.append(f"liger-kernel has no fused linear cross-entropy patch for model type {graph.model_type!r}"
+                       f"{patched}")
     return reasons
 
 

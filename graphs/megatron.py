@@ -46,12 +46,12 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .architectures import has_flag, megatron_kind, supported
 from .errors import UnsupportedModel
 from .fit import Probes, model_wide_bytes, segment_costs
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, MoE, ParamTensor
 from .megatron_moe import (
-    MEGATRON_MOE_TYPES,
     DroplessRouting,
     every_layer_routed,
     moe_runtime,
@@ -70,11 +70,10 @@ TE_ATTENTION = "te-flash"
 KERNELS = {"local": MEGATRON_ATTENTION, "te": TE_ATTENTION}
 # Megatron's recompute granularities: none, "full" (uniform, one layer each) and "selective" (attention core).
 MEGATRON_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
-# HF model types lowered as megatron-core Llama-style GPT models (RMSNorm, SwiGLU, RoPE, GQA; Qwen2 adds the QKV
-# bias, Qwen3 the per-head query/key RMSNorm, `qk_layernorm`). Mistral is left out: its sliding window would need
-# megatron's `window_size`, not set here.
-MEGATRON_TYPES = ("llama", "qwen2", "qwen3", *MEGATRON_MOE_TYPES)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+# HF model types lowered as megatron-core Llama-style GPT models (RMSNorm, SwiGLU, RoPE, GQA), dense or with MoE
+# layers: the architecture table's `megatron` records (graphs/data/architectures.json, which says why Mistral is
+# left out). Kept as a name because solver/api.py imports it.
+MEGATRON_TYPES = supported("megatron")
 PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2
@@ -127,8 +126,8 @@ def _measure(resolved: ResolvedModel, *, dtype: str, kernels: str) -> LayerGraph
     dims = dims_of(config)
     text = config.get_text_config()
     windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
-    if config.model_type not in MEGATRON_TYPES or bool(dims.experts) != (config.model_type in MEGATRON_MOE_TYPES) \
-            or windowed or not every_layer_routed(text):
+    kind = megatron_kind(config.model_type)
+    if kind is None or bool(dims.experts) != (kind == "moe") or windowed or not every_layer_routed(text):
         raise UnsupportedModel(f"megatron-core's local GPT spec is not lowered for {config.model_type!r} "
                                f"({resolved.id})", f"The Megatron lowering runs {', '.join(MEGATRON_TYPES)} (without a "
                                "sliding window).")
@@ -202,8 +201,8 @@ def megatron_config(config: Any, *, layers: int, dtype: torch.dtype = torch.bflo
         num_attention_heads=dims.heads * widen, num_query_groups=dims.kv_heads * widen, kv_channels=dims.head_dim,
         normalization="RMSNorm", layernorm_epsilon=float(getattr(text, "rms_norm_eps", 1e-5)),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=bool(getattr(text, "attention_bias", False) or config.model_type == "qwen2"),
-        qk_layernorm=config.model_type in QK_NORM_TYPES,
+        add_qkv_bias=bool(getattr(text, "attention_bias", False) or has_flag(config.model_type, "qkv_bias_only")),
+        qk_layernorm=has_flag(config.model_type, "qk_norm"),
         hidden_dropout=0.0, attention_dropout=float(getattr(text, "attention_dropout", 0.0)),
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         recompute_granularity=granularity, recompute_method="uniform" if granularity == "full" else None,
@@ -227,7 +226,7 @@ def build_megatron(config: Any, *, layers: int, dtype: torch.dtype = torch.bfloa
     text = config.get_text_config()
     scaling = _llama_scaling(text)
     spec = get_gpt_layer_local_spec(num_experts=dims_of(config).experts or None, moe_grouped_gemm=False,
-                                    qk_layernorm=config.model_type in QK_NORM_TYPES, normalization="RMSNorm")
+                                    qk_layernorm=has_flag(config.model_type, "qk_norm"), normalization="RMSNorm")
     if kernels == "te":
         from .te_kernels import FlashCoreAttention
 

@@ -28,9 +28,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-# HF model types lowered as megatron-core GPT models with MoE layers in every block (Mixtral: Llama-style attention,
-# every MLP routed over SwiGLU experts, no shared expert; Qwen3-MoE: the same with Qwen3's query/key norm).
-MEGATRON_MOE_TYPES = ("mixtral", "qwen3_moe")
 
 
 def moe_settings(text: Any, *, experts: int, top_k: int, ffn_hidden: int) -> dict[str, Any]:
@@ -173,5 +170,5 @@ def _active_routing() -> DroplessRouting | None:
     return next((mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, DroplessRouting)), None)
 
 
-__all__ = ["MEGATRON_MOE_TYPES", "DroplessRouting", "aux_loss_coeff", "balanced_counts", "every_layer_routed",
+__all__ = ["DroplessRouting", "aux_loss_coeff", "balanced_counts", "every_layer_routed",
            "moe_runtime", "moe_settings", "router_pre_softmax", "step_state"]

@@ -1,19 +1,15 @@
 """How long a sequence a model can take: fixed position tables refuse longer ones, rotary and ALiBi models extend.
 
-Read from the config.json values; nothing is lowered or imported.
+Read from the config.json values and the architecture table (`fixed_positions`); nothing is lowered.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .architectures import has_flag
 from .errors import FitplanError
 
-# Architectures whose positions index a table of fixed size: a learned nn.Embedding (gpt2, gpt_bigcode,
-# gpt_neo, opt, biogpt, openai-gpt) or a precomputed sinusoidal buffer (codegen, gptj) of
-# max_position_embeddings / n_positions rows (transformers 5, models/<type>/modeling_<type>.py). A longer
-# sequence indexes past the table and fails at run time.
-FIXED_POSITION_TYPES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "openai-gpt", "codegen", "gptj"})
 _LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
@@ -33,7 +29,7 @@ def sequence_note(values: dict[str, Any], seq_len: int, *, location: str) -> str
     if limit is None or seq_len <= limit[1]:
         return None
     field, value = limit
-    if values.get("model_type") in FIXED_POSITION_TYPES:
+    if has_flag(values.get("model_type"), "fixed_positions"):  # a longer sequence indexes past the table
         raise FitplanError(f"--seq-len {seq_len} exceeds {location}'s {field}={value}: its position table has "
                            f"{value} rows, so longer sequences cannot run.",
                            f"Use --seq-len {value} or less, or a model with rotary positions.")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .architectures import supported, titan_lowering
 from .errors import UnsupportedModel
 from .fit import Probes, first_backward, model_wide_bytes, segment_costs, storage_polys
 from .graph import LayerGraph, ModelDims
@@ -50,8 +51,6 @@ TITAN_ATTENTION = "flex"
 
 # The checkpoint modes torchtitan runs: none, `FullAC` and `SelectiveAC` (op-level SAC).
 TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
-# HF model_type -> torchtitan model family (torchtitan 0.3.0 `torchtitan/models/`).
-TITAN_FAMILIES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 PROBE_BATCH = 2
 PROBE_SEQ = 32
 # Bump when this module's output changes meaning (part of the cache key, beside graphs.cache.FORMAT_VERSION).
@@ -111,10 +110,11 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) 
 
     config = transformers_config(resolved)
     dims = dims_of(config)
-    family = TITAN_FAMILIES.get(config.model_type)
-    if family is None or (dims.experts and config.model_type != "qwen3_moe"):
+    lowering = titan_lowering(config.model_type)  # graphs/data/architectures.json
+    if lowering is None or (dims.experts and not lowering.moe):
         raise UnsupportedModel(f"torchtitan has no model for {config.model_type!r} ({resolved.id})",
-                               f"fitplan lowers torchtitan's {', '.join(sorted(TITAN_FAMILIES))} models.")
+                               f"fitplan lowers torchtitan's {', '.join(supported('torchtitan'))} models.")
+    family = lowering.family
     if compiled and dims.experts:
         raise UnsupportedModel(f"torchtitan's compiled MoE blocks are not traced ({resolved.id})",
                                "A compiled MoE plan is priced on its eager blocks (compiling saves memory).")
@@ -543,5 +543,5 @@ def _rowwise(layer: torch.nn.Module) -> int:
     return sum(1 for name, _ in layer.named_modules() if name.rpartition(".")[2] in ("wo", "w2"))
 
 
-__all__ = ["MODEL_WIDE", "TITAN_FAMILIES", "TITAN_MODES", "build_titan", "lower_titan", "run_titan_pass",
+__all__ = ["MODEL_WIDE", "TITAN_MODES", "build_titan", "lower_titan", "run_titan_pass",
            "titan_config", "trace_model"]

@@ -6,15 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from graphs import LayerGraph, Role
+from graphs.architectures import has_flag
 from graphs.megatron_moe import router_pre_softmax
 from solver.plan.record import ModelShape
-
-# Families whose config.json omits the bias flags: Llama-style blocks have no linear biases; Qwen2 keeps a
-# bias on the q/k/v projections only (transformers models/qwen2/modeling_qwen2.py: q_proj(..., bias=True)).
-_QKV_BIAS_ONLY = frozenset({"qwen2", "qwen2_moe"})
-# Families that normalise each head's queries and keys (transformers models/qwen3/modeling_qwen3.py and
-# qwen3_moe: q_norm and k_norm, RMSNorm over head_dim, before RoPE).
-_QK_NORM = frozenset({"qwen3", "qwen3_moe"})
 
 
 def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> ModelShape:
@@ -28,7 +22,9 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
     rope_theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or \
         text.get("rotary_emb_base")
     rope = rope_theta is not None or "rope_scaling" in text or "rotary_pct" in text
-    qkv_bias = graph.model_type in _QKV_BIAS_ONLY
+    # Where config.json omits the bias flags: Llama-style blocks have no linear biases, and the architecture table
+    # names the families that keep a bias on q, k and v only (Qwen2) and that normalise each head's queries and keys.
+    qkv_bias = has_flag(graph.model_type, "qkv_bias_only")
     bias = text.get("attention_bias", text.get("bias", text.get("mlp_bias")))
     return ModelShape(
         heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim, ffn_hidden=dims.intermediate,
@@ -44,7 +40,7 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
                                                                             0.0)) or 0.0) if dims.experts else 0.0,
         router_pre_softmax=router_pre_softmax(graph.model_type, bool(text.get(
             "norm_topk_prob", _class_default(graph.model_type, "norm_topk_prob", True)))),
-        qk_norm=graph.model_type in _QK_NORM)
+        qk_norm=has_flag(graph.model_type, "qk_norm"))
 
 
 def _traced_tied(graph: LayerGraph) -> bool:

@@ -23,6 +23,7 @@ pytest.importorskip("megatron.core")
 import graphs.megatron as mg
 from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster
 from graphs import Checkpoint, LayerGraph, UnsupportedModel
+from graphs.architectures import megatron_kind, supported
 from graphs.measure import transformers_config
 from graphs.sources import resolve
 from graphs.titan import cuda_rms_norm
@@ -38,6 +39,10 @@ TOLERANCE = 0.01
 STEP_B, STEP_S = 2, 256
 GRANULARITY = {Checkpoint.NONE: None, Checkpoint.FULL: "full", Checkpoint.SELECTIVE: "selective"}
 KERNELS = tuple(mg.KERNELS)
+# Every model type the architecture table lowers through megatron-core: Llama (the `folder` fixture), the other
+# dense ones, and the MoE ones.
+DENSE = [t for t in supported("megatron") if megatron_kind(t) == "dense" and t != "llama"]
+MOE = [t for t in supported("megatron") if megatron_kind(t) == "moe"]
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +56,13 @@ def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Two-layer tiny configs of the other architectures megatron-core's GPT layers run."""
     root = tmp_path_factory.mktemp("megatron")
     return {arch: str(write_config(root / arch, {**tiny_values(arch), "num_hidden_layers": 2}))
-            for arch in ("qwen2", "qwen3", "mixtral", "qwen3_moe")}
+            for arch in (*DENSE, *MOE)}
 
 
 @pytest.fixture(scope="module")
 def moe_graphs(tiny_folders: dict[str, str]) -> dict[tuple[str, str], LayerGraph]:
     return {(arch, kernels): mg.lower_megatron(tiny_folders[arch], use_cache=False, kernels=kernels)
-            for arch in ("mixtral", "qwen3_moe") for kernels in KERNELS}
+            for arch in MOE for kernels in KERNELS}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +167,7 @@ def test_megatron_allocated_peak_matches_memtracker_over_a_training_step(mode, k
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", DENSE)
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
 def test_megatron_qwen_saved_bytes_and_peak_match_memtracker(mode, kernels, arch, tiny_folders):
@@ -173,7 +178,7 @@ def test_megatron_qwen_saved_bytes_and_peak_match_memtracker(mode, kernels, arch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", MOE)
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", mg.MEGATRON_MODES)
 def test_megatron_moe_saved_bytes_and_peak_match_memtracker(mode, kernels, arch, tiny_folders, moe_graphs):

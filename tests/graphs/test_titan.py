@@ -10,12 +10,13 @@ pytest.importorskip("torchtitan")
 
 from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster
 from graphs import Checkpoint, LayerGraph, UnsupportedModel, lower
+from graphs.architectures import supported, titan_family
 from graphs.titan import TITAN_MODES, cuda_rms_norm, lower_titan
 from tests.graphs.reference import run_reference, write_config
 from tests.graphs.tiny_configs import tiny_values
 from tests.graphs.titan_reference import layer_reference, step_peak
 
-ARCHS = ["llama", "qwen3", "qwen3_moe"]
+ARCHS = list(supported("torchtitan"))  # every model type the architecture table lowers through torchtitan
 UNSEEN_B, UNSEEN_S = 3, 80  # probes use b in {2, 4} and s in {32, 64, 96}
 # MemTracker counts every storage of the step; the model leaves out a few scalars (the loss, AdamW's step
 # counters, which stay on the host on a GPU): under 0.1% here. Whole steps run at 256 tokens so that the
@@ -201,10 +202,10 @@ def _titan_block(folder: str) -> torch.nn.Module:
     """torchtitan's first block of the config in `folder`, on the meta device."""
     from graphs.measure import transformers_config
     from graphs.sources import resolve
-    from graphs.titan import TITAN_FAMILIES, build_titan, titan_config
+    from graphs.titan import build_titan, titan_config
 
     config = transformers_config(resolve(folder))
-    return build_titan(titan_config(config, family=TITAN_FAMILIES[config.model_type], layers=1))
+    return build_titan(titan_config(config, family=titan_family(config.model_type), layers=1))
 
 
 def _real_block_and_inputs(folder: str, b: int, s: int) -> tuple[torch.nn.Module, tuple, dict]:

@@ -20,10 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 
+from graphs.architectures import titan_family
 from graphs.layer import Checkpoint
 from graphs.measure import transformers_config
 from graphs.sources import resolve
-from graphs.titan import TITAN_FAMILIES, build_titan, cuda_rms_norm, titan_config
+from graphs.titan import build_titan, cuda_rms_norm, titan_config
 
 
 def cpu_selective_ac() -> Any:
@@ -42,7 +43,7 @@ def reference_model(folder: str, *, dtype: torch.dtype, mode: Checkpoint, fake: 
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     config = transformers_config(resolve(folder))
-    spec = titan_config(config, family=TITAN_FAMILIES[config.model_type], layers=config.num_hidden_layers)
+    spec = titan_config(config, family=titan_family(config.model_type), layers=config.num_hidden_layers)
     # torchtitan's trainer sizes every RoPE cache for `training.seq_len` (`Decoder.Config.update_from_config`).
     for layer in spec.layers:
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)

@@ -36,6 +36,7 @@ from costmodels.pipeline import StageActivations, held_activation_bytes, rank_mo
 from costmodels.pipeline_schedule import Schedule, stage_ranks
 from costmodels.pipeline_stages import rank_config, rank_slices
 from graphs import FitplanError, Role
+from graphs.architectures import flagged
 from solver import solve
 from solver.cli.commands import emit_files
 from solver.hardware.check import plan_config, plan_graph, saved_activation_bytes
@@ -256,11 +257,12 @@ def script(tmp_path_factory, model_dir):
     return runpy.run_path(str(folder / "train_fitplan.py"), run_name="fitplan_emitted")
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2"])
+@pytest.mark.parametrize("arch", [*flagged("pipeline_stages"), "gemma2"])
 def test_stages_cut_from_a_checkpoint_compose_to_the_whole_model(arch, script, tmp_path):
     """The script's two stages (its own `stage_model` and `StageModule`, loading the checkpoint by name) give the
-    whole model's logits for every architecture it cuts; Gemma 2, which it refuses, scales the embeddings inside
-    the decoder, so its second stage would scale hidden states again: the control that shows the check can fail."""
+    whole model's logits for every architecture it cuts (the architecture table's `pipeline_stages`); Gemma 2,
+    which it refuses, scales the embeddings inside the decoder, so its second stage would scale hidden states
+    again: the control that shows the check can fail."""
     import argparse
 
     import torch

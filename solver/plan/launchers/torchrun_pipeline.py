@@ -11,16 +11,14 @@ from typing import Any
 
 from costmodels.pipeline_schedule import SPLIT_BACKWARD, TORCH_CLASS, stage_ranks
 from graphs import FitplanError
+from graphs.architectures import pipeline_classes
 from solver.plan.record import Plan
 
 # Causal LMs whose transformers 5.x decoder runs `model.embed_tokens -> model.layers -> model.norm` and whose head
-# applies `lm_head` with nothing in between (no embedding scale, position embedding or logit cap: modeling_<type>.py),
-# so a stage takes the previous stage's hidden states as `inputs_embeds` and passes its own on through identity norm
-# and head. Gemma (embedding normalizer), Granite and Cohere (logit scales), GPT-2 (learned positions) are not; nor
-# are Mixtral and Qwen 3 MoE, whose checkpoints store each expert apart while transformers fuses them on loading
-# (conversion_mapping.py), and each stage reads its tensors from the checkpoint by name.
-PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "Phi3ForCausalLM", "Olmo2ForCausalLM")
+# applies `lm_head` with nothing in between, so a stage takes the previous stage's hidden states as `inputs_embeds`
+# and passes its own on through identity norm and head: the architecture table's `pipeline_stages` records
+# (graphs/data/architectures.json, which also says why Gemma, Granite, GPT-2, Mixtral and Qwen 3 MoE are not).
+PIPELINE_ARCHITECTURES = pipeline_classes()
 
 
 def pipeline_spec(plan: Plan) -> dict[str, Any] | None:
