@@ -181,3 +181,11 @@ def pipeline_classes() -> tuple[str, ...]:
 __all__ = ["Architecture", "ArchitectureTable", "Classes", "Flag", "LigerPatch", "MegatronLowering", "TitanLowering",
            "architecture", "flagged", "has_flag", "liger_fused_linear", "liger_patched", "load_architectures",
            "megatron_kind", "pipeline_classes", "supported", "table_from_json", "titan_family", "titan_lowering"]
+
+
+def router_pre_softmax(model_type: str, norm_topk_prob: bool) -> bool:
+    """Whether the router weighs the top k by the softmax over all experts (megatron's `moe_router_pre_softmax`),
+    as Qwen3-MoE does with `norm_topk_prob` off; with it on, and in Mixtral, the weights are renormalised over the
+    top k, which is megatron's default softmax over the top-k logits. The megatron-core lowering and the Megatron
+    launcher's model shape (`solver.plan.model_shape`) both ask here: a fact of the model, read without torch."""
+    return model_type == "qwen3_moe" and not norm_topk_prob

@@ -10,16 +10,11 @@ import functools
 
 from .adapters import LoraSpec
 from .assemble import assemble, eager_work
-from .cache import cache_key, load_cached, store_cached
+from .cache import load_cached, store_cached
 from .errors import UnsupportedModel
 from .graph import LayerGraph
+from .lowering_keys import PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, hf_key
 from .sources import ResolvedModel, resolve
-
-# Probe shapes: (b0, s0), (b0, 2*s0), (2*b0, s0). Small shapes trace as fast as large ones and are exact
-# because every size is a monomial in b and s (checked when fitting).
-PROBE_BATCH = 2
-PROBE_SEQ = 32
-WIDEN_FACTOR = 2
 
 
 def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, attention: str | None = None,
@@ -68,9 +63,8 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
         raise ValueError(f"autocast={autocast!r} must be None, bfloat16 or float16")
     if liger and compiled:
         raise ValueError("liger=True with compiled=True: torch.compile over Liger's Triton kernels is not traced")
-    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR) + ((1,) if op_selective else ()),
-                    variants=("compiled",) if compiled else ("liger",) if liger else ())
+    key = hf_key(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                 op_selective=op_selective, compiled=compiled, liger=liger)
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
     graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,

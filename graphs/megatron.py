@@ -51,6 +51,7 @@ from .errors import UnsupportedModel
 from .fit import Probes, model_wide_bytes, segment_costs
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, MoE, ParamTensor
+from .lowering_keys import PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, megatron_key
 from .megatron_moe import (
     DroplessRouting,
     every_layer_routed,
@@ -74,11 +75,6 @@ MEGATRON_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
 # layers: the architecture table's `megatron` records (graphs/data/architectures.json, which says why Mistral is
 # left out). Kept as a name because solver/api.py imports it.
 MEGATRON_TYPES = supported("megatron")
-PROBE_BATCH = 2
-PROBE_SEQ = 32
-WIDEN_FACTOR = 2
-# Bump when this module's output changes meaning (part of the cache key).
-MEGATRON_FORMAT = 4
 # megatron-core's TP layers: ColumnParallelLinear shards output rows, RowParallelLinear input columns.
 _TP_STYLES = {"linear_qkv": ("colwise", 0), "linear_fc1": ("colwise", 0), "output_layer": ("colwise", 0),
               "linear_proj": ("rowwise", 1), "linear_fc2": ("rowwise", 1),
@@ -95,14 +91,13 @@ def lower_megatron(model: str, *, dtype: str = "bfloat16", use_cache: bool = Tru
 @functools.lru_cache(maxsize=16)
 def lower_megatron_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", use_cache: bool = True,
                             kernels: str = "local") -> LayerGraph:
-    from .cache import cache_key, load_cached, store_cached
+    from .cache import load_cached, store_cached
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} must be one of {', '.join(KERNELS)}")
-    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention=f"megatron/{kernels}", lora=None,
-                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, MEGATRON_FORMAT, _package_version("megatron-core")))
+    key = megatron_key(resolved, dtype=dtype, kernels=kernels)
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
     with megatron_runtime(kernels):

@@ -27,6 +27,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .architectures import router_pre_softmax
+
 aten = torch.ops.aten
 
 
@@ -39,14 +41,6 @@ def moe_settings(text: Any, *, experts: int, top_k: int, ffn_hidden: int) -> dic
             "moe_aux_loss_coeff": aux_loss_coeff(text),
             "moe_router_pre_softmax": router_pre_softmax(text.model_type, getattr(text, "norm_topk_prob", True)),
             "moe_grouped_gemm": False, "moe_permute_fusion": False}
-
-
-def router_pre_softmax(model_type: str, norm_topk_prob: bool) -> bool:
-    """Whether the router weighs the top k by the softmax over all experts (megatron's `moe_router_pre_softmax`),
-    as Qwen3-MoE does with `norm_topk_prob` off; with it on, and in Mixtral, the weights are renormalised over the
-    top k, which is megatron's default softmax over the top-k logits. The lowering and the Megatron launcher's
-    model shape (`solver.plan.model_shape`) both ask here."""
-    return model_type == "qwen3_moe" and not norm_topk_prob
 
 
 def every_layer_routed(text: Any) -> bool:
@@ -171,4 +165,4 @@ def _active_routing() -> DroplessRouting | None:
 
 
 __all__ = ["DroplessRouting", "aux_loss_coeff", "balanced_counts", "every_layer_routed",
-           "moe_runtime", "moe_settings", "router_pre_softmax", "step_state"]
+           "moe_runtime", "moe_settings", "step_state"]

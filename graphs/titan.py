@@ -38,6 +38,7 @@ from .errors import UnsupportedModel
 from .fit import Probes, first_backward, model_wide_bytes, segment_costs, storage_polys
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, ModeCost, MoE, ParamTensor
+from .lowering_keys import PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, titan_key
 from .poly import Poly
 from .probe import MODEL_WIDE, Recording, TraceSlot, model_wide
 from .recorder import ScopeTracker, marking_recompute
@@ -51,15 +52,9 @@ TITAN_ATTENTION = "flex"
 
 # The checkpoint modes torchtitan runs: none, `FullAC` and `SelectiveAC` (op-level SAC).
 TITAN_MODES = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.OP_SELECTIVE)
-PROBE_BATCH = 2
-PROBE_SEQ = 32
-# Bump when this module's output changes meaning (part of the cache key, beside graphs.cache.FORMAT_VERSION).
-TITAN_FORMAT = 1
 LOSSES = ("chunked", "plain")
 # `ChunkedLossWrapper.Config.num_chunks` default (torchtitan/components/loss.py, 0.3.0); seq_len must divide by it.
 LOSS_CHUNKS = 8
-# The widened probe: heads and FFN width doubled, what one rank holds at t = 1/2 (see `fit.py`).
-WIDEN_FACTOR = 2
 # torchtitan's TP plan (decoder_sharding.py): column-wise projections shard their output rows, row-wise ones
 # their input columns; the embedding is sharded on the vocabulary.
 _TP_STYLES = {"wqkv": ("colwise", 0), "w1": ("colwise", 0), "w3": ("colwise", 0), "lm_head": ("colwise", 0),
@@ -78,15 +73,13 @@ def lower_titan(model: str, *, dtype: str = "bfloat16", loss: str = "chunked", u
 def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", loss: str = "chunked",
                          use_cache: bool = True, compiled: bool = False) -> LayerGraph:
     from .assemble import eager_work
-    from .cache import cache_key, load_cached, store_cached
+    from .cache import load_cached, store_cached
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} must be one of {LOSSES}")
-    key = cache_key(resolved.as_dict(), dtype=dtype, autocast=None, attention=f"torchtitan/{loss}", lora=None,
-                    probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, TITAN_FORMAT, _titan_version_tag()),
-                    variants=("compiled",) if compiled else ())
+    key = titan_key(resolved, dtype=dtype, loss=loss, compiled=compiled)
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
     graph = _measure(resolved, dtype=dtype, loss=loss, compiled=compiled)
@@ -95,13 +88,6 @@ def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", lo
     if use_cache:
         store_cached(key, graph)
     return graph
-
-
-def _titan_version_tag() -> int:
-    from importlib.metadata import version
-
-    major, minor, *_ = (int(p) for p in version("torchtitan").split(".")[:3] if p.isdigit())
-    return 1000 * major + minor
 
 
 def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) -> LayerGraph:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .adapters import LoraSpec
+from .cache import load_cached
 from .errors import UnsupportedModel
+from .lowering_keys import megatron_key, titan_key
 
 if TYPE_CHECKING:  # graphs.graph and graphs.sources are light, but only the annotations need them here
     from .graph import LayerGraph
@@ -75,15 +77,22 @@ def lower_variant(resolved: ResolvedModel, variant: Variant) -> LayerGraph:
 
 
 def _lower(resolved: ResolvedModel, variant: Variant) -> LayerGraph:
+    """The cache first (torchtitan's and megatron-core's tracing modules import torch and their libraries: only on
+    a miss), then the runtime's own lowering, which stores what it traces."""
     if variant.runtime == "torchtitan":
+        key = titan_key(resolved, dtype=variant.dtype, loss=variant.loss, compiled=variant.compiled)
+        if (cached := load_cached(key)) is not None:
+            return cached
         from .titan import lower_titan_resolved
 
         return lower_titan_resolved(resolved, dtype=variant.dtype, loss=variant.loss, compiled=variant.compiled)
     if variant.runtime == "megatron":
+        if (cached := load_cached(megatron_key(resolved, dtype=variant.dtype, kernels=variant.kernels))) is not None:
+            return cached
         from .megatron import lower_megatron_resolved
 
         return lower_megatron_resolved(resolved, dtype=variant.dtype, kernels=variant.kernels)
-    from .lowering import lower_resolved
+    from .lowering import lower_resolved  # light: it imports the tracing code only to lower
 
     return lower_resolved(resolved, dtype=variant.dtype, autocast=variant.autocast, attention=variant.attention,
                           lora=variant.lora, op_selective=variant.op_selective, compiled=variant.compiled,

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphs import LayerGraph, Role
-from graphs.architectures import has_flag
-from graphs.megatron_moe import router_pre_softmax
+from graphs.architectures import has_flag, router_pre_softmax
 from solver.plan.record import ModelShape
 
 
@@ -36,10 +35,11 @@ def model_shape(graph: LayerGraph, values: dict[str, Any], *, seq_len: int) -> M
         tied_embeddings=bool(values.get("tie_word_embeddings", text.get("tie_word_embeddings", _traced_tied(graph)))),
         linear_bias=(not rms) if bias is None else bool(bias), qkv_bias=qkv_bias, experts=dims.experts,
         top_k=dims.top_k, expert_ffn_hidden=int(text.get("moe_intermediate_size") or 0) if dims.experts else 0,
-        aux_loss_coeff=float(text.get("router_aux_loss_coef", _class_default(graph.model_type, "router_aux_loss_coef",
-                                                                            0.0)) or 0.0) if dims.experts else 0.0,
-        router_pre_softmax=router_pre_softmax(graph.model_type, bool(text.get(
-            "norm_topk_prob", _class_default(graph.model_type, "norm_topk_prob", True)))),
+        aux_loss_coeff=float(_given(text, "router_aux_loss_coef", graph.model_type, 0.0) or 0.0)
+        if dims.experts else 0.0,
+        router_pre_softmax=router_pre_softmax(graph.model_type,
+                                              bool(_given(text, "norm_topk_prob", graph.model_type, True)))
+        if dims.experts else False,
         qk_norm=has_flag(graph.model_type, "qk_norm"))
 
 
@@ -49,6 +49,11 @@ def _traced_tied(graph: LayerGraph) -> bool:
     read without importing transformers (a cached lowering needs no import)."""
     heads = [layer for layer in graph.nodes() if layer.role is Role.HEAD]
     return bool(heads) and not any(layer.params for layer in heads)
+
+
+def _given(text: dict[str, Any], key: str, model_type: str, fallback: Any) -> Any:
+    """config.json's `key`, else the config class's default (transformers is imported only then)."""
+    return text[key] if key in text else _class_default(model_type, key, fallback)
 
 
 def _class_default(model_type: str, key: str, fallback: Any) -> Any:

@@ -17,6 +17,7 @@ from costmodels.compilation import compile_credited
 from costmodels.config import Config, Engine
 from costmodels.lowering import liger_lowering, shared_lowering
 from graphs import LayerGraph, LoraSpec, UnsupportedModel
+from graphs.architectures import megatron_kind
 from graphs.sources import ResolvedModel
 from graphs.variant import Variant, lower_variant
 from solver.plan.launchers.support import MEGATRON_PRICED, TITAN_PRICED
@@ -43,10 +44,9 @@ class Route:
         Megatron-LM run uses (Transformer Engine's): Llama-style models, dense or MoE, without LoRA (Megatron runs
         no PEFT) or a pinned HF attention, with megatron-core installed (fitplan's `dev` extra has it). Other
         models keep the HF lowering, which the plan's notes say."""
-        from graphs.megatron import MEGATRON_TYPES
-
         return (self.lora is None and self.attention in (None, MEGATRON_PRICED)
-                and self.resolved.model_type in MEGATRON_TYPES and importlib.util.find_spec("megatron") is not None)
+                and megatron_kind(self.resolved.model_type) is not None
+                and importlib.util.find_spec("megatron") is not None)
 
 
 def variant_for(config: Config, route: Route, *, megatron: bool) -> Variant:
