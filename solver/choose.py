@@ -1,13 +1,18 @@
 """`fitplan choose`: which GPU type, how many, how long and at what cost. One `solve()` per (type, count);
 time = tokens / the plan's tokens per second, cost = hours x GPUs x price per GPU-hour; then the Pareto front.
 
-Each point is exactly what `solve()` gives for that cluster (the lowering is reused through its disk cache).
-Pipeline parallelism and per-provider node shapes are not modelled: a count above one node is whole nodes.
+Each point is exactly what `solve()` gives for that cluster. The clusters are solved in parallel worker processes,
+after the smallest cluster of each GPU type has been solved here: its lowerings (a model's variants differ little
+between GPU types) are then in the disk cache that every worker reads. Per-provider node shapes are not modelled:
+a count above one node is whole nodes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import multiprocessing
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -209,11 +214,12 @@ def plan_point(model: str, gpu: GPU, count: int, *, tokens: float, price: GpuPri
 def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_TYPES,
            max_gpus: int = DEFAULT_MAX_GPUS, prices: str | Path | dict[str, GpuPrice] | None = None,
            spot: bool = False, deadline_hours: float | None = None, budget_usd: float | None = None,
-           progress: Callable[[Point], None] | None = None, **solve_options: Any) -> Choice:
+           progress: Callable[[Point], None] | None = None, workers: int | None = None,
+           **solve_options: Any) -> Choice:
     """Solve every (GPU type, count) of the sweep and pick the front, the cheapest in time, the fastest in budget.
 
     `solve_options` go to `solve()` unchanged (seq_len, global_batch, time_limit, lora, allow_lora, allow_savers,
-    pins).
+    pins). `workers`: processes solving clusters at once (default: the CPUs; 1 solves them here, in order).
     """
     started = time.perf_counter()
     _check_request(tokens, deadline_hours, budget_usd)
@@ -224,12 +230,8 @@ def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_
     if missing:
         raise FitplanError(f"No price for {', '.join(missing)}.",
                            f"Give one with --prices FILE (e.g. a line '{missing[0]}: 1.50' in USD per GPU-hour).")
-    points = []
-    for gpu, count in sweep:
-        point = plan_point(resolved.id, gpu, count, tokens=tokens, price=table[gpu.id], spot=spot, **solve_options)
-        points.append(point)
-        if progress is not None:
-            progress(point)
+    points = solve_sweep(resolved.id, sweep, tokens=tokens, table=table, spot=spot, progress=progress,
+                         workers=workers, **solve_options)
     _raise_if_only_errors(points)
     used = {gpu.id: table[gpu.id] for gpu, _ in sweep}
     return Choice(model=resolved.id, tokens=tokens, points=tuple(points), front=pareto_front(points),
@@ -237,6 +239,39 @@ def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_
                   minimum_gpus=minimum_gpus(points), deadline_hours=deadline_hours, budget_usd=budget_usd,
                   spot=spot, prices=used, notes=tuple(_notes(used, spot, solve_options)),
                   wall_seconds=time.perf_counter() - started)
+
+
+def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, table: dict[str, GpuPrice],
+                spot: bool, progress: Callable[[Point], None] | None, workers: int | None,
+                **solve_options: Any) -> list[Point]:
+    """Every cluster's point, in sweep order: the first cluster of each GPU type here (its lowerings land in the
+    disk cache), the others in `workers` processes that read them."""
+    def point(gpu: GPU, count: int) -> Point:
+        return plan_point(model, gpu, count, tokens=tokens, price=table[gpu.id], spot=spot, **solve_options)
+
+    first = {gpu.id: (gpu, count) for gpu, count in reversed(sweep)}  # the smallest count of each type
+    found: dict[tuple[str, int], Point] = {}
+    for gpu, count in first.values():
+        found[gpu.id, count] = point(gpu, count)
+        if progress is not None:
+            progress(found[gpu.id, count])
+    rest = [(gpu, count) for gpu, count in sweep if (gpu.id, count) not in found]
+    workers = min(len(rest), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        for gpu, count in rest:
+            found[gpu.id, count] = point(gpu, count)
+            if progress is not None:
+                progress(found[gpu.id, count])
+    else:
+        context = multiprocessing.get_context("spawn")  # the parent holds OR-Tools' threads: no fork
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = {pool.submit(plan_point, model, gpu, count, tokens=tokens, price=table[gpu.id], spot=spot,
+                                   **solve_options): (gpu.id, count) for gpu, count in rest}
+            for future in concurrent.futures.as_completed(futures):
+                found[futures[future]] = future.result()
+                if progress is not None:
+                    progress(found[futures[future]])
+    return [found[gpu.id, count] for gpu, count in sweep]
 
 
 def _check_request(tokens: float, deadline_hours: float | None, budget_usd: float | None) -> None:

@@ -20,9 +20,17 @@ import typer
 import typer.rich_utils
 from rich.console import Console
 
-import costmodels.cluster as C
 from costmodels.packing import read_lengths
 from graphs import FitplanError, LoraSpec
+from solver.cli.groups import (
+    NO_ADAPTERS,
+    NO_OUTPUTS,
+    STRING_CLUSTER,
+    AdapterOptions,
+    ClusterOptions,
+    OutputOptions,
+    option_groups,
+)
 from solver.cli.knob_options import (
     estimate_parameters,
     knob_values,
@@ -34,6 +42,7 @@ from solver.cli.options import Text, help_width, number, text
 from solver.cli.progress import status_line
 from solver.cli.quiet import captured, user_stderr
 from solver.plan.capability import LAUNCHERS
+from solver.plan.record import Plan
 from solver.search import bounds as B
 from solver.search.conflicts import check_pins
 
@@ -52,50 +61,11 @@ Gpus = Annotated[str, text(B.MAX_CLUSTER_CHARS, "Cluster: 8xA100, 1xA10G, 8xH100
                            "a JSON/YAML cluster file, or auto (the GPUs of this machine).", "--gpus", "-g")]
 SeqLen = Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence (default: min(4096, model limit); "
                                       "beyond a fixed position table, e.g. gpt2's 1024, refused).")]
-LoraRank = Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")]
-LoraTargets = Annotated[str, text(1000, "LoRA target modules, comma-separated (needs --lora-rank).")]
-LoraQuantization = Annotated[Literal["nf4", "fp4"] | None, typer.Option(
-    help="QLoRA: the frozen base in bitsandbytes 4-bit, nf4 or fp4 (needs --lora-rank; DDP and tp=1 only).")]
-DoubleQuant = Annotated[bool, typer.Option("--double-quant", help="QLoRA: quantize the 4-bit block scales again "
-                                           "(bnb_4bit_use_double_quant; needs --lora-quantization).")]
-UseDora = Annotated[bool, typer.Option("--use-dora", help="DoRA: train a magnitude vector per adapted layer "
-                                       "(LoraConfig(use_dora=True); needs --lora-rank).")]
-UseRslora = Annotated[bool, typer.Option("--use-rslora", help="rsLoRA: scale the adapters by alpha/sqrt(rank) "
-                                         "(LoraConfig(use_rslora=True); no memory or time change; needs "
-                                         "--lora-rank).")]
-ModulesToSave = Annotated[str | None, text(1000, "Modules trained in full beside the adapters, comma-separated, e.g. "
-                                           "lm_head,embed_tokens (LoraConfig(modules_to_save=...); their gradients "
-                                           "and optimizer states are priced; needs --lora-rank).",
-                                           "--modules-to-save")]
 Launcher = Enum("Launcher", {name: name for name in LAUNCHERS}, type=str)  # typer shows the registry's names
 AsJson = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout (with a \"log\" list of what "
                                                     "libraries printed).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show what libraries printed (warnings, logs) after "
                                                               "the result; hidden by default.")]
-# What a cluster string leaves out; each default is printed with the plan and in every diagnosis it decides.
-CpuRamGib = Annotated[float | None, number(float, 0, C.MAX_CPU_RAM_GIB, "Host RAM per node in GiB (default: the GPU's "
-                                            "typical host, its share for fewer GPUs).", lo_open=True,
-                                            rich_help_panel="Cluster")]
-CpuCores = Annotated[int | None, number(int, 1, C.MAX_CPU_CORES, "CPU cores per node (default: the typical host's "
-                                        "share).", rich_help_panel="Cluster")]
-GpusPerNode = Annotated[int | None, number(int, 1, C.MAX_GPUS_PER_NODE, "GPUs per node (default: the GPU's typical "
-                                           "node).", rich_help_panel="Cluster")]
-NvmeGbps = Annotated[float | None, number(float, 0, C.MAX_GBPS, "NVMe read GB/s per node; allows NVMe offload "
-                                          "(default: none).", rich_help_panel="Cluster")]
-InterNodeGbps = Annotated[float | None, number(float, 0, C.MAX_GBPS, "Network GB/s per GPU per direction between "
-                                               "nodes (default: the typical node's fabric).",
-                                               rich_help_panel="Cluster")]
-ProfileFile = Annotated[Path | None, typer.Option(help="A profile from `fitplan measure` on this GPU: its measured "
-                                                  "rates replace the datasheet's.", rich_help_panel="Cluster")]
-
-
-def _cluster_options(cpu_ram_gib: float | None, cpu_cores: int | None, gpus_per_node: int | None,
-                     nvme_gbps: float | None, inter_node_gbps: float | None,
-                     profile: Path | None = None) -> dict[str, Any]:
-    return {"cpu_ram_gib": cpu_ram_gib, "cpu_cores": cpu_cores, "gpus_per_node": gpus_per_node,
-            "nvme_gbps": nvme_gbps, "inter_node_gbps": inter_node_gbps, "profile": profile}
-
-
 def _fail(error: Exception, *, as_json: bool = False) -> None:
     """One place turns user errors into messages and exit codes."""
     from solver.search.diagnose import Infeasible, NoPlanInTime
@@ -139,49 +109,20 @@ def _quietly(first: str, *, verbose: bool) -> Iterator[tuple[list[str], Callable
                 err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _check_lora_flags(rank: int | None, alpha: int | None, targets: str, adapter: dict[str, Any] | None = None
-                      ) -> None:
-    """--lora-alpha, --lora-targets and the QLoRA/DoRA flags describe adapters: without --lora-rank they would be
-    dropped silently."""
-    named = {"--lora-quantization": "quantization", "--double-quant": "double_quant", "--use-dora": "use_dora",
-             "--use-rslora": "use_rslora", "--modules-to-save": "modules_to_save"}
-    flags = [flag for flag, key in named.items() if (adapter or {}).get(key)]
-    if rank is None and (alpha is not None or targets != "all-linear" or flags):
-        given = "--lora-alpha" if alpha is not None else flags[0] if flags else f"--lora-targets {targets!r}"
-        raise FitplanError(f"{given} needs --lora-rank: without it no adapters are trained.",
-                           "Add --lora-rank R (e.g. 16), or drop the option.")
-    if (adapter or {}).get("double_quant") and not (adapter or {}).get("quantization"):
-        raise FitplanError("--double-quant needs --lora-quantization nf4 or fp4 (it quantizes the 4-bit scales).",
-                           "Add --lora-quantization nf4, or drop --double-quant.")
-
-
-def _adapter(quantization: str | None, double_quant: bool, use_dora: bool, use_rslora: bool = False,
-             modules_to_save: str | None = None) -> dict[str, Any]:
-    """The LoraSpec fields of the QLoRA/DoRA/rsLoRA/modules_to_save flags."""
-    modules = tuple(m.strip() for m in (modules_to_save or "").split(",") if m.strip())
-    return {"quantization": quantization, "double_quant": double_quant, "use_dora": use_dora,
-            "use_rslora": use_rslora, "modules_to_save": modules}
-
-
 @app.command("solve")
 @with_knob_options(solve_parameters())
+@option_groups
 def solve_command(
-    model: Model, gpus: Gpus,
-    seq_len: SeqLen = None,
+    model: Model, gpus: Gpus, seq_len: SeqLen = None,
     global_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Sequences per optimizer step.")] = None,
     tokens_per_step: Annotated[int | None, number(int, 1, B.MAX_TOKENS_PER_STEP, "Tokens per optimizer step "
                                                   "(instead of --global-batch).")] = None,
     launcher: Annotated[Launcher | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
-    lora_rank: LoraRank = None,
-    lora_alpha: Annotated[int | None, number(int, 1, B.MAX_LORA_ALPHA, "LoRA alpha (default 2 x rank; needs "
-                                             "--lora-rank).")] = None,
-    lora_targets: LoraTargets = "all-linear",
+    adapters: AdapterOptions = NO_ADAPTERS,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let the search choose the memory savers that keep the "
                                                "training (--loss, --activation-offload) where not pinned (Liger's "
                                                "loss needs liger-kernel).")] = False,
-    lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
-    use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
                                         "excluded).", lo_open=True)] = 10.0,
@@ -189,35 +130,23 @@ def solve_command(
     input_tokens_per_s: Annotated[float | None, number(float, 0, B.MAX_INPUT_TOKENS_PER_S, "Tokens/s one "
                                                        "data-loading worker supplies (default 1M, a fast "
                                                        "tokenizer).", lo_open=True)] = None,
-    as_json: AsJson = False,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan JSON here.")] = None,
-    emit: Annotated[str | None, text(200, f"Launcher files to write, comma-separated: {', '.join(LAUNCHERS)}.")
-                    ] = None,
     dataset_lengths: Annotated[Path | None, typer.Option(help="Token lengths of the training sequences: a JSON "
                                                           "{length: count} histogram, a list, or JSON Lines. "
                                                           "Memory is planned on the longest micro-batch.")] = None,
     packing: Annotated[Literal["none", "wrapped", "bfd"], typer.Option(
         help="With --dataset-lengths: none pads each micro-batch to its longest sequence; wrapped and bfd pack "
              "sequences into rows of --seq-len (TRL's packing strategies).")] = "none",
-    emit_dir: Annotated[Path, typer.Option(help="Where --emit writes.")] = Path("fitplan-out"),
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory breakdown and the trade-off.")] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite existing files (-o, --emit-dir, --plot).")] = False,
-    cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
-    nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
-    verbose: Verbose = False,
-    **knobs: Any,
+    outputs: OutputOptions = NO_OUTPUTS, cluster: ClusterOptions = STRING_CLUSTER,
+    as_json: AsJson = False, verbose: Verbose = False, **knobs: Any,
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from solver.api import solve
     from solver.cli.outputs import Targets, launcher_names, write_outputs
 
     try:
-        adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
-        _check_lora_flags(lora_rank, lora_alpha, lora_targets, adapter)
-        lora = None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=lora_alpha or 2 * lora_rank,
-                                                     targets=tuple(t.strip() for t in lora_targets.split(",")),
-                                                     **adapter)
-        targets = Targets(output=output, launchers=launcher_names(emit), emit_dir=emit_dir, plot=plot)
+        lora = adapters.spec()
+        targets = Targets(output=outputs.output, launchers=launcher_names(outputs.emit), emit_dir=outputs.emit_dir,
+                          plot=outputs.plot)
         # --emit X alone plans for what X runs (the first named, when several are)
         planned_for = launcher.value if launcher else (targets.launchers[0] if targets.launchers else None)
         pins = pins_from_options(knob_values(knobs), launcher=planned_for)
@@ -230,13 +159,17 @@ def solve_command(
             plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
                          headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
                          allow_savers=allow_savers, attention=attention, input_tokens_per_s=input_tokens_per_s,
-                         cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node, nvme_gbps,
-                                                          inter_node_gbps, profile), pins=pins,
-                         dataset_lengths=lengths, packing=packing, progress=progress)
-        for line in write_outputs(plan, targets, force=force).lines():
+                         cluster_options=cluster.as_dict(), pins=pins, dataset_lengths=lengths, packing=packing,
+                         progress=progress)
+        for line in write_outputs(plan, targets, force=outputs.force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:
         _fail(error, as_json=as_json)
+    _print_plan(plan, log, as_json=as_json)
+
+
+def _print_plan(plan: Plan, log: list[str], *, as_json: bool) -> None:
+    """The plan on stdout: JSON with the captured library output under "log", or the report."""
     if as_json:
         print(json.dumps({**plan.to_json(), "log": log}, indent=2))
     else:
@@ -247,6 +180,7 @@ def solve_command(
 
 @app.command("estimate")
 @with_knob_options(estimate_parameters())
+@option_groups
 def estimate_command(
     model: Model, gpus: Gpus,
     config: Annotated[Path | None, typer.Option(help="A JSON/YAML file with Config fields, or a plan written "
@@ -256,29 +190,19 @@ def estimate_command(
     seq_len: SeqLen = None,
     launcher: Annotated[Launcher | None, typer.Option(help="Price on the code this launcher runs (torchtitan: its own "
                                                       "model code), and refuse what it cannot express.")] = None,
-    lora_rank: LoraRank = None,
-    lora_targets: LoraTargets = "all-linear",
-    lora_quantization: LoraQuantization = None, double_quant: DoubleQuant = False, use_dora: UseDora = False,
-    use_rslora: UseRslora = False, modules_to_save: ModulesToSave = None,
-    as_json: AsJson = False,
-    cpu_ram_gib: CpuRamGib = None, cpu_cores: CpuCores = None, gpus_per_node: GpusPerNode = None,
-    nvme_gbps: NvmeGbps = None, inter_node_gbps: InterNodeGbps = None, profile: ProfileFile = None,
-    verbose: Verbose = False,
-    **knobs: Any,
+    adapters: AdapterOptions = NO_ADAPTERS, cluster: ClusterOptions = STRING_CLUSTER,
+    as_json: AsJson = False, verbose: Verbose = False, **knobs: Any,
 ) -> None:
     """Memory and time of one configuration: will it fit, and where does the memory go?"""
     from solver.cli.commands import estimate_report
 
     try:
         flags = knob_values(knobs)
-        adapter = _adapter(lora_quantization, double_quant, use_dora, use_rslora, modules_to_save)
-        _check_lora_flags(lora_rank, None, lora_targets, adapter)
-        adapter["targets"] = tuple(t.strip() for t in lora_targets.split(","))
+        lora = adapters.spec()
         with _quietly(f"Estimating {model} on {gpus}", verbose=verbose) as (log, _progress):
-            report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora_rank=lora_rank,
-                                     adapter=adapter, headroom=headroom, launcher=launcher.value if launcher else None,
-                                     cluster_options=_cluster_options(cpu_ram_gib, cpu_cores, gpus_per_node,
-                                                                      nvme_gbps, inter_node_gbps, profile))
+            report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora=lora, headroom=headroom,
+                                     launcher=launcher.value if launcher else None,
+                                     cluster_options=cluster.as_dict())
     except Exception as error:
         _fail(error)
     if as_json:

@@ -62,19 +62,17 @@ class EstimateReport:
 
 
 def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
-                    lora_rank: int | None, adapter: dict[str, Any] | None = None,
-                    headroom: float | None = None, cluster_options: dict[str, Any] | None = None,
-                    launcher: str | None = None) -> EstimateReport:
-    """`adapter`: LoraSpec fields beside the rank (targets, quantization, double_quant, use_dora), from the CLI;
-    `launcher`: price on the lowering `solve --launcher` would, and refuse what that launcher cannot run."""
+                    lora: LoraSpec | None = None, headroom: float | None = None,
+                    cluster_options: dict[str, Any] | None = None, launcher: str | None = None) -> EstimateReport:
+    """`lora`: the adapters of the CLI flags (over a plan's own); `launcher`: price on the lowering
+    `solve --launcher` would, and refuse what that launcher cannot run."""
     from solver.api import cluster_from, estimate
 
     cluster = cluster_from(gpus, **(cluster_options or {}))
     values = read_config_file(config_file) if config_file else dict(flags)
     plan = _as_plan(values, config_file)
     if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
-        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora_rank=lora_rank, adapter=adapter,
-                              launcher=launcher)
+        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora=lora, launcher=launcher)
         return report if headroom is None else replace(report, verdict=fits(report.estimate, cluster, headroom))
     if values.get("dp") is None:
         # the rest of the GPUs; a wrong type is reported by the Config check below, naming the field
@@ -86,7 +84,6 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
         values.pop("pp_split", None)  # the balanced split
     elif isinstance(split, str):  # --pp-split 9,10,10,3
         values["pp_split"] = tuple(part.strip() for part in split.split(",") if part.strip())
-    lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {})) if lora_rank is not None else None
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora, launcher=launcher)
     verdict = fits(result, cluster, DEFAULT_HEADROOM if headroom is None else headroom)
     return EstimateReport(result, verdict, f"{model} on {gpus}")
@@ -103,16 +100,14 @@ def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
                               "Write a plan with `solve ... -o plan.json`, or give a file of Config fields.") from error
 
 
-def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None, lora_rank: int | None,
-                 adapter: dict[str, Any] | None = None, launcher: str | None = None) -> EstimateReport:
-    """The estimate of a plan's decisions on `model`/`gpus`; seq_len and LoRA rank given as flags override it."""
+def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None,
+                 lora: LoraSpec | None = None, launcher: str | None = None) -> EstimateReport:
+    """The estimate of a plan's decisions on `model`/`gpus`; seq_len and adapters given as flags override it."""
     from solver.api import estimate
 
     d = plan.decisions
     config = {name: getattr(d, name) for name in KNOBS}  # every knob the record declares
-    lora = None if d.lora is None else d.lora.spec()
-    if lora_rank is not None:
-        lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank, **(adapter or {}))
+    lora = lora or (None if d.lora is None else d.lora.spec())
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
                       global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention, launcher=launcher)
     return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), f"{model} on {gpus}")

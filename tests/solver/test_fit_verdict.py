@@ -64,7 +64,7 @@ def test_estimate_and_solver_tables_agree_on_every_configuration_of_a_sweep():
         flags = {"tp": 1, "dp": dp, "engine": engine, "zero": zero, "micro_batch": micro_batch, "grad_accum": 1,
                  "checkpoint": mode.value, "precision": Precision.BF16_MIXED, "optimizer": Optimizer.ADAMW}
         for headroom in HEADROOMS:
-            report = estimate_report(model, gpus, None, dict(flags), seq_len=SEQ_LEN, lora_rank=None,
+            report = estimate_report(model, gpus, None, dict(flags), seq_len=SEQ_LEN,
                                      headroom=headroom)
             solver = _solver_fits(model, gpus, flags, headroom)
             case = f"{model} {gpus} {engine} zero={zero} mb={micro_batch} {mode} headroom={headroom}"
