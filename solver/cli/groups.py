@@ -120,7 +120,8 @@ class AdapterOptions:
             return None
         return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha or 2 * self.lora_rank,
                         targets=tuple(t.strip() for t in self.lora_targets.split(",")),  # "" refused by name
-                        quantization=self.lora_quantization, double_quant=self.double_quant, use_dora=self.use_dora, use_rslora=self.use_rslora,
+                        quantization=self.lora_quantization, double_quant=self.double_quant,
+                        use_dora=self.use_dora, use_rslora=self.use_rslora,
                         modules_to_save=_listed(self.modules_to_save or ""))
 
 
