@@ -52,91 +52,61 @@ class Config:
     """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
-                            reads=("activation_offload", "activations", "context_parallel", "estimate",
-                                   "expert_parallel", "loss", "memory", "optimizer_in_backward", "overhead",
-                                   "pipeline_stages", "states", "tensor_parallel", "timing"),
                             high=1024)] = 1
-    dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20,
-                            reads=("estimate", "expert_parallel", "optimizer_in_backward", "pipeline_stages",
-                                   "zero"))] = 1
-    engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.",
-                                   reads=("compilation", "estimate", "loss", "memory", "offload",
-                                          "optimizer_in_backward", "optimizer_launches", "states", "timing",
-                                          "zero"))] = Engine.DDP
+    dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
+    engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.")] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
-                              "backward).", low=0, high=3,
-                              reads=("compilation", "memory", "optimizer_launches", "states", "timing", "zero"))] = 0
+                              "backward).", low=0, high=3)] = 0
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
-                                               flag="offload", reads=("offload", "optimizer_in_backward", "states",
-                                                                      "timing"))] = Offload.NONE
+                                               flag="offload")] = Offload.NONE
     param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",
-                                           flag="offload-params", reads=("offload", "states"))] = Offload.NONE
+                                           flag="offload-params")] = Offload.NONE
     micro_batch: Annotated[int, Knob("Sequences per rank per forward pass (must divide the batch per "
-                                     "data-parallel rank).", high=2**20,
-                                     reads=("activation_offload", "estimate", "loss", "memory", "pipeline_stages",
-                                            "timing"))] = 1
-    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20,
-                                    reads=("activation_offload", "estimate", "memory", "offload",
-                                           "optimizer_in_backward", "pipeline_stages", "states", "timing"))] = 1
+                                     "data-parallel rank).", high=2**20)] = 1
+    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20)] = 1
     checkpoint: Annotated[tuple[Checkpoint, ...], Knob(
-        "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).",
-        reads=("activation_offload", "estimate", "memory", "pipeline_stages", "timing"))] = ()
+        "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).")] = ()
     precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
-                                         "allowed ones.", pin="set",
-                                         reads=("context_parallel", "estimate", "loss", "memory",
-                                                "optimizer_in_backward", "pipeline_stages", "states", "tensor_parallel",
-                                                "timing"))
+                                         "allowed ones.", pin="set")
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
-                                         pin="set", flag="optimizers",
-                                         reads=("estimate", "offload", "optimizer_in_backward",
-                                                "optimizer_launches", "states", "timing"))
+                                         pin="set", flag="optimizers")
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
-                                            "(Megatron-style sequence parallelism).",
-                                            reads=("activation_offload", "activations", "expert_parallel", "memory",
-                                                   "pipeline_stages", "tensor_parallel", "timing"))] = False
-    compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).",
-                                  reads=("compilation",))] = False
+                                            "(Megatron-style sequence parallelism).")] = False
+    compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).")] = False
     optimizer_in_backward: Annotated[bool, Knob(
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
-        "no gradient accumulation or clipping).", reads=("estimate", "memory", "states"))] = False
+        "no gradient accumulation or clipping).")] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
                                "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
                                "liger-kernel); a pin lists the allowed ones.",
-                               pin="set", reads=("estimate", "loss", "memory"))] = Loss.HF
+                               pin="set")] = Loss.HF
     activation_offload: Annotated[bool, Knob(
         "Offload saved activations to host memory between forward and backward (torchtune's "
         "enable_activation_offloading; needs full checkpointing on every layer); a pin lists the allowed "
         "settings (off,on lets the search choose).",
-        pin="set", reads=("activation_offload", "estimate", "memory"))] = False
+        pin="set")] = False
 
     pp: Annotated[int, Knob("Pipeline-parallel degree: ranks the decoder layers are split across (the outermost "
-                            "dimension, so stages sit on different nodes first).",
-                            reads=("estimate", "pipeline_stages"), high=1024)] = 1
+                            "dimension, so stages sit on different nodes first).", high=1024)] = 1
     pp_schedule: Annotated[Schedule, Knob("Pipeline schedule (torch.distributed.pipelining's names; Megatron and "
-                                          "torchtitan run the same ones).",
-                                          reads=("pipeline_stages",))] = Schedule.ONE_F_ONE_B
+                                          "torchtitan run the same ones).")] = Schedule.ONE_F_ONE_B
     pp_virtual: Annotated[int, Knob("Pipeline stages (model chunks) per rank: v of interleaved schedules, 2 for zbv.",
-                                    reads=("estimate", "pipeline_stages"), high=64)] = 1
+                                    high=64)] = 1
     pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (solve searches it; "
-                                              "empty: the FLOP-balanced split).", pin="derived",
-                                              reads=("estimate", "pipeline_stages"))] = ()
+                                              "empty: the FLOP-balanced split).", pin="derived")] = ()
     cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.",
-                            reads=("context_parallel", "estimate", "expert_parallel", "optimizer_in_backward",
-                                   "overhead", "pipeline_stages", "timing", "zero"),
                             high=1024)] = 1
     cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
-                                             "all-to-all (Ulysses; heads must divide by tp x cp).",
-                                             reads=("context_parallel",))] = ContextParallel.RING
+                                             "all-to-all (Ulysses; heads must divide by tp x cp).")
+                       ] = ContextParallel.RING
     ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
                             "from the data-parallel ranks).",
-                            reads=("expert_parallel", "memory", "optimizer_in_backward", "states", "timing"),
                             high=1024)] = 1
     expandable_segments: Annotated[bool, Knob(
         "The launch files set the caching allocator's expandable_segments:True (in PYTORCH_CUDA_ALLOC_CONF): it then "
-        "needs about 1.7% above the allocated peak, not up to 29% (unpinned: on NVIDIA GPUs).",
-        reads=("estimate", "memory", "verdict"))] = True
+        "needs about 1.7% above the allocated peak, not up to 29% (unpinned: on NVIDIA GPUs).")] = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):

@@ -3,8 +3,9 @@
 
 `Config` validates values, `solver.search.space.Pins` takes pins by knob name and checks them against the declared type,
 the plan's decisions extend `Config`, the CLI options of `solve` and `estimate` are generated from the record, and
-the JSON schema's field descriptions are the knobs' help. Adding a knob is one annotated field, the cost module(s)
-that read it (named in `reads`, checked by a test) and the emitters that express it (README, "Adding a knob").
+the JSON schema's field descriptions are the knobs' help, and which cost modules read a knob is derived from the code
+(`readers`). Adding a knob is one annotated field, the cost module(s) that read it and the emitters that express it
+(docs/extending.md, "Adding a knob").
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ class Knob:
 
     help: str
     """One line for --help and the JSON schema's description."""
-    reads: tuple[str, ...] = ()
-    """The `costmodels` modules whose cost depends on it (tests/costmodels/test_knob_record.py checks the list)."""
     pin: Pin = "value"
     """How `solve` lets a user fix it: one value (`--tp 2`), a set of allowed values (`--precision a,b`; the
     search never goes outside it), or not at all (derived from other knobs, e.g. dp from the GPUs and tp)."""
@@ -93,3 +92,23 @@ def _adapter(kind: Any) -> TypeAdapter[Any]:
     if kind not in _ADAPTERS:
         _ADAPTERS[kind] = TypeAdapter(kind)
     return _ADAPTERS[kind]
+
+
+@functools.cache
+def readers() -> dict[str, tuple[str, ...]]:
+    """Knob name -> the `costmodels` modules whose functions read it from a parameter annotated `Config`
+    (`layer_modes` reads `checkpoint`), from their source: what a knob changes is derived, not listed."""
+    import ast
+    from pathlib import Path
+
+    found: dict[str, set[str]] = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            configs = {a.arg for a in [*function.args.args, *function.args.kwonlyargs]
+                       if isinstance(a.annotation, ast.Name) and a.annotation.id == "Config"}
+            for node in ast.walk(function):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in configs:
+                    found.setdefault("checkpoint" if node.attr == "layer_modes" else node.attr, set()).add(path.stem)
+    return {name: tuple(sorted(modules)) for name, modules in found.items()}

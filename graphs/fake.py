@@ -137,14 +137,16 @@ def build_model(config: PretrainedConfig, *, dtype: str, attention: str | None) 
     return model
 
 
-def to_fake(module: torch.nn.Module, mode: FakeTensorMode) -> None:
-    """Replace every parameter and buffer by a fake tensor of the same shape, keeping tied ones tied."""
+def to_fake(module: torch.nn.Module, mode: FakeTensorMode, *, param_dtype: torch.dtype | None = None) -> None:
+    """Replace every parameter and buffer by a fake tensor of the same shape, keeping tied ones tied; parameters
+    in `param_dtype` when given (FSDP2's mixed-precision `param_dtype`: buffers such as RoPE caches keep theirs)."""
     memo: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None:
                 if id(param) not in memo:
-                    memo[id(param)] = torch.nn.Parameter(_fake_cpu(mode, param), requires_grad=param.requires_grad)
+                    source = param.detach().to(param_dtype) if param_dtype is not None else param
+                    memo[id(param)] = torch.nn.Parameter(_fake_cpu(mode, source), requires_grad=param.requires_grad)
                 sub._parameters[name] = memo[id(param)]
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None:

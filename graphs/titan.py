@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .architectures import supported, titan_lowering
 from .errors import UnsupportedModel
+from .fake import to_fake
 from .fit import Probes, first_backward, model_wide_bytes, segment_costs, storage_polys
 from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, ModeCost, MoE, ParamTensor
@@ -110,7 +111,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) 
     slots = [TraceSlot(None, Checkpoint.NONE)] + [TraceSlot(k, m) for k in sorted(set(kinds)) for m in TITAN_MODES]
     params = _param_tensors(model, dtype)
     trace = trace_model(model, kinds, slots, compiled=compiled)
-    _to_fake(trace, fake, getattr(torch, dtype))
+    to_fake(trace, fake, param_dtype=getattr(torch, dtype))
 
     def run(b: int, s: int) -> Recording:
         with fake:
@@ -190,7 +191,7 @@ def _widened_run(config: Any, family: str, dims: ModelDims, kinds: list[int], sl
     if not grew:
         return None
     trace = trace_model(wide, kinds, slots, compiled=compiled)
-    _to_fake(trace, fake, getattr(torch, dtype))
+    to_fake(trace, fake, param_dtype=getattr(torch, dtype))
     with fake:
         return run_titan_pass(trace, slots, b=PROBE_BATCH, s=PROBE_SEQ, vocab=dims.vocab, loss=loss)
 
@@ -348,28 +349,6 @@ def trace_model(model: torch.nn.Module, kinds: list[int], slots: list[TraceSlot]
     trace._modules = dict(model._modules)
     trace._modules["layers"] = stack
     return trace
-
-
-def _to_fake(model: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype) -> None:
-    """Fake parameters in the compute dtype (FSDP2's mixed-precision `param_dtype`); buffers (RoPE caches)
-    keep their own dtype, as FSDP leaves them."""
-    memo: dict[int, torch.Tensor] = {}
-    for sub in model.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None:
-                if id(param) not in memo:
-                    meta = param.detach().to(dtype)
-                    memo[id(param)] = torch.nn.Parameter(_fake_cpu(mode, meta))
-                sub._parameters[name] = memo[id(param)]
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None:
-                if id(buffer) not in memo:
-                    memo[id(buffer)] = _fake_cpu(mode, buffer)
-                sub._buffers[name] = memo[id(buffer)]
-
-
-def _fake_cpu(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
-    return mode.fake_tensor_converter.from_meta_and_device(mode, tensor.detach(), torch.device("cpu"))
 
 
 def run_titan_pass(model: torch.nn.Module, slots: list[TraceSlot], *, b: int, s: int, vocab: int,

@@ -4,13 +4,18 @@ lowering is needed (a cache hit reads one JSON file and imports no torch)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .adapters import LoraSpec
 from .cache import load_cached
 from .errors import UnsupportedModel
-from .lowering_keys import megatron_key, titan_key
+from .lowering_keys import hf_key, megatron_key, titan_key
 
 if TYPE_CHECKING:  # graphs.graph and graphs.sources are light, but only the annotations need them here
     from .graph import LayerGraph
@@ -62,6 +67,37 @@ class Variant:
     def eager(self) -> Variant:
         """The same variant without torch.compile (what a compiled lowering falls back to)."""
         return replace(self, compiled=False)
+
+
+def variant_key(resolved: ResolvedModel, variant: Variant) -> str:
+    """The cache entry of the variant's lowering (what its runtime's module stores it under)."""
+    if variant.runtime == "torchtitan":
+        return titan_key(resolved, dtype=variant.dtype, loss=variant.loss, compiled=variant.compiled)
+    if variant.runtime == "megatron":
+        return megatron_key(resolved, dtype=variant.dtype, kernels=variant.kernels)
+    return hf_key(resolved, dtype=variant.dtype, autocast=variant.autocast, attention=variant.attention,
+                  lora=variant.lora, op_selective=variant.op_selective, compiled=variant.compiled, liger=variant.liger)
+
+
+def lower_all(resolved: ResolvedModel, variants: Iterable[Variant], *, workers: int | None = None) -> None:
+    """Lower the variants not in the cache yet, in parallel worker processes (each lowering is one traced model;
+    eager variants first, since a compiled one reads its eager lowering's work). Errors surface when the variant
+    is lowered for use (`lower_variant`); here a failed worker leaves its variant to that."""
+    missing = [v for v in dict.fromkeys(variants) if load_cached(variant_key(resolved, v)) is None]
+    workers = min(len(missing), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        return
+    context = multiprocessing.get_context("spawn")  # the caller may hold OR-Tools' or torch's threads: no fork
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for batch in ([v for v in missing if not v.compiled], [v for v in missing if v.compiled]):
+            for future in [pool.submit(_lower_quietly, resolved, v) for v in batch]:
+                future.result()
+
+
+def _lower_quietly(resolved: ResolvedModel, variant: Variant) -> None:
+    """A worker's lowering: stored in the disk cache, errors left for the caller's own attempt."""
+    with contextlib.suppress(Exception):
+        lower_variant(resolved, variant)
 
 
 def lower_variant(resolved: ResolvedModel, variant: Variant) -> LayerGraph:

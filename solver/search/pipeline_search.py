@@ -539,16 +539,9 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
     memo: dict[tuple[object, ...], FastestCompute] = {}
     edges: dict[tuple[object, ...], EdgeCompute] = {}
     sliced: dict[tuple[object, ...], TimeTerms] = {}
-    bounds = []
-    for outer in outers:
-        if time.perf_counter() > deadline:  # no bound for the rest: none of them is searched
-            return PipelineResult("UNKNOWN", None, (), None, 0, 0)
-        fastest = memo.get(compute_signature(outer))  # the lowering too is the setting's: looked up once
-        if fastest is None:
-            graph = graph_of(outer)
-            bounds.append(compute_bound(outer, graph, cluster, workload, lowered_modes(graph, modes), memo))
-        else:
-            bounds.append(mean_bound(outer, fastest))
+    bounds = compute_bounds(outers, graph_of, cluster, workload, modes=modes, memo=memo, deadline=deadline)
+    if bounds is None:  # no bound for some: none of them is searched
+        return PipelineResult("UNKNOWN", None, (), None, 0, 0)
     best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
     explored = searched = 0
     complete = True
@@ -594,6 +587,24 @@ def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], Layer
         status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if complete else "UNKNOWN"
         return PipelineResult(status, None, (), None, explored, searched)
     return PipelineResult("OPTIMAL" if complete else "FEASIBLE", best[1], best[2], best[0], explored, searched)
+
+
+def compute_bounds(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
+                   workload: Workload, *, modes: tuple[Checkpoint, ...], memo: dict[tuple[object, ...], FastestCompute],
+                   deadline: float) -> list[int] | None:
+    """Each configuration's `compute_bound` (its setting's fastest compute looked up once in `memo`, the lowering
+    too); None when the deadline passes before every bound is known."""
+    bounds = []
+    for outer in outers:
+        if time.perf_counter() > deadline:
+            return None
+        fastest = memo.get(compute_signature(outer))
+        if fastest is None:
+            graph = graph_of(outer)
+            bounds.append(compute_bound(outer, graph, cluster, workload, lowered_modes(graph, modes), memo))
+        else:
+            bounds.append(mean_bound(outer, fastest))
+    return bounds
 
 
 def lowered_modes(graph: LayerGraph, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:

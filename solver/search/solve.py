@@ -12,6 +12,7 @@ from costmodels.estimator import estimate
 from costmodels.lowering import shared_lowering
 from costmodels.pipeline_stages import stage_layers
 from graphs import Checkpoint, FitplanError, LayerGraph
+from graphs.variant import lower_all
 from solver.plan import capability
 from solver.plan.advice import advise
 from solver.plan.launchers.support import model_launchers, model_problems, pipeline_launchers, runnable_by
@@ -73,7 +74,11 @@ def solve_request(request: Request, pins: Pins) -> Plan:
 def prepare(request: Request, pins: Pins) -> Prepared:
     """The inputs, launchers, lowerings and space of a search; `Infeasible` when pins and divisibility leave no
     configuration at all."""
-    hf = Lowerings(Route(resolved=request.resolved, lora=request.lora, attention=request.attention))
+    # The model's facts and launchers come from its HF lowering: the one the search prices (all launchers allowed
+    # so far), else, under torchtitan, a lowering of its own (torchtitan's graph records its own attention).
+    lowerings = Lowerings(runtime_route(request, pins, (pins.launcher,) if pins.launcher else capability.LAUNCHERS))
+    hf = lowerings if not lowerings.route.titan else \
+        Lowerings(Route(resolved=request.resolved, lora=request.lora, attention=request.attention))
     hf_graph = hf(Outer())
     inputs = plan_inputs(request, pins, hf_graph)
     launchers = model_launchers(inputs, hf_graph.attention)
@@ -81,7 +86,6 @@ def prepare(request: Request, pins: Pins) -> Prepared:
         raise FitplanError(f"The {pins.launcher} launcher cannot run this model: "
                            f"{'; '.join(model_problems(pins.launcher, inputs, hf_graph.attention))}.",
                            f"Launchers that can: {', '.join(launchers)}.")
-    lowerings = Lowerings(runtime_route(request, pins, launchers), graphs=dict(hf.graphs))
     any_graph = lowerings(Outer())
     pipelined = pipeline_launchers(inputs, launchers)
     space = outer_space(any_graph, request.cluster, request.workload, pins, launchers, pipelined)
@@ -121,12 +125,16 @@ def lower_needed(prepared: Prepared) -> None:
     """Lower every variant the space's configurations are priced on, before the time limit starts (a compiled
     configuration's table may keep it eager, `tables.build_table`, so its eager variant too)."""
     space, lowerings = prepared.space, prepared.lowerings
-    for outer in (*space.outers, *space.pipelines):
-        for needed in (outer, replace(outer, compile=False)) if space.compile_auto and outer.compile else (outer,):
-            variant = lowerings.variant(needed.config())
-            if variant not in lowerings.graphs:
-                prepared.request.progress(f"Lowering {prepared.inputs.model}: {variant.describe()}")
-                lowerings(needed)
+    outers = [needed for outer in (*space.outers, *space.pipelines)
+              for needed in ((outer, replace(outer, compile=False)) if space.compile_auto and outer.compile
+                             else (outer,))]
+    needed = [lowerings.variant(outer.config()) for outer in outers]
+    fresh = [v for v in dict.fromkeys(needed) if v not in lowerings.graphs]
+    if len(fresh) > 1:
+        prepared.request.progress(f"Lowering {prepared.inputs.model}: {len(fresh)} variants")
+        lower_all(prepared.request.resolved, fresh)
+    for outer in outers:
+        lowerings(outer)
 
 
 def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:

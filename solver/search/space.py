@@ -316,24 +316,30 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                                             activation_offload=acts)})
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
-    if pins.launcher is not None:
-        entry = REGISTRY[pins.launcher]
-        if not entry.per_layer and pinned_mode is None:
-            raise FitplanError(f"The {pins.launcher} launcher applies one checkpoint mode to every layer, and the "
-                               "search decides per layer.", "Pin one: --checkpoint none, full or "
-                               "op_selective.")
-        whole_layers = entry.selective == "none"  # e.g. HF models checkpoint whole layers
-        if whole_layers and pinned_mode is Checkpoint.SELECTIVE:
-            raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (it checkpoints whole "
-                               "layers).", "Use --checkpoint full or auto, or --launcher megatron or torchrun.")
-        if whole_layers or (entry.selective == "all-layers" and pinned_mode is None):
-            # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
-            # to: without a pin it plans with none/full only.
-            modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
-        if entry.op_selective != "per-layer" and pinned_mode is None:
-            modes = tuple(m for m in modes if m is not Checkpoint.OP_SELECTIVE)
-    return Space(tuple(o for o in outers if o.pp == 1), modes, compile_auto=compile_pin is None,
+    return Space(tuple(o for o in outers if o.pp == 1), _launcher_modes(pins, modes), compile_auto=compile_pin is None,
                  pipelines=tuple(o for o in outers if o.pp > 1))
+
+
+def _launcher_modes(pins: Pins, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:
+    """The per-layer modes the pinned launcher can run (all of `modes` without a launcher pin); an error when it
+    cannot run the pinned mode, or when it applies one mode to every layer and none is pinned."""
+    if pins.launcher is None:
+        return modes
+    pinned_mode, entry = pins.value("checkpoint"), REGISTRY[pins.launcher]
+    if not entry.per_layer and pinned_mode is None:
+        raise FitplanError(f"The {pins.launcher} launcher applies one checkpoint mode to every layer, and the "
+                           "search decides per layer.", "Pin one: --checkpoint none, full or op_selective.")
+    whole_layers = entry.selective == "none"  # e.g. HF models checkpoint whole layers
+    if whole_layers and pinned_mode is Checkpoint.SELECTIVE:
+        raise FitplanError(f"The {pins.launcher} launcher cannot run selective recompute (it checkpoints whole "
+                           "layers).", "Use --checkpoint full or auto, or --launcher megatron or torchrun.")
+    if whole_layers or (entry.selective == "all-layers" and pinned_mode is None):
+        # Megatron's selective recompute covers all layers or none, which the per-layer search does not keep
+        # to: without a pin it plans with none/full only.
+        modes = tuple(m for m in modes if m is not Checkpoint.SELECTIVE)
+    if entry.op_selective != "per-layer" and pinned_mode is None:
+        modes = tuple(m for m in modes if m is not Checkpoint.OP_SELECTIVE)
+    return modes
 
 
 def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launchers: tuple[str, ...]) -> None:
