@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from graphs import Checkpoint, Layer, LayerGraph, Role
+from dataclasses import replace
+
+from graphs import Checkpoint, Layer, LayerGraph, ModeCost, Poly, Role, Work
 
 from . import precision
 from .activations import evaluate
 from .cluster import Cluster
 from .collectives import all_gather_seconds, all_reduce_seconds, tp_group
 from .config import Config
+from .identity_memo import IdentityMemo
 
 
 def tp_node_seconds(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint, *,
@@ -75,3 +78,52 @@ def recomputed_allreduces(rowwise: int, mode: Checkpoint, *, sequence_parallel: 
     if mode is Checkpoint.OP_SELECTIVE and sequence_parallel:
         return rowwise / 2
     return rowwise - (0.5 if sequence_parallel else 1.0)
+
+
+def head_is_sharded(graph: LayerGraph) -> bool:
+    """Whether TP splits the LM head over the vocabulary: its own weight is column-wise, or a tied head reuses the
+    vocabulary-split embedding (Megatron's output layer on the shared word embeddings)."""
+    nodes = graph.nodes()
+    head = [p for layer in nodes if layer.role is Role.HEAD for p in layer.params]
+    if head:
+        return any(p.tp_dim is not None for p in head)
+    return any(p.tp_style == "embedding_rowwise" for layer in nodes if layer.role is Role.EMBEDDING
+               for p in layer.params)
+
+
+_RANK_LAYERS: IdentityMemo[Layer] = IdentityMemo()
+
+
+def rank_layer(graph: LayerGraph, layer: Layer, tp: int) -> Layer:
+    """`layer` as one TP rank runs it (the same object when TP changes nothing, memoised otherwise, so the node-time
+    memo keyed on layers by identity keeps hitting)."""
+    if tp == 1 or layer.role not in (Role.HEAD, Role.LOSS) or not head_is_sharded(graph):
+        return layer
+    return _RANK_LAYERS.get((graph, layer), (tp,), lambda: _rank_layer(graph, layer))
+
+
+def _rank_layer(graph: LayerGraph, layer: Layer) -> Layer:
+    """`layer` as one TP rank runs it. A vocabulary-split head computes vocab / tp of the logits on each rank
+    (megatron-core `ColumnParallelLinear`: `output_size_per_partition = output_size / world_size`; the HF plan's
+    colwise lm_head likewise), so its matmul FLOPs divide by tp, which the lowering, tracing one rank's decoder
+    layers only, leaves whole. Megatron's `vocab_parallel_cross_entropy` then works on that shard (its bytes divide
+    too); the HF plan gathers the logits first (`colwise_gather_output`), so its loss runs whole on every rank."""
+    if layer.role is Role.HEAD:
+        return replace(layer, modes=tuple((m, _per_rank(c, flops=True)) for m, c in layer.modes))
+    if layer.role is Role.LOSS and graph.runtime == "megatron":
+        return replace(layer, modes=tuple((m, _per_rank(c, flops=False)) for m, c in layer.modes))
+    return layer
+
+
+def _per_rank(cost: ModeCost, *, flops: bool) -> ModeCost:
+    """A head's or loss's cost with its FLOPs (or its memory-bound bytes) split over the TP ranks."""
+    def split(work: Work) -> Work:
+        if flops:
+            return replace(work, flops=_over_tp(work.flops), attention_flops=_over_tp(work.attention_flops))
+        return replace(work, io_bytes=_over_tp(work.io_bytes))
+    return replace(cost, forward=split(cost.forward), backward=split(cost.backward), recompute=split(cost.recompute))
+
+
+def _over_tp(poly: Poly) -> Poly:
+    """`poly` / t: every monomial one power of 1/t further."""
+    return Poly.of({(i, j, k + 1): c for (i, j, k), c in poly.terms})

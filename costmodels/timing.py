@@ -25,7 +25,7 @@ from .offload import offload_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
 from .states import paged_split
-from .tensor_parallel import tp_node_seconds
+from .tensor_parallel import rank_layer, tp_node_seconds
 from .terms import Gemm
 from .zero import dp_traffic, local_elements, reduce_bucket_elements, shard_ranks, sharding
 
@@ -207,7 +207,8 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
             layers.append(options)
             fwd, bwd = fwd + layer_fwd, bwd + layer_bwd
         else:
-            layer = timed_layer(graph, config, layer, s=s)  # the head and loss as `config.loss` computes them
+            # The head and loss as `config.loss` computes them, on one TP rank's share of the vocabulary.
+            layer = rank_layer(graph, timed_layer(graph, config, layer, s=s), config.tp)
             node_speed = head_speed if layer.role is Role.HEAD else speed
             fwd += work_seconds(layer.cost().forward, node_speed, **kwargs)
             bwd += work_seconds(layer.cost().backward, node_speed, **kwargs)
