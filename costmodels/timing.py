@@ -11,11 +11,11 @@ from . import activation_offload, context_parallel, precision
 from .alignment import alignment_factor
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
-from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
+from .collectives import Group, all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
 from .compilation import memory_bound_speedup
 from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
 from .config import Config, Offload, Precision, Workload
-from .engines import rules_of
+from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_dp_group, is_expert_stack
 from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes
@@ -289,7 +289,7 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     the last backward). DDP and ZeRO-0/1 all-reduce in buckets during the last micro-batch's backward (Megatron's
     distributed optimizer reduce-scatters them there); the last bucket is exposed. ZeRO-2 reduce-scatters its
     buckets during every backward, the last one exposed; ZeRO-1/2's (and the distributed optimizer's) all-gather
-    of the updated parameters after the step is exposed whole.
+    of the updated parameters after the step is exposed whole. A pipelined FSDP2 syncs once per step instead.
     """
     elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False,
                               ep=config.ep)
@@ -299,8 +299,8 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     expert_params, expert_grads = _expert_elements(graph, config)
     traffic = dp_traffic(config, param_bytes=(elements - expert_params) * param_itemsize,
                          grad_bytes=(trainable - expert_grads) * grad_itemsize)
-    # Expert stacks under EP gather and reduce over their own expert-data-parallel group.
-    experts = dp_traffic(config, param_bytes=expert_params * param_itemsize, grad_bytes=expert_grads * grad_itemsize)
+    experts = dp_traffic(config, param_bytes=expert_params * param_itemsize,  # over the expert-data-parallel group
+                         grad_bytes=expert_grads * grad_itemsize)
     group = dp_group(cluster, config.tp, shard_ranks(config))
     egroup = expert_dp_group(cluster, config)
     gather_f = (all_gather_seconds(cluster, group, traffic.forward_gather)
@@ -329,9 +329,24 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
         last_bucket = reduce(cluster, group, bucket)
     per_mb = (first_gather + max(0.0, gather_f - first_gather - forward)
               + last_reduce + max(0.0, gather_b + reduce_b - last_reduce - backward))
-    per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step
-    total = config.grad_accum * (gather_f + gather_b + reduce_b) + allreduce + gather_step
+    once, once_total = _once_per_step_seconds(cluster, group, egroup, traffic, experts,
+                                              edge=edge_params * param_itemsize, forward=forward)
+    per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step + once
+    total = config.grad_accum * (gather_f + gather_b + reduce_b) + allreduce + gather_step + once_total
     return per_mb, per_step, total
+
+
+def _once_per_step_seconds(cluster: Cluster, group: Group, egroup: Group, traffic: DataParallelTraffic,
+                           experts: DataParallelTraffic, *, edge: int, forward: float) -> tuple[float, float]:
+    """(exposed, total) seconds of the collectives a pipelined FSDP2 runs once per step: the gathers of the first
+    forward, prefetched behind it but for the first unit's (`edge` bytes), and the reduce-scatter after the last
+    backward, exposed whole."""
+    gather = (all_gather_seconds(cluster, group, traffic.first_forward_gather)
+              + all_gather_seconds(cluster, egroup, experts.first_forward_gather))
+    reduce = (reduce_scatter_seconds(cluster, group, traffic.end_reduce)
+              + reduce_scatter_seconds(cluster, egroup, experts.end_reduce))
+    first = all_gather_seconds(cluster, group, edge) if gather else 0.0
+    return first + max(0.0, gather - first - forward) + reduce, gather + reduce
 
 
 def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
