@@ -38,6 +38,14 @@ DEFAULT_MAMF = 0.729
 GEMM_HALF_TOKENS = 512
 GEMM_HALF_WIDTH = 256
 
+# fp8 GEMMs (torch._scaled_mm and Transformer Engine's cuBLASLt fp8 GEMM, per-tensor scales) reach less of their
+# doubled peak than bf16 ones at the same shape, the more so the smaller the shape: on one H200 (this project's
+# benchmarks/data/gpu/h200_kernels.json, `gemm_fp8` tensorwise against `gemm_bf16` forward, 42 shapes of 1k-16k rows)
+# fp8 / bf16 TFLOP/s = 2.0 x m / (m + 256) x k / (k + 256) over m rows and a reduction of k (median |error| 7%,
+# max 37%; fitted by a grid over half points in powers of two), 2.0 being the datasheets' fp8 / bf16 peak ratio.
+FP8_HALF_TOKENS = 256
+FP8_HALF_WIDTH = 256
+
 # torch's FLOP counter charges full s^2 attention (backward 2.5x forward, the kernel papers' convention too); a
 # causal kernel skips the masked half, and the papers' TFLOP/s count only that half (Dao 2023, §4.1). Attention
 # kernels run at the speed their benchmark tables give for the GPU, sequence length and head dim
@@ -93,8 +101,8 @@ def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: i
         ceiling = measured_matmul_ceiling(gpu, profile, matmul_dtype) or ceiling
         attention = profile.attention_rate(attention_dtype) or attention
         memory = profile.rate("device_copy") or memory
-    return KernelSpeed(matmul_flops=ceiling * _size_factor(tokens, width) * alignment, attention_flops=attention,
-                       memory_bandwidth=memory)
+    return KernelSpeed(matmul_flops=ceiling * _size_factor(tokens, width, matmul_dtype) * alignment,
+                       attention_flops=attention, memory_bandwidth=memory)
 
 
 def reduction_width(gemms: list[tuple[int, int, int]]) -> float:
@@ -109,15 +117,18 @@ def reduction_width(gemms: list[tuple[int, int, int]]) -> float:
     return GEMM_HALF_WIDTH * factor / (1 - factor)
 
 
-def _size_factor(tokens: int, width: float) -> float:
-    """The fraction of the ceiling a matmul of `tokens` rows and `width` reduction width reaches."""
-    return tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
+def _size_factor(tokens: int, width: float, dtype: str = "bf16") -> float:
+    """The fraction of the ceiling a matmul of `tokens` rows and `width` reduction width reaches in `dtype`."""
+    factor = tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
+    if dtype == "fp8":
+        factor *= tokens / (tokens + FP8_HALF_TOKENS) * width / (width + FP8_HALF_WIDTH)
+    return factor
 
 
 def measured_matmul_ceiling(gpu: GPU, profile: Profile, dtype: str) -> float | None:
     """FLOP/s the profile's matmuls in `dtype` imply for a large aligned GEMM (median over the shapes measured):
     each measurement divided by the size and alignment factors the model applies at its shape."""
-    implied = [p.flops_per_s / (_size_factor(p.m, p.k) * alignment_factor(gpu, dtype, (p.m, p.n, p.k)))
+    implied = [p.flops_per_s / (_size_factor(p.m, p.k, dtype) * alignment_factor(gpu, dtype, (p.m, p.n, p.k)))
                for p in profile.gemm if p.dtype == dtype]
     return statistics.median(implied) if implied else None
 
