@@ -18,7 +18,7 @@ from .config import Config, Offload, Precision, Workload
 from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_dp_group, is_expert_stack
 from .expert_parallel import layer_time as expert_layer_time
-from .fp8 import cast_bytes
+from .fp8 import cast_bytes, te_cast_bytes
 from .identity_memo import IdentityMemo
 from .loss import timed_layer
 from .offload import offload_seconds
@@ -100,6 +100,8 @@ def _speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s
 
 
 _GEMMS: IdentityMemo[tuple[Gemm, ...]] = IdentityMemo()
+# The lowering's column-wise TP styles (`graphs.structure`): the linears that read the block's input (its norm).
+_COLUMN_STYLES = ("colwise", "packed_colwise")
 
 
 def layer_gemms(layer: Layer, tp: int) -> tuple[Gemm, ...]:
@@ -119,7 +121,8 @@ def _layer_gemms(layer: Layer, tp: int) -> tuple[Gemm, ...]:
         dim = None if tensor.tp_dim is None else tensor.tp_dim - (len(tensor.shape) - 2)
         n, k = (-(-n // tp), k) if dim == 0 else (n, -(-k // tp)) if dim == 1 else (n, k)
         stack = len(tensor.shape) == 3
-        gemms.append(Gemm(n=n, k=k, routed=top_k if stack else 1, copies=tensor.shape[0] if stack else 1))
+        gemms.append(Gemm(n=n, k=k, routed=top_k if stack else 1, copies=tensor.shape[0] if stack else 1,
+                          norm_fed=not stack and tensor.tp_style in _COLUMN_STYLES))
     return tuple(gemms)
 
 
@@ -168,10 +171,13 @@ def clear_caches() -> None:
 def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,
                      memory_speedup: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of the fp8 casts of a decoder layer's matmul operands per micro-batch
-    (memory-bound; torch.compile fuses them like the other element-wise kernels). Zero outside fp8."""
+    (memory-bound; torch.compile fuses them like the other element-wise kernels), as torchao's dynamic scaling or
+    Transformer Engine's delayed scaling (engines that run TE) makes them. Zero outside fp8."""
     if config.precision is not Precision.FP8 or layer.role is not Role.DECODER:
         return 0.0, 0.0
-    forward, backward = cast_bytes(layer_gemms(layer, config.tp), b * s)
+    gemms = layer_gemms(layer, config.tp)
+    forward, backward = te_cast_bytes(gemms, b * s, micro_batches=config.grad_accum) \
+        if rules_of(config.engine).transformer_engine else cast_bytes(gemms, b * s)
     rate = speed.memory_bandwidth * memory_speedup
     return forward / rate, backward / rate
 

@@ -158,6 +158,9 @@ class EngineRules:
     fail)."""
     quantized_base: bool = False
     """Runs a bitsandbytes-quantized (packed) base as fitplan prices it (whole on every rank)."""
+    transformer_engine: bool = False
+    """Runs Transformer Engine's modules: fused fp8 casts with cached fp8 weights (`fp8.te_cast_bytes`), cuDNN's
+    fused attention from Hopper on, and their tensor-parallel overlap (`tensor_parallel`)."""
     syncs_once_when_pipelined: bool = False
     """Under a pipeline schedule its sharded parameters are gathered once per step and its gradients
     reduce-scattered once, after the last backward, instead of per micro-batch (torch's pipelining drives FSDP2
