@@ -82,9 +82,11 @@ class KernelSpeed:
 
 
 def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: int, width: float, seq_len: int,
-                 head_dim: int, alignment: float = 1.0, profile: Profile | None = None) -> KernelSpeed:
+                 head_dim: int, alignment: float = 1.0, profile: Profile | None = None,
+                 attention_kernel: str | None = None) -> KernelSpeed:
     """Rates for matmuls over `tokens` rows and a per-rank width of `width` (with a shape-alignment factor), and
-    for causal attention over sequences of `seq_len` with heads of `head_dim`.
+    for causal attention over sequences of `seq_len` with heads of `head_dim` (in `attention_kernel`, by default the
+    one torch's SDPA picks on `gpu`).
 
     A `profile` replaces each datasheet rate it measured: the matmul ceiling (peak x MAMF), the attention
     kernels' rate and the memory-bound kernels' bandwidth.
@@ -94,8 +96,8 @@ def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: i
     if peak is None or attention_peak is None:
         raise ValueError(f"{gpu.name} has no {matmul_dtype} tensor cores")
     ceiling = peak * MAMF.get(gpu.id, DEFAULT_MAMF)
-    attention = attention_peak * fraction_of_peak(gpu, seq_len=seq_len, head_dim=head_dim) * ATTENTION_SUSTAINED \
-        / CAUSAL_FRACTION
+    attention = attention_peak * fraction_of_peak(gpu, seq_len=seq_len, head_dim=head_dim, kernel=attention_kernel) \
+        * ATTENTION_SUSTAINED / CAUSAL_FRACTION
     memory = gpu.hbm_bandwidth * MEMORY_EFFICIENCY
     if profile is not None:
         ceiling = measured_matmul_ceiling(gpu, profile, matmul_dtype) or ceiling

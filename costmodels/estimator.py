@@ -116,7 +116,7 @@ def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
     tokens = workload.tokens_per_step / time.step_time
     return Estimate(memory=memory, time=time, tokens_per_second=tokens,
                     mfu=model_flops(graph, workload) / time.step_time / _cluster_peak(cluster, config),
-                    notes=_notes(graph, config) + _time_notes(cluster), pipeline=pipeline)
+                    notes=_notes(graph, config) + _time_notes(cluster, config), pipeline=pipeline)
 
 
 def _missing_mode(graph: LayerGraph, mode: Checkpoint) -> str:
@@ -146,11 +146,11 @@ def _cluster_peak(cluster: Cluster, config: Config) -> float:
     return (cluster.gpu.peak_flops(dtype) or 1.0) * cluster.world_size
 
 
-def _time_notes(cluster: Cluster) -> tuple[str, ...]:
+def _time_notes(cluster: Cluster, config: Config) -> tuple[str, ...]:
     """The kernel-level sources the step time assumes (attention kernel, launch cost)."""
     if cluster.gpu.vendor == "cpu":
         return ()
-    return (kernel_note(cluster.gpu),
+    return (kernel_note(cluster.gpu, transformer_engine=rules_of(config.engine).transformer_engine),
             f"kernel launches: {KERNEL_LAUNCH_SECONDS * 1e6:.1f} us of host time per kernel (one per ATen op, counted "
             "by the lowering; NVIDIA 'Getting Started with CUDA Graphs' 2019); a phase waits for the host when its "
             "kernels are shorter (time.details kernel_launch_exposed)")

@@ -9,6 +9,7 @@ from graphs import Checkpoint, Layer, LayerGraph, Role
 
 from . import activation_offload, context_parallel, precision
 from .alignment import alignment_factor
+from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
 from .collectives import Group, all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
@@ -70,7 +71,7 @@ class TimeTerms:
 
 # The configuration fields `speed_for` reads (a test checks it): its results are cached on them, with the graph and
 # cluster by identity.
-SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode")
+SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode", "engine")
 _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 
 
@@ -94,9 +95,10 @@ def _speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s
     layers = graph.decoder_layers()
     width = dims.hidden if head or not layers else \
         reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layers[0], config.tp)])
+    kernel = kernel_for(cluster.gpu, transformer_engine=rules_of(config.engine).transformer_engine)
     return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
                         seq_len=context_parallel.kernel_seq_len(s, config), head_dim=dims.head_dim, alignment=factor,
-                        profile=cluster.profile)
+                        profile=cluster.profile, attention_kernel=kernel)
 
 
 _GEMMS: IdentityMemo[tuple[Gemm, ...]] = IdentityMemo()
@@ -149,7 +151,7 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
 # The configuration fields `node_time` reads (a test checks it): its results are cached on them, with the graph,
 # cluster and layer by identity (held in the entry, so an id is not reused while cached). The solver prices the same
 # layers under many configurations that differ only in what node times do not read (sharding, offload, optimizer).
-NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum")
+NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum", "engine")
 _NODE_TIMES: IdentityMemo[NodeTime] = IdentityMemo()
 
 

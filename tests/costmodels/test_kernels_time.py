@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from costmodels import Config, Engine, Workload, estimate, parse_cluster
-from costmodels.attention_kernels import DEFAULT_KERNEL, curves, fraction_of_peak, kernel_for, kernel_note
+from costmodels.attention_kernels import DEFAULT_KERNEL, TE_KERNEL, curves, fraction_of_peak, kernel_for, kernel_note
 from costmodels.compute import KERNEL_LAUNCH_SECONDS, KernelSpeed, kernel_speed, launch_seconds, work_seconds
 from costmodels.hardware import find_gpu
+from costmodels.timing import speed_for
 from graphs import Poly, Work, lower
 
 from ..graphs.reference import write_config
@@ -99,3 +103,34 @@ def test_pre_ampere_gpus_use_sdpas_memory_efficient_kernel():
     table = next(c for c in curves() if c.kernel == "memory-efficient" and c.head_dim == 128 and c.causal)
     assert fraction_of_peak(v100, seq_len=2048, head_dim=128) == pytest.approx(table.tflops[2] / 312, rel=1e-12)
     assert kernel_note(v100).startswith("attention kernel: memory-efficient")
+
+
+H200_KERNELS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "gpu" / "h200_kernels.json"
+
+
+def test_transformer_engines_hopper_attention_is_cudnns_as_measured_on_the_h200():
+    """TE prefers cuDNN's fused attention from Hopper on (`get_attention_backend`); its curve is the project's H200
+    measurement of the cuDNN kernel (SDPA's cuDNN backend, native GQA) at every length and head dim measured."""
+    h200 = find_gpu("H200")
+    rows = [r for r in json.loads(H200_KERNELS.read_text())["attention"]
+            if r["backend"] == "cudnn" and r["gqa"] == "enable_gqa" and "tflops" in r]
+    assert len(rows) == 14 and kernel_for(h200, transformer_engine=True) == TE_KERNEL
+    for r in rows:
+        fraction = fraction_of_peak(h200, seq_len=r["seq_len"], head_dim=r["head_dim"], kernel=TE_KERNEL)
+        assert fraction * 989 == pytest.approx(r["tflops"], abs=0.05)  # transcribed to 0.1 TFLOP/s
+
+
+@pytest.mark.parametrize(("gpu", "faster"), [("H100", True), ("A100-80GB", False)])
+def test_megatron_attention_is_cudnns_on_hopper_and_flash_before(tmp_path, gpu, faster):
+    graph = lower(str(write_config(tmp_path, tiny_values("llama"))), dtype="bfloat16", use_cache=False)
+    cluster = parse_cluster(f"8x{gpu}")
+    rates = {engine: speed_for(graph, cluster, Config(engine=engine, dp=8, zero=zero), b=1, s=8192).attention_flops
+             for engine, zero in ((Engine.MEGATRON, 1), (Engine.FSDP2, 2))}
+    if faster:
+        arch = find_gpu(gpu)
+        expected = (fraction_of_peak(arch, seq_len=8192, head_dim=32, kernel=TE_KERNEL)
+                    / fraction_of_peak(arch, seq_len=8192, head_dim=32))
+        assert rates[Engine.MEGATRON] / rates[Engine.FSDP2] == pytest.approx(expected, rel=1e-12)
+        assert expected > 1.3
+    else:
+        assert rates[Engine.MEGATRON] == rates[Engine.FSDP2]
