@@ -143,7 +143,8 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
                                   + expert.compute),
                     recompute=ga * (work_seconds(cost.recompute, speed, **kwargs) + recast + expert.recompute),
                     ep=ga * expert.all_to_all,
-                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s),
+                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s,
+                                            column_gemms=column_gemm_seconds(layer, config.tp, speed, tokens=b * s)),
                     cp=ga * context_parallel.node_seconds(graph, cluster, config, layer, mode, speed, b=b,
                                                           s_local=s)[0])
 
@@ -162,6 +163,12 @@ def cached_node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer:
                            (mode, speed, b, s, memory_speedup, *(getattr(config, name) for name in NODE_TIME_FIELDS)),
                            lambda: node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
                                              memory_speedup=memory_speedup))
+
+
+def column_gemm_seconds(layer: Layer, tp: int, speed: KernelSpeed, *, tokens: int) -> tuple[float, ...]:
+    """Seconds of one GEMM (forward, input gradient or weight gradient: the same FLOPs) of each column-parallel
+    weight of a layer on one TP rank, what Transformer Engine hides its backward TP collectives behind."""
+    return tuple(2 * tokens * g.routed * g.n * g.k / speed.matmul_flops for g in layer_gemms(layer, tp) if g.norm_fed)
 
 
 def clear_caches() -> None:
