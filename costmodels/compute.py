@@ -63,6 +63,13 @@ ATTENTION_SUSTAINED = 0.5
 # and adds its dispatcher on top, so this is a lower bound. Launches are asynchronous: a phase whose kernels run
 # longer than they take to issue hides them, a phase of small kernels waits on the host.
 KERNEL_LAUNCH_SECONDS = 3.8e-6
+# Eager PyTorch pays far more per op than the launch: Python module code, the dispatcher, autograd's engine and the
+# ops that launch nothing (views). On one H200 host (this project's benchmarks/data/gpu/h200_kernels.json,
+# `host_overhead` tiny_llama_fwd_bwd: a 16-layer, 256-wide HF Llama, forward + backward of 64 tokens, device idle)
+# a step took 68.11 ms; the lowering counts 1793 kernels for that model and shape (the same way it counts every
+# plan's: tests/costmodels/test_kernels_time.py recounts them), 38.0 us of host time per counted kernel. A
+# torch.compile'd layer keeps the launch floor above (its wrapper issues the kernels without the eager layers).
+EAGER_HOST_SECONDS_PER_KERNEL = 68.109e-3 / 1793
 
 # Memory-bound kernels (norms, activations, rotary, softmax of the loss) as eager PyTorch runs them, each op
 # reading and writing its tensors: calibrated with the constants above to 0.6 of HBM bandwidth.
@@ -79,6 +86,8 @@ class KernelSpeed:
     """Effective attention-kernel FLOP/s (already counting the causal half)."""
     memory_bandwidth: float
     """Effective bytes/s of memory-bound kernels."""
+    host_per_kernel: float = KERNEL_LAUNCH_SECONDS
+    """Host seconds to issue one counted kernel (eager: `EAGER_HOST_SECONDS_PER_KERNEL`)."""
 
 
 def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: int, width: float, seq_len: int,
@@ -137,11 +146,11 @@ def measured_matmul_ceiling(gpu: GPU, profile: Profile, dtype: str) -> float | N
 
 def work_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, sequence_parallel: bool = False,
                  memory_speedup: float = 1.0) -> float:
-    """Seconds for one node's phase: its kernels' device time, or the time the host takes to launch them when
-    that is longer (`KERNEL_LAUNCH_SECONDS`)."""
+    """Seconds for one node's phase: its kernels' device time, or the time the host takes to issue them when
+    that is longer (`KernelSpeed.host_per_kernel`)."""
     device = device_seconds(work, speed, b=b, s=s, tp=tp, sequence_parallel=sequence_parallel,
                             memory_speedup=memory_speedup)
-    return max(device, launch_seconds(work))
+    return max(device, launch_seconds(work, speed))
 
 
 def device_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, sequence_parallel: bool = False,
@@ -154,6 +163,6 @@ def device_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, s
             + io / (speed.memory_bandwidth * memory_speedup))
 
 
-def launch_seconds(work: Work) -> float:
-    """Host time to issue a phase's kernels, one launch per counted kernel."""
-    return work.kernels(1, 1) * KERNEL_LAUNCH_SECONDS
+def launch_seconds(work: Work, speed: KernelSpeed) -> float:
+    """Host time to issue a phase's kernels at the speed's host cost per counted kernel."""
+    return work.kernels(1, 1) * speed.host_per_kernel

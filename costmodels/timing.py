@@ -3,7 +3,7 @@ the engine overlaps them), offload, and the optimizer step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
@@ -13,8 +13,17 @@ from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
 from .collectives import Group, all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
-from .compilation import memory_bound_speedup
-from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
+from .compilation import compile_credited, memory_bound_speedup
+from .compute import (
+    EAGER_HOST_SECONDS_PER_KERNEL,
+    KERNEL_LAUNCH_SECONDS,
+    KernelSpeed,
+    device_seconds,
+    kernel_speed,
+    launch_seconds,
+    reduction_width,
+    work_seconds,
+)
 from .config import Config, Offload, Precision, Workload
 from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_dp_group, is_expert_stack
@@ -71,7 +80,7 @@ class TimeTerms:
 
 # The configuration fields `speed_for` reads (a test checks it): its results are cached on them, with the graph and
 # cluster by identity.
-SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode", "engine")
+SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode", "engine", "compile", "zero", "loss")
 _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 
 
@@ -96,9 +105,12 @@ def _speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s
     width = dims.hidden if head or not layers else \
         reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layers[0], config.tp)])
     kernel = kernel_for(cluster.gpu, transformer_engine=rules_of(config.engine).transformer_engine)
-    return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
-                        seq_len=context_parallel.kernel_seq_len(s, config), head_dim=dims.head_dim, alignment=factor,
-                        profile=cluster.profile, attention_kernel=kernel)
+    speed = kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
+                         seq_len=context_parallel.kernel_seq_len(s, config), head_dim=dims.head_dim, alignment=factor,
+                         profile=cluster.profile, attention_kernel=kernel)
+    # An eager layer pays the measured host cost per op; a compiled one issues its kernels from the wrapper.
+    host = KERNEL_LAUNCH_SECONDS if compile_credited(config) else EAGER_HOST_SECONDS_PER_KERNEL
+    return replace(speed, host_per_kernel=host)
 
 
 _GEMMS: IdentityMemo[tuple[Gemm, ...]] = IdentityMemo()
@@ -287,7 +299,7 @@ def launch_details(graph: LayerGraph, cluster: Cluster, workload: Workload,
     for layer in graph.nodes():
         cost = layer.cost(next(modes) if layer.role is Role.DECODER else Checkpoint.NONE)
         for work in (cost.forward, cost.backward, cost.recompute):
-            launch = launch_seconds(work)
+            launch = launch_seconds(work, speeds[layer.role is Role.HEAD])
             host += launch
             exposed += max(0.0, launch - device_seconds(work, speeds[layer.role is Role.HEAD], **kwargs))
     return ("kernel_launch_host", config.grad_accum * host), ("kernel_launch_exposed", config.grad_accum * exposed)

@@ -9,7 +9,14 @@ import pytest
 
 from costmodels import Config, Engine, Workload, estimate, parse_cluster
 from costmodels.attention_kernels import DEFAULT_KERNEL, TE_KERNEL, curves, fraction_of_peak, kernel_for, kernel_note
-from costmodels.compute import KERNEL_LAUNCH_SECONDS, KernelSpeed, kernel_speed, launch_seconds, work_seconds
+from costmodels.compute import (
+    EAGER_HOST_SECONDS_PER_KERNEL,
+    KERNEL_LAUNCH_SECONDS,
+    KernelSpeed,
+    kernel_speed,
+    launch_seconds,
+    work_seconds,
+)
 from costmodels.hardware import find_gpu
 from costmodels.timing import speed_for
 from graphs import Poly, Work, lower
@@ -57,7 +64,7 @@ def _speed() -> KernelSpeed:
 
 def test_a_phase_of_small_kernels_costs_one_launch_per_counted_kernel():
     work = Work(flops=Poly.const(1000), kernels=Poly.const(250))
-    assert launch_seconds(work) == pytest.approx(250 * KERNEL_LAUNCH_SECONDS, rel=1e-12)
+    assert launch_seconds(work, _speed()) == pytest.approx(250 * KERNEL_LAUNCH_SECONDS, rel=1e-12)
     assert work_seconds(work, _speed(), b=1, s=1, tp=1) == pytest.approx(250 * KERNEL_LAUNCH_SECONDS, rel=1e-12)
 
 
@@ -74,7 +81,7 @@ def _launch_host(tmp_path, layers: int) -> tuple[float, float]:
     est = estimate(graph, parse_cluster("1xH100"), Workload(seq_len=16, global_batch=1), config)
     per_layer = sum(w.kernels(1, 1) for w in (graph.decoder_layers()[0].cost().forward,
                                               graph.decoder_layers()[0].cost().backward))
-    return dict(est.time.details)["kernel_launch_host"], per_layer * KERNEL_LAUNCH_SECONDS
+    return dict(est.time.details)["kernel_launch_host"], per_layer * EAGER_HOST_SECONDS_PER_KERNEL
 
 
 def test_twice_the_layers_adds_the_launch_time_of_the_added_layers(tmp_path):
@@ -134,3 +141,26 @@ def test_megatron_attention_is_cudnns_on_hopper_and_flash_before(tmp_path, gpu, 
         assert expected > 1.3
     else:
         assert rates[Engine.MEGATRON] == rates[Engine.FSDP2]
+
+
+def test_eager_host_cost_per_kernel_is_the_h200_tiny_llama_step_over_the_lowerings_count(tmp_path):
+    """The measured host-bound forward + backward of benchmarks/gpu/kernels.py's tiny HF Llama, divided by the
+    kernels the lowering counts for the same model and shape, is the constant (to its 5 digits)."""
+    row = next(r for r in json.loads(H200_KERNELS.read_text())["host_overhead"] if r["kernel"] == "tiny_llama_fwd_bwd")
+    values = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": row["layers"],
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
+    graph = lower(str(write_config(tmp_path, values)), dtype="bfloat16", use_cache=False)
+    counted = sum(w.kernels(1, row["tokens"]) for layer in graph.nodes()
+                  for w in (layer.cost().forward, layer.cost().backward))
+    assert row["seconds"] / counted == pytest.approx(EAGER_HOST_SECONDS_PER_KERNEL, rel=1e-4)
+
+
+def test_a_small_eager_step_waits_on_the_host():
+    """A 1B model over 128 tokens: most of its phases' kernels take less than the host needs to issue them eagerly
+    (at the 3.8 us launch floor alone they would not)."""
+    graph = lower("meta-llama/Llama-3.2-1B", dtype="bfloat16")
+    workload, cluster = Workload(seq_len=128, global_batch=1), parse_cluster("1xH100")
+    eager = estimate(graph, cluster, workload, Config(engine=Engine.FSDP2, zero=2, micro_batch=1))
+    details = dict(eager.time.details)
+    assert details["kernel_launch_exposed"] > 0.5 * details["kernel_launch_host"]
+    assert eager.time.compute >= details["kernel_launch_host"] * (1 - 1e-9)
