@@ -34,6 +34,7 @@ from .loss import timed_layer
 from .offload import offload_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
+from .prefetch import zero3_seconds
 from .states import paged_split
 from .tensor_parallel import rank_layer, tp_node_seconds
 from .terms import Gemm
@@ -213,36 +214,12 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     graph, workload = context_parallel.rank_graph(graph, config.cp), context_parallel.rank_workload(workload, config)
     b, s, ga = config.micro_batch, workload.seq_len, config.grad_accum
     speed = speed_for(graph, cluster, config, b=b, s=s)
-    head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
     memory_speedup = memory_bound_speedup(config)
-    fwd = bwd = 0.0
-    fixed = NodeTime(0.0, 0.0, 0.0)
-    layers = []
-    by_kind: dict[int, tuple[tuple[tuple[Checkpoint, NodeTime], ...], float, float]] = {}
-    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
-              "memory_speedup": memory_speedup}
-    for layer in graph.nodes():
-        if layer.role is Role.DECODER:
-            if layer.kind not in by_kind:  # layers of one kind cost the same
-                options = tuple((mode, cached_node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
-                                                        memory_speedup=memory_speedup))
-                                for mode in layer.checkpoint_modes)
-                cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
-                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs) + cast_fwd,
-                                       work_seconds(layer.cost().backward, speed, **kwargs) + cast_bwd)
-            options, layer_fwd, layer_bwd = by_kind[layer.kind]
-            layers.append(options)
-            fwd, bwd = fwd + layer_fwd, bwd + layer_bwd
-        else:
-            # The head and loss as `config.loss` computes them, on one TP rank's share of the vocabulary.
-            layer = rank_layer(graph, timed_layer(graph, config, layer, s=s), config.tp)
-            node_speed = head_speed if layer.role is Role.HEAD else speed
-            fwd += work_seconds(layer.cost().forward, node_speed, **kwargs)
-            bwd += work_seconds(layer.cost().backward, node_speed, **kwargs)
-            t = cached_node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
-                                 memory_speedup=memory_speedup)
-            fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
-    dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
+    layers, fixed, nodes = _node_terms(graph, cluster, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+    fwd, bwd = sum(f for f, _ in nodes), sum(b for _, b in nodes)
+    group = dp_group(cluster, config.tp, shard_ranks(config))
+    fetched = zero3_fetch_seconds(graph, cluster, config, group, nodes)
+    dp_mb, dp_step, dp_total = fetched or _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
     partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=shard_ranks(config),
                                engine=config.engine, sharded=sharding(config).optimizer > 1, ep=config.ep)
     shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=shard_ranks(config), engine=config.engine,
@@ -264,6 +241,54 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                             communication_total=fixed.tp + dp_total,
                             details=(("dp_collectives_total", dp_total),)),
         layers=tuple(layers), forward=fwd, outside=ga * dp_mb + dp_step + offload + optimizer)
+
+
+def _node_terms(graph: LayerGraph, cluster: Cluster, config: Config, speed: KernelSpeed, *, b: int, s: int,
+                memory_speedup: float) -> tuple[list[tuple[tuple[Checkpoint, NodeTime], ...]], NodeTime,
+                                               list[tuple[float, float]]]:
+    """Each decoder layer's times in its modes, the non-decoder nodes' summed time, and every node's (forward,
+    backward) seconds of one micro-batch without recompute (what data-parallel collectives overlap)."""
+    head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
+    fixed = NodeTime(0.0, 0.0, 0.0)
+    layers, nodes = [], []
+    by_kind: dict[int, tuple[tuple[tuple[Checkpoint, NodeTime], ...], float, float]] = {}
+    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
+              "memory_speedup": memory_speedup}
+    for layer in graph.nodes():
+        if layer.role is Role.DECODER:
+            if layer.kind not in by_kind:  # layers of one kind cost the same
+                options = tuple((mode, cached_node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
+                                                        memory_speedup=memory_speedup))
+                                for mode in layer.checkpoint_modes)
+                cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs) + cast_fwd,
+                                       work_seconds(layer.cost().backward, speed, **kwargs) + cast_bwd)
+            options, layer_fwd, layer_bwd = by_kind[layer.kind]
+            layers.append(options)
+            nodes.append((layer_fwd, layer_bwd))
+        else:
+            # The head and loss as `config.loss` computes them, on one TP rank's share of the vocabulary.
+            layer = rank_layer(graph, timed_layer(graph, config, layer, s=s), config.tp)
+            node_speed = head_speed if layer.role is Role.HEAD else speed
+            nodes.append((work_seconds(layer.cost().forward, node_speed, **kwargs),
+                          work_seconds(layer.cost().backward, node_speed, **kwargs)))
+            t = cached_node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
+                                 memory_speedup=memory_speedup)
+            fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
+    return layers, fixed, nodes
+
+
+def zero3_fetch_seconds(graph: LayerGraph, cluster: Cluster, config: Config, group: Group,
+                        nodes: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """(exposed per micro-batch, exposed per step, total) collective seconds of an engine that fetches parameters
+    module by module (DeepSpeed ZeRO-3: `prefetch`), or None for the others (and under expert parallelism, whose
+    expert groups `_dp_seconds` prices)."""
+    if not rules_of(config.engine).fetches_per_module or config.ep > 1 or not sharding(config).params > 1:
+        return None
+    exposed, total = zero3_seconds(graph, cluster, config, group, nodes=nodes,
+                                   itemsize=precision.compute_itemsize(config.precision),
+                                   reduce_itemsize=_reduce_itemsize(config))
+    return exposed, 0.0, config.grad_accum * total
 
 
 def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeBreakdown:

@@ -161,6 +161,9 @@ class EngineRules:
     transformer_engine: bool = False
     """Runs Transformer Engine's modules: fused fp8 casts with cached fp8 weights (`fp8.te_cast_bytes`), cuDNN's
     fused attention from Hopper on, and their tensor-parallel overlap (`tensor_parallel`)."""
+    fetches_per_module: bool = False
+    """Gathers sharded parameters module by module just before use, prefetching a bounded number of elements ahead,
+    and reduce-scatters each module's gradients after its backward (DeepSpeed ZeRO-3: `prefetch`)."""
     syncs_once_when_pipelined: bool = False
     """Under a pipeline schedule its sharded parameters are gathered once per step and its gradients
     reduce-scattered once, after the last backward, instead of per micro-batch (torch's pipelining drives FSDP2
