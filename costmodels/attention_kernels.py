@@ -24,6 +24,11 @@ PRE_AMPERE = {"volta", "turing"}
 # the Hopper-generation code paths, the rest (Volta, Turing, AMD's ROCm builds) are priced like the A100.
 NEAREST_ARCH = {"ampere": "ampere", "ada": "ampere", "hopper": "hopper", "blackwell": "hopper"}
 FALLBACK_ARCH = "ampere"
+# Transformer Engine's DotProductAttention gives cuDNN's fused attention preference over flash-attn "on Hopper+ for
+# performance reasons" when both can run (TransformerEngine d0067d0, pytorch/attention/dot_product_attention/
+# utils.py `get_attention_backend`); before Hopper it runs flash-attn, the default kernel.
+TE_KERNEL = "cudnn-fused-attention"
+TE_FUSED_ARCHS = {"hopper", "blackwell"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +65,11 @@ def curves() -> tuple[Curve, ...]:
                  for row in json.loads(text)["kernels"])
 
 
-def kernel_for(gpu: GPU) -> str:
-    """The attention kernel torch's SDPA picks on `gpu` for 16-bit training."""
+def kernel_for(gpu: GPU, *, transformer_engine: bool = False) -> str:
+    """The attention kernel torch's SDPA (or, with `transformer_engine`, TE's DotProductAttention) picks on `gpu`
+    for 16-bit training."""
+    if transformer_engine and gpu.arch in TE_FUSED_ARCHS:
+        return TE_KERNEL
     return PRE_AMPERE_KERNEL if gpu.arch in PRE_AMPERE else DEFAULT_KERNEL
 
 
@@ -90,11 +98,13 @@ def fraction_of_peak(gpu: GPU, *, seq_len: int, head_dim: int, causal: bool = Tr
     return f0 + (head_dim - d0) / (d1 - d0) * (f1 - f0)
 
 
-def kernel_note(gpu: GPU) -> str:
+def kernel_note(gpu: GPU, *, transformer_engine: bool = False) -> str:
     """What the plan assumes about attention, for its notes."""
-    arch, kernel = table_arch(gpu), kernel_for(gpu)
+    arch, kernel = table_arch(gpu), kernel_for(gpu, transformer_engine=transformer_engine)
     measured = next(c for c in curves() if c.kernel == kernel and c.arch == arch)
     borrowed = "" if arch == gpu.arch else f" ({gpu.arch} priced at the {arch} fraction of peak, an assumption)"
-    backend = "flash" if kernel == DEFAULT_KERNEL else "memory-efficient"
-    return (f"attention kernel: {kernel} (torch SDPA {backend} backend), causal forward+backward speed by sequence "
-            f"length and head dim as measured on {measured.measured_on}{borrowed}; {measured.source.split(' Fig')[0]}")
+    runner = "Transformer Engine's DotProductAttention" if transformer_engine else "torch SDPA"
+    backend = {DEFAULT_KERNEL: "flash", PRE_AMPERE_KERNEL: "memory-efficient", TE_KERNEL: "cuDNN fused"}[kernel]
+    return (f"attention kernel: {kernel} ({runner}, {backend} backend), causal forward+backward speed by sequence "
+            f"length and head dim as measured on {measured.measured_on}{borrowed}; "
+            f"{measured.source.split(' Fig')[0].split(' (this project')[0]}")

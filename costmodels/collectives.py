@@ -87,13 +87,25 @@ def _link(cluster: Cluster, group: Group, op: CollectiveOp) -> tuple[float, floa
     return min(intra[0], nics), INTER_NODE_LATENCY
 
 
+def ring_latency(cluster: Cluster, group: Group, op: CollectiveOp) -> float:
+    """Latency of one pass around a ring: a chunk crosses n - 1 hops. Inside a node each is an NVLink hop; a ring
+    over several nodes (NCCL orders it node by node) leaves each node once, so of its hops only nodes - 1 cross the
+    network and the others stay on NVLink (2 nodes of 1 GPU: one network hop, the nccl-tests figure above)."""
+    n = group.size
+    intra = _link(cluster, Group(n, False), op)[1]
+    if not group.spans_nodes:
+        return (n - 1) * intra
+    nodes = -(-n // group.per_node)
+    return (n - nodes) * intra + (nodes - 1) * INTER_NODE_LATENCY
+
+
 def all_reduce_seconds(cluster: Cluster, group: Group, nbytes: float) -> float:
-    """Ring all-reduce: each rank sends and receives 2 (n-1)/n of the buffer in 2 (n-1) steps."""
+    """Ring all-reduce: each rank sends and receives 2 (n-1)/n of the buffer in two passes of the ring."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = _link(cluster, group, "all_reduce")
+    bandwidth, _ = _link(cluster, group, "all_reduce")
     n = group.size
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * ring_latency(cluster, group, "all_reduce")
 
 
 def all_gather_seconds(cluster: Cluster, group: Group, nbytes: float) -> float:
@@ -109,6 +121,6 @@ def reduce_scatter_seconds(cluster: Cluster, group: Group, nbytes: float) -> flo
 def _half_ring_seconds(cluster: Cluster, group: Group, nbytes: float, op: CollectiveOp) -> float:
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = _link(cluster, group, op)
+    bandwidth, _ = _link(cluster, group, op)
     n = group.size
-    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+    return (n - 1) / n * nbytes / bandwidth + ring_latency(cluster, group, op)

@@ -38,6 +38,14 @@ DEFAULT_MAMF = 0.729
 GEMM_HALF_TOKENS = 512
 GEMM_HALF_WIDTH = 256
 
+# fp8 GEMMs (torch._scaled_mm and Transformer Engine's cuBLASLt fp8 GEMM, per-tensor scales) reach less of their
+# doubled peak than bf16 ones at the same shape, the more so the smaller the shape: on one H200 (this project's
+# benchmarks/data/gpu/h200_kernels.json, `gemm_fp8` tensorwise against `gemm_bf16` forward, 42 shapes of 1k-16k rows)
+# fp8 / bf16 TFLOP/s = 2.0 x m / (m + 256) x k / (k + 256) over m rows and a reduction of k (median |error| 7%,
+# max 37%; fitted by a grid over half points in powers of two), 2.0 being the datasheets' fp8 / bf16 peak ratio.
+FP8_HALF_TOKENS = 256
+FP8_HALF_WIDTH = 256
+
 # torch's FLOP counter charges full s^2 attention (backward 2.5x forward, the kernel papers' convention too); a
 # causal kernel skips the masked half, and the papers' TFLOP/s count only that half (Dao 2023, §4.1). Attention
 # kernels run at the speed their benchmark tables give for the GPU, sequence length and head dim
@@ -55,6 +63,13 @@ ATTENTION_SUSTAINED = 0.5
 # and adds its dispatcher on top, so this is a lower bound. Launches are asynchronous: a phase whose kernels run
 # longer than they take to issue hides them, a phase of small kernels waits on the host.
 KERNEL_LAUNCH_SECONDS = 3.8e-6
+# Eager PyTorch pays far more per op than the launch: Python module code, the dispatcher, autograd's engine and the
+# ops that launch nothing (views). On one H200 host (this project's benchmarks/data/gpu/h200_kernels.json,
+# `host_overhead` tiny_llama_fwd_bwd: a 16-layer, 256-wide HF Llama, forward + backward of 64 tokens, device idle)
+# a step took 68.11 ms; the lowering counts 1793 kernels for that model and shape (the same way it counts every
+# plan's: tests/costmodels/test_kernels_time.py recounts them), 38.0 us of host time per counted kernel. A
+# torch.compile'd layer keeps the launch floor above (its wrapper issues the kernels without the eager layers).
+EAGER_HOST_SECONDS_PER_KERNEL = 68.109e-3 / 1793
 
 # Memory-bound kernels (norms, activations, rotary, softmax of the loss) as eager PyTorch runs them, each op
 # reading and writing its tensors: calibrated with the constants above to 0.6 of HBM bandwidth.
@@ -71,12 +86,16 @@ class KernelSpeed:
     """Effective attention-kernel FLOP/s (already counting the causal half)."""
     memory_bandwidth: float
     """Effective bytes/s of memory-bound kernels."""
+    host_per_kernel: float = KERNEL_LAUNCH_SECONDS
+    """Host seconds to issue one counted kernel (eager: `EAGER_HOST_SECONDS_PER_KERNEL`)."""
 
 
 def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: int, width: float, seq_len: int,
-                 head_dim: int, alignment: float = 1.0, profile: Profile | None = None) -> KernelSpeed:
+                 head_dim: int, alignment: float = 1.0, profile: Profile | None = None,
+                 attention_kernel: str | None = None) -> KernelSpeed:
     """Rates for matmuls over `tokens` rows and a per-rank width of `width` (with a shape-alignment factor), and
-    for causal attention over sequences of `seq_len` with heads of `head_dim`.
+    for causal attention over sequences of `seq_len` with heads of `head_dim` (in `attention_kernel`, by default the
+    one torch's SDPA picks on `gpu`).
 
     A `profile` replaces each datasheet rate it measured: the matmul ceiling (peak x MAMF), the attention
     kernels' rate and the memory-bound kernels' bandwidth.
@@ -86,15 +105,15 @@ def kernel_speed(gpu: GPU, *, matmul_dtype: str, attention_dtype: str, tokens: i
     if peak is None or attention_peak is None:
         raise ValueError(f"{gpu.name} has no {matmul_dtype} tensor cores")
     ceiling = peak * MAMF.get(gpu.id, DEFAULT_MAMF)
-    attention = attention_peak * fraction_of_peak(gpu, seq_len=seq_len, head_dim=head_dim) * ATTENTION_SUSTAINED \
-        / CAUSAL_FRACTION
+    attention = attention_peak * fraction_of_peak(gpu, seq_len=seq_len, head_dim=head_dim, kernel=attention_kernel) \
+        * ATTENTION_SUSTAINED / CAUSAL_FRACTION
     memory = gpu.hbm_bandwidth * MEMORY_EFFICIENCY
     if profile is not None:
         ceiling = measured_matmul_ceiling(gpu, profile, matmul_dtype) or ceiling
         attention = profile.attention_rate(attention_dtype) or attention
         memory = profile.rate("device_copy") or memory
-    return KernelSpeed(matmul_flops=ceiling * _size_factor(tokens, width) * alignment, attention_flops=attention,
-                       memory_bandwidth=memory)
+    return KernelSpeed(matmul_flops=ceiling * _size_factor(tokens, width, matmul_dtype) * alignment,
+                       attention_flops=attention, memory_bandwidth=memory)
 
 
 def reduction_width(gemms: list[tuple[int, int, int]]) -> float:
@@ -109,26 +128,29 @@ def reduction_width(gemms: list[tuple[int, int, int]]) -> float:
     return GEMM_HALF_WIDTH * factor / (1 - factor)
 
 
-def _size_factor(tokens: int, width: float) -> float:
-    """The fraction of the ceiling a matmul of `tokens` rows and `width` reduction width reaches."""
-    return tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
+def _size_factor(tokens: int, width: float, dtype: str = "bf16") -> float:
+    """The fraction of the ceiling a matmul of `tokens` rows and `width` reduction width reaches in `dtype`."""
+    factor = tokens / (tokens + GEMM_HALF_TOKENS) * width / (width + GEMM_HALF_WIDTH)
+    if dtype == "fp8":
+        factor *= tokens / (tokens + FP8_HALF_TOKENS) * width / (width + FP8_HALF_WIDTH)
+    return factor
 
 
 def measured_matmul_ceiling(gpu: GPU, profile: Profile, dtype: str) -> float | None:
     """FLOP/s the profile's matmuls in `dtype` imply for a large aligned GEMM (median over the shapes measured):
     each measurement divided by the size and alignment factors the model applies at its shape."""
-    implied = [p.flops_per_s / (_size_factor(p.m, p.k) * alignment_factor(gpu, dtype, (p.m, p.n, p.k)))
+    implied = [p.flops_per_s / (_size_factor(p.m, p.k, dtype) * alignment_factor(gpu, dtype, (p.m, p.n, p.k)))
                for p in profile.gemm if p.dtype == dtype]
     return statistics.median(implied) if implied else None
 
 
 def work_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, sequence_parallel: bool = False,
                  memory_speedup: float = 1.0) -> float:
-    """Seconds for one node's phase: its kernels' device time, or the time the host takes to launch them when
-    that is longer (`KERNEL_LAUNCH_SECONDS`)."""
+    """Seconds for one node's phase: its kernels' device time, or the time the host takes to issue them when
+    that is longer (`KernelSpeed.host_per_kernel`)."""
     device = device_seconds(work, speed, b=b, s=s, tp=tp, sequence_parallel=sequence_parallel,
                             memory_speedup=memory_speedup)
-    return max(device, launch_seconds(work))
+    return max(device, launch_seconds(work, speed))
 
 
 def device_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, sequence_parallel: bool = False,
@@ -141,6 +163,6 @@ def device_seconds(work: Work, speed: KernelSpeed, *, b: int, s: int, tp: int, s
             + io / (speed.memory_bandwidth * memory_speedup))
 
 
-def launch_seconds(work: Work) -> float:
-    """Host time to issue a phase's kernels, one launch per counted kernel."""
-    return work.kernels(1, 1) * KERNEL_LAUNCH_SECONDS
+def launch_seconds(work: Work, speed: KernelSpeed) -> float:
+    """Host time to issue a phase's kernels at the speed's host cost per counted kernel."""
+    return work.kernels(1, 1) * speed.host_per_kernel

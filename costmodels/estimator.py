@@ -8,7 +8,8 @@ from . import activation_offload, context_parallel, expert_parallel, loss, preci
 from .attention_kernels import kernel_note
 from .breakdown import Estimate
 from .cluster import Cluster
-from .compute import CAUSAL_FRACTION, KERNEL_LAUNCH_SECONDS
+from .compilation import compile_credited
+from .compute import CAUSAL_FRACTION, EAGER_HOST_SECONDS_PER_KERNEL, KERNEL_LAUNCH_SECONDS
 from .config import Config, Loss, Optimizer, Precision, Workload
 from .engines import rules_of
 from .expert_parallel import expert_notes, expert_refusal
@@ -116,7 +117,7 @@ def estimate(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Co
     tokens = workload.tokens_per_step / time.step_time
     return Estimate(memory=memory, time=time, tokens_per_second=tokens,
                     mfu=model_flops(graph, workload) / time.step_time / _cluster_peak(cluster, config),
-                    notes=_notes(graph, config) + _time_notes(cluster), pipeline=pipeline)
+                    notes=_notes(graph, config) + _time_notes(cluster, config), pipeline=pipeline)
 
 
 def _missing_mode(graph: LayerGraph, mode: Checkpoint) -> str:
@@ -146,13 +147,23 @@ def _cluster_peak(cluster: Cluster, config: Config) -> float:
     return (cluster.gpu.peak_flops(dtype) or 1.0) * cluster.world_size
 
 
-def _time_notes(cluster: Cluster) -> tuple[str, ...]:
+def _time_notes(cluster: Cluster, config: Config) -> tuple[str, ...]:
     """The kernel-level sources the step time assumes (attention kernel, launch cost)."""
     if cluster.gpu.vendor == "cpu":
         return ()
-    return (kernel_note(cluster.gpu),
-            f"kernel launches: {KERNEL_LAUNCH_SECONDS * 1e6:.1f} us of host time per kernel (one per ATen op, counted "
-            "by the lowering; NVIDIA 'Getting Started with CUDA Graphs' 2019); a phase waits for the host when its "
+    return (kernel_note(cluster.gpu, transformer_engine=rules_of(config.engine).transformer_engine),
+            _host_note(config))
+
+
+def _host_note(config: Config) -> str:
+    """The host cost per kernel the step assumes: eager layers' measured one, or a compiled wrapper's launches."""
+    if compile_credited(config):
+        cost = (f"{KERNEL_LAUNCH_SECONDS * 1e6:.1f} us of host time per kernel (the compiled wrapper's launches; "
+                "NVIDIA 'Getting Started with CUDA Graphs' 2019)")
+    else:
+        cost = (f"{EAGER_HOST_SECONDS_PER_KERNEL * 1e6:.1f} us of host time per kernel (eager PyTorch: a small HF "
+                "Llama's forward and backward measured on an H200 host, benchmarks/data/gpu/h200_kernels.json)")
+    return (f"kernel launches: {cost}, one per ATen op the lowering counts; a phase waits for the host when its "
             "kernels are shorter (time.details kernel_launch_exposed)")
 
 

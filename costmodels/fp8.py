@@ -12,6 +12,15 @@ from __future__ import annotations
 
 from .terms import Gemm
 
+# Transformer Engine's delayed scaling (megatron-core's fp8 path, --fp8-recipe delayed; TransformerEngine
+# d0067d0, transformer_engine/pytorch/module/linear.py and layernorm_linear.py) computes each amax inside the cast
+# kernel (no separate pass) and makes the row-wise and the column-wise (transposed) fp8 copies in one kernel:
+# read bf16 (2 B), write both (1 + 1 B). A norm-fed input is written in fp8 by the norm kernel itself (rmsnorm_fwd's
+# FULLY_FUSED path: 1 B instead of the 2 B the lowering prices), then transposed (read 1, write 1 B:
+# normalization/rmsnorm/rmsnorm_api.cpp `nvte_transpose`): 1 B more per element in all.
+TE_CAST_TRANSPOSE_BYTES_PER_ELEMENT = 4
+TE_NORM_FED_BYTES_PER_ELEMENT = 1
+
 # Bytes moved per element of a dynamically scaled cast: amax (read bf16, 2 B) + scale and cast (read bf16 2 B,
 # write fp8 1 B).
 CAST_BYTES_PER_ELEMENT = 5
@@ -32,3 +41,19 @@ def cast_bytes(gemms: list[Gemm], tokens: int) -> tuple[int, int]:
     """(forward, backward) bytes the casts move per micro-batch."""
     forward, backward = cast_elements(gemms, tokens)
     return forward * CAST_BYTES_PER_ELEMENT, backward * CAST_BYTES_PER_ELEMENT
+
+
+def te_cast_bytes(gemms: list[Gemm] | tuple[Gemm, ...], tokens: int, *, micro_batches: int) -> tuple[float, float]:
+    """(forward, backward) bytes Transformer Engine's casts move per micro-batch over `tokens` rows. Forward casts
+    each input (row-wise and transposed: the weight gradient reuses the transposed copy, no recast in backward)
+    and the weights, but those only on a step's first micro-batch (megatron-core passes `is_first_microbatch`, and
+    TE caches the fp8 weight with its transpose: linear.py `quantize_weight(update_workspace=...)`), so a micro-batch
+    carries 1 / `micro_batches` of them; backward casts each output gradient once, row-wise and transposed, for
+    both of its GEMMs."""
+    forward = backward = 0.0
+    for g in gemms:
+        rows = g.routed * tokens
+        per_input = TE_NORM_FED_BYTES_PER_ELEMENT if g.norm_fed else TE_CAST_TRANSPOSE_BYTES_PER_ELEMENT
+        forward += rows * g.k * per_input + g.copies * g.n * g.k * TE_CAST_TRANSPOSE_BYTES_PER_ELEMENT / micro_batches
+        backward += rows * g.n * TE_CAST_TRANSPOSE_BYTES_PER_ELEMENT
+    return forward, backward

@@ -43,6 +43,7 @@ from .pipeline import (
 from .pipeline_schedule import Schedule, stage_ranks
 from .stage_split import megatron_split
 from .states import model_states
+from .tensor_parallel import rank_layer
 from .terms import MemoryTerms, Span
 from .timing import TimeTerms, time_breakdown, time_terms
 
@@ -87,8 +88,8 @@ def stage_layers(graph: LayerGraph, workload: Workload, config: Config) -> tuple
 
 @lru_cache(maxsize=1024)
 def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages: int) -> tuple[int, ...]:
-    def flops(layer: object) -> float:
-        cost = layer.cost()  # type: ignore[attr-defined]
+    def flops(layer: Layer) -> float:
+        cost = rank_layer(graph, layer, tp).cost()  # the head's FLOPs on one TP rank
         return float(sum(evaluate(work.flops, b=micro_batch, s=seq_len, tp=tp, sequence_parallel=False)
                          for work in (cost.forward, cost.backward)))
 

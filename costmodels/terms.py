@@ -40,6 +40,9 @@ class Gemm:
     k: int
     routed: int = 1
     copies: int = 1
+    norm_fed: bool = False
+    """Reads the block's norm output (a column-parallel linear of a pre-norm block: q, k, v, gate, up), which
+    Transformer Engine's fused norm writes in fp8 itself."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,29 +3,40 @@ the engine overlaps them), offload, and the optimizer step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
 from . import activation_offload, context_parallel, precision
 from .alignment import alignment_factor
+from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
-from .collectives import all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
-from .compilation import memory_bound_speedup
-from .compute import KernelSpeed, device_seconds, kernel_speed, launch_seconds, reduction_width, work_seconds
+from .collectives import Group, all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
+from .compilation import compile_credited, memory_bound_speedup
+from .compute import (
+    EAGER_HOST_SECONDS_PER_KERNEL,
+    KERNEL_LAUNCH_SECONDS,
+    KernelSpeed,
+    device_seconds,
+    kernel_speed,
+    launch_seconds,
+    reduction_width,
+    work_seconds,
+)
 from .config import Config, Offload, Precision, Workload
-from .engines import rules_of
+from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_dp_group, is_expert_stack
 from .expert_parallel import layer_time as expert_layer_time
-from .fp8 import cast_bytes
+from .fp8 import cast_bytes, te_cast_bytes
 from .identity_memo import IdentityMemo
 from .loss import timed_layer
 from .offload import offload_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
+from .prefetch import zero3_seconds
 from .states import paged_split
-from .tensor_parallel import tp_node_seconds
+from .tensor_parallel import rank_layer, tp_node_seconds
 from .terms import Gemm
 from .zero import dp_traffic, local_elements, reduce_bucket_elements, shard_ranks, sharding
 
@@ -70,7 +81,7 @@ class TimeTerms:
 
 # The configuration fields `speed_for` reads (a test checks it): its results are cached on them, with the graph and
 # cluster by identity.
-SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode")
+SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode", "engine", "compile", "zero", "loss")
 _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 
 
@@ -94,12 +105,18 @@ def _speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s
     layers = graph.decoder_layers()
     width = dims.hidden if head or not layers else \
         reduction_width([(g.routed, g.n, g.k) for g in layer_gemms(layers[0], config.tp)])
-    return kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
-                        seq_len=context_parallel.kernel_seq_len(s, config), head_dim=dims.head_dim, alignment=factor,
-                        profile=cluster.profile)
+    kernel = kernel_for(cluster.gpu, transformer_engine=rules_of(config.engine).transformer_engine)
+    speed = kernel_speed(cluster.gpu, matmul_dtype=dtype, attention_dtype=attention, tokens=b * s, width=width,
+                         seq_len=context_parallel.kernel_seq_len(s, config), head_dim=dims.head_dim, alignment=factor,
+                         profile=cluster.profile, attention_kernel=kernel)
+    # An eager layer pays the measured host cost per op; a compiled one issues its kernels from the wrapper.
+    host = KERNEL_LAUNCH_SECONDS if compile_credited(config) else EAGER_HOST_SECONDS_PER_KERNEL
+    return replace(speed, host_per_kernel=host)
 
 
 _GEMMS: IdentityMemo[tuple[Gemm, ...]] = IdentityMemo()
+# The lowering's column-wise TP styles (`graphs.structure`): the linears that read the block's input (its norm).
+_COLUMN_STYLES = ("colwise", "packed_colwise")
 
 
 def layer_gemms(layer: Layer, tp: int) -> tuple[Gemm, ...]:
@@ -119,7 +136,8 @@ def _layer_gemms(layer: Layer, tp: int) -> tuple[Gemm, ...]:
         dim = None if tensor.tp_dim is None else tensor.tp_dim - (len(tensor.shape) - 2)
         n, k = (-(-n // tp), k) if dim == 0 else (n, -(-k // tp)) if dim == 1 else (n, k)
         stack = len(tensor.shape) == 3
-        gemms.append(Gemm(n=n, k=k, routed=top_k if stack else 1, copies=tensor.shape[0] if stack else 1))
+        gemms.append(Gemm(n=n, k=k, routed=top_k if stack else 1, copies=tensor.shape[0] if stack else 1,
+                          norm_fed=not stack and tensor.tp_style in _COLUMN_STYLES))
     return tuple(gemms)
 
 
@@ -138,7 +156,8 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
                                   + expert.compute),
                     recompute=ga * (work_seconds(cost.recompute, speed, **kwargs) + recast + expert.recompute),
                     ep=ga * expert.all_to_all,
-                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s),
+                    tp=ga * tp_node_seconds(graph, cluster, config, layer, mode, b=b, s=s,
+                                            column_gemms=column_gemm_seconds(layer, config.tp, speed, tokens=b * s)),
                     cp=ga * context_parallel.node_seconds(graph, cluster, config, layer, mode, speed, b=b,
                                                           s_local=s)[0])
 
@@ -146,7 +165,7 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
 # The configuration fields `node_time` reads (a test checks it): its results are cached on them, with the graph,
 # cluster and layer by identity (held in the entry, so an id is not reused while cached). The solver prices the same
 # layers under many configurations that differ only in what node times do not read (sharding, offload, optimizer).
-NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum")
+NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum", "engine")
 _NODE_TIMES: IdentityMemo[NodeTime] = IdentityMemo()
 
 
@@ -159,6 +178,12 @@ def cached_node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer:
                                              memory_speedup=memory_speedup))
 
 
+def column_gemm_seconds(layer: Layer, tp: int, speed: KernelSpeed, *, tokens: int) -> tuple[float, ...]:
+    """Seconds of one GEMM (forward, input gradient or weight gradient: the same FLOPs) of each column-parallel
+    weight of a layer on one TP rank, what Transformer Engine hides its backward TP collectives behind."""
+    return tuple(2 * tokens * g.routed * g.n * g.k / speed.matmul_flops for g in layer_gemms(layer, tp) if g.norm_fed)
+
+
 def clear_caches() -> None:
     """Empty the memos of node times, kernel speeds and layer GEMMs (tests compare warm against cold)."""
     for memo in (_NODE_TIMES, _SPEEDS, _GEMMS):
@@ -168,10 +193,13 @@ def clear_caches() -> None:
 def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,
                      memory_speedup: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of the fp8 casts of a decoder layer's matmul operands per micro-batch
-    (memory-bound; torch.compile fuses them like the other element-wise kernels). Zero outside fp8."""
+    (memory-bound; torch.compile fuses them like the other element-wise kernels), as torchao's dynamic scaling or
+    Transformer Engine's delayed scaling (engines that run TE) makes them. Zero outside fp8."""
     if config.precision is not Precision.FP8 or layer.role is not Role.DECODER:
         return 0.0, 0.0
-    forward, backward = cast_bytes(layer_gemms(layer, config.tp), b * s)
+    gemms = layer_gemms(layer, config.tp)
+    forward, backward = te_cast_bytes(gemms, b * s, micro_batches=config.grad_accum) \
+        if rules_of(config.engine).transformer_engine else cast_bytes(gemms, b * s)
     rate = speed.memory_bandwidth * memory_speedup
     return forward / rate, backward / rate
 
@@ -186,35 +214,12 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     graph, workload = context_parallel.rank_graph(graph, config.cp), context_parallel.rank_workload(workload, config)
     b, s, ga = config.micro_batch, workload.seq_len, config.grad_accum
     speed = speed_for(graph, cluster, config, b=b, s=s)
-    head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
     memory_speedup = memory_bound_speedup(config)
-    fwd = bwd = 0.0
-    fixed = NodeTime(0.0, 0.0, 0.0)
-    layers = []
-    by_kind: dict[int, tuple[tuple[tuple[Checkpoint, NodeTime], ...], float, float]] = {}
-    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
-              "memory_speedup": memory_speedup}
-    for layer in graph.nodes():
-        if layer.role is Role.DECODER:
-            if layer.kind not in by_kind:  # layers of one kind cost the same
-                options = tuple((mode, cached_node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
-                                                        memory_speedup=memory_speedup))
-                                for mode in layer.checkpoint_modes)
-                cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
-                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs) + cast_fwd,
-                                       work_seconds(layer.cost().backward, speed, **kwargs) + cast_bwd)
-            options, layer_fwd, layer_bwd = by_kind[layer.kind]
-            layers.append(options)
-            fwd, bwd = fwd + layer_fwd, bwd + layer_bwd
-        else:
-            layer = timed_layer(graph, config, layer, s=s)  # the head and loss as `config.loss` computes them
-            node_speed = head_speed if layer.role is Role.HEAD else speed
-            fwd += work_seconds(layer.cost().forward, node_speed, **kwargs)
-            bwd += work_seconds(layer.cost().backward, node_speed, **kwargs)
-            t = cached_node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
-                                 memory_speedup=memory_speedup)
-            fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
-    dp_mb, dp_step, dp_total = _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
+    layers, fixed, nodes = _node_terms(graph, cluster, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+    fwd, bwd = sum(f for f, _ in nodes), sum(b for _, b in nodes)
+    group = dp_group(cluster, config.tp, shard_ranks(config))
+    fetched = zero3_fetch_seconds(graph, cluster, config, group, nodes)
+    dp_mb, dp_step, dp_total = fetched or _dp_seconds(graph, cluster, config, forward=fwd, backward=bwd)
     partition = local_elements(graph.tensor_groups(trainable=True), tp=config.tp, dp=shard_ranks(config),
                                engine=config.engine, sharded=sharding(config).optimizer > 1, ep=config.ep)
     shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=shard_ranks(config), engine=config.engine,
@@ -236,6 +241,54 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                             communication_total=fixed.tp + dp_total,
                             details=(("dp_collectives_total", dp_total),)),
         layers=tuple(layers), forward=fwd, outside=ga * dp_mb + dp_step + offload + optimizer)
+
+
+def _node_terms(graph: LayerGraph, cluster: Cluster, config: Config, speed: KernelSpeed, *, b: int, s: int,
+                memory_speedup: float) -> tuple[list[tuple[tuple[Checkpoint, NodeTime], ...]], NodeTime,
+                                               list[tuple[float, float]]]:
+    """Each decoder layer's times in its modes, the non-decoder nodes' summed time, and every node's (forward,
+    backward) seconds of one micro-batch without recompute (what data-parallel collectives overlap)."""
+    head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
+    fixed = NodeTime(0.0, 0.0, 0.0)
+    layers, nodes = [], []
+    by_kind: dict[int, tuple[tuple[tuple[Checkpoint, NodeTime], ...], float, float]] = {}
+    kwargs = {"b": b, "s": s, "tp": config.tp, "sequence_parallel": config.sequence_parallel,
+              "memory_speedup": memory_speedup}
+    for layer in graph.nodes():
+        if layer.role is Role.DECODER:
+            if layer.kind not in by_kind:  # layers of one kind cost the same
+                options = tuple((mode, cached_node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
+                                                        memory_speedup=memory_speedup))
+                                for mode in layer.checkpoint_modes)
+                cast_fwd, cast_bwd = fp8_cast_seconds(layer, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+                by_kind[layer.kind] = (options, work_seconds(layer.cost().forward, speed, **kwargs) + cast_fwd,
+                                       work_seconds(layer.cost().backward, speed, **kwargs) + cast_bwd)
+            options, layer_fwd, layer_bwd = by_kind[layer.kind]
+            layers.append(options)
+            nodes.append((layer_fwd, layer_bwd))
+        else:
+            # The head and loss as `config.loss` computes them, on one TP rank's share of the vocabulary.
+            layer = rank_layer(graph, timed_layer(graph, config, layer, s=s), config.tp)
+            node_speed = head_speed if layer.role is Role.HEAD else speed
+            nodes.append((work_seconds(layer.cost().forward, node_speed, **kwargs),
+                          work_seconds(layer.cost().backward, node_speed, **kwargs)))
+            t = cached_node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
+                                 memory_speedup=memory_speedup)
+            fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
+    return layers, fixed, nodes
+
+
+def zero3_fetch_seconds(graph: LayerGraph, cluster: Cluster, config: Config, group: Group,
+                        nodes: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """(exposed per micro-batch, exposed per step, total) collective seconds of an engine that fetches parameters
+    module by module (DeepSpeed ZeRO-3: `prefetch`), or None for the others (and under expert parallelism, whose
+    expert groups `_dp_seconds` prices)."""
+    if not rules_of(config.engine).fetches_per_module or config.ep > 1 or not sharding(config).params > 1:
+        return None
+    exposed, total = zero3_seconds(graph, cluster, config, group, nodes=nodes,
+                                   itemsize=precision.compute_itemsize(config.precision),
+                                   reduce_itemsize=_reduce_itemsize(config))
+    return exposed, 0.0, config.grad_accum * total
 
 
 def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeBreakdown:
@@ -271,7 +324,7 @@ def launch_details(graph: LayerGraph, cluster: Cluster, workload: Workload,
     for layer in graph.nodes():
         cost = layer.cost(next(modes) if layer.role is Role.DECODER else Checkpoint.NONE)
         for work in (cost.forward, cost.backward, cost.recompute):
-            launch = launch_seconds(work)
+            launch = launch_seconds(work, speeds[layer.role is Role.HEAD])
             host += launch
             exposed += max(0.0, launch - device_seconds(work, speeds[layer.role is Role.HEAD], **kwargs))
     return ("kernel_launch_host", config.grad_accum * host), ("kernel_launch_exposed", config.grad_accum * exposed)
@@ -288,7 +341,7 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     the last backward). DDP and ZeRO-0/1 all-reduce in buckets during the last micro-batch's backward (Megatron's
     distributed optimizer reduce-scatters them there); the last bucket is exposed. ZeRO-2 reduce-scatters its
     buckets during every backward, the last one exposed; ZeRO-1/2's (and the distributed optimizer's) all-gather
-    of the updated parameters after the step is exposed whole.
+    of the updated parameters after the step is exposed whole. A pipelined FSDP2 syncs once per step instead.
     """
     elements = local_elements(graph.tensor_groups(), tp=config.tp, dp=1, engine=config.engine, sharded=False,
                               ep=config.ep)
@@ -298,8 +351,8 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     expert_params, expert_grads = _expert_elements(graph, config)
     traffic = dp_traffic(config, param_bytes=(elements - expert_params) * param_itemsize,
                          grad_bytes=(trainable - expert_grads) * grad_itemsize)
-    # Expert stacks under EP gather and reduce over their own expert-data-parallel group.
-    experts = dp_traffic(config, param_bytes=expert_params * param_itemsize, grad_bytes=expert_grads * grad_itemsize)
+    experts = dp_traffic(config, param_bytes=expert_params * param_itemsize,  # over the expert-data-parallel group
+                         grad_bytes=expert_grads * grad_itemsize)
     group = dp_group(cluster, config.tp, shard_ranks(config))
     egroup = expert_dp_group(cluster, config)
     gather_f = (all_gather_seconds(cluster, group, traffic.forward_gather)
@@ -328,9 +381,24 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
         last_bucket = reduce(cluster, group, bucket)
     per_mb = (first_gather + max(0.0, gather_f - first_gather - forward)
               + last_reduce + max(0.0, gather_b + reduce_b - last_reduce - backward))
-    per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step
-    total = config.grad_accum * (gather_f + gather_b + reduce_b) + allreduce + gather_step
+    once, once_total = _once_per_step_seconds(cluster, group, egroup, traffic, experts,
+                                              edge=edge_params * param_itemsize, forward=forward)
+    per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step + once
+    total = config.grad_accum * (gather_f + gather_b + reduce_b) + allreduce + gather_step + once_total
     return per_mb, per_step, total
+
+
+def _once_per_step_seconds(cluster: Cluster, group: Group, egroup: Group, traffic: DataParallelTraffic,
+                           experts: DataParallelTraffic, *, edge: int, forward: float) -> tuple[float, float]:
+    """(exposed, total) seconds of the collectives a pipelined FSDP2 runs once per step: the gathers of the first
+    forward, prefetched behind it but for the first unit's (`edge` bytes), and the reduce-scatter after the last
+    backward, exposed whole."""
+    gather = (all_gather_seconds(cluster, group, traffic.first_forward_gather)
+              + all_gather_seconds(cluster, egroup, experts.first_forward_gather))
+    reduce = (reduce_scatter_seconds(cluster, group, traffic.end_reduce)
+              + reduce_scatter_seconds(cluster, egroup, experts.end_reduce))
+    first = all_gather_seconds(cluster, group, edge) if gather else 0.0
+    return first + max(0.0, gather - first - forward) + reduce, gather + reduce
 
 
 def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:

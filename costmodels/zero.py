@@ -116,4 +116,5 @@ def dp_traffic(config: Config, *, param_bytes: int, grad_bytes: int) -> DataPara
     the TP-local parameter and gradient sizes in the communicated dtypes."""
     if shard_ranks(config) == 1:
         return DataParallelTraffic()
-    return rules_of(config.engine).traffic(config.zero, param_bytes=param_bytes, grad_bytes=grad_bytes)
+    return rules_of(config.engine).traffic(config.zero, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                                           pipelined=config.pp > 1)

@@ -26,6 +26,19 @@ class DataParallelTraffic:
     optimizer)."""
     step_gather: int = 0
     """Updated parameters all-gathered after the optimizer step (ZeRO-1/2)."""
+    first_forward_gather: int = 0
+    """Parameters all-gathered once per step, in the first micro-batch's forward, and kept gathered until the last
+    backward (FSDP2 under torch's pipelining)."""
+    end_reduce: int = 0
+    """Gradients reduce-scattered once per step, after the last micro-batch's backward (FSDP2 under torch's
+    pipelining: nothing left to overlap them with)."""
+
+    def per_step(self, micro_batches: int) -> tuple[int, int]:
+        """(gathered, reduced) bytes of one step of `micro_batches` micro-batches (full-buffer sizes)."""
+        gathered = micro_batches * (self.forward_gather + self.backward_gather) + self.step_gather + \
+            self.first_forward_gather
+        reduced = micro_batches * self.backward_reduce + self.step_allreduce + self.step_reduce + self.end_reduce
+        return gathered, reduced
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +158,16 @@ class EngineRules:
     fail)."""
     quantized_base: bool = False
     """Runs a bitsandbytes-quantized (packed) base as fitplan prices it (whole on every rank)."""
+    transformer_engine: bool = False
+    """Runs Transformer Engine's modules: fused fp8 casts with cached fp8 weights (`fp8.te_cast_bytes`), cuDNN's
+    fused attention from Hopper on, and their tensor-parallel overlap (`tensor_parallel`)."""
+    fetches_per_module: bool = False
+    """Gathers sharded parameters module by module just before use, prefetching a bounded number of elements ahead,
+    and reduce-scatters each module's gradients after its backward (DeepSpeed ZeRO-3: `prefetch`)."""
+    syncs_once_when_pipelined: bool = False
+    """Under a pipeline schedule its sharded parameters are gathered once per step and its gradients
+    reduce-scattered once, after the last backward, instead of per micro-batch (torch's pipelining drives FSDP2
+    so)."""
 
     def sharded(self, stage: int) -> tuple[bool, bool, bool]:
         """Whether (parameters, gradients, optimizer states) are split over the data-parallel ranks."""
@@ -156,10 +179,13 @@ class EngineRules:
     def compiles(self, stage: int) -> bool:
         return stage in self.compile_stages
 
-    def traffic(self, stage: int, *, param_bytes: int, grad_bytes: int) -> DataParallelTraffic:
+    def traffic(self, stage: int, *, param_bytes: int, grad_bytes: int,
+                pipelined: bool = False) -> DataParallelTraffic:
         """Full-buffer sizes of each data-parallel collective; `param_bytes`/`grad_bytes` are the TP-local
-        parameter and gradient sizes in the communicated dtypes."""
+        parameter and gradient sizes in the communicated dtypes (those of one pipeline rank when `pipelined`)."""
         params, grads, _ = self.sharded(stage)
+        if params and pipelined and self.syncs_once_when_pipelined:
+            return DataParallelTraffic(first_forward_gather=param_bytes, end_reduce=grad_bytes)
         if params:  # gathered per use, gradients reduce-scattered per micro-batch
             return DataParallelTraffic(forward_gather=param_bytes,
                                        backward_gather=param_bytes if self.reshards(stage) else 0,

@@ -57,4 +57,7 @@ RULES = EngineRules(
     # Its own fused Adam steps the flat partition after backward (no per-parameter hook path).
     own_fused_optimizer=True, bucketed_reduce_stages=(2,), host_buffer_factor=OFFLOAD_HOST_BUFFER_FACTOR,
     # No launcher fitplan emits runs DeepSpeed's own PipelineEngine (which needs a PipelineModule of the model).
+    # ZeRO-3's PartitionedParameterCoordinator.fetch_sub_module: one all-gather per module, prefetching up to
+    # stage3_prefetch_bucket_size elements ahead (`prefetch`).
+    fetches_per_module=True,
 )

@@ -45,4 +45,9 @@ RULES = EngineRules(
     # torchtitan 0.3.0 keeps FSDP2 parameters gathered through forward and backward under PP
     # (fsdp_reshard_after_forward "default" = False with pipeline parallelism: parallelize.py).
     pipeline_stages=(2,),
+    # torch 2.13 torch/distributed/pipelining/stage.py: every micro-batch's backward runs with
+    # set_requires_gradient_sync(False) and set_reshard_after_backward(False) (`backward_maybe_with_nosync`), and
+    # the schedule's REDUCE_GRAD action (`perform_reduce_grad`, after the last backward) runs each param group's
+    # post_backward: one reduce-scatter per step; the parameters stay gathered from the first forward until then.
+    syncs_once_when_pipelined=True,
 )

@@ -54,4 +54,7 @@ RULES = EngineRules(
     bf16_state_optimizer_stages=(1,),
     # megatron-core's pipeline schedules run with either optimizer (schedules.py).
     pipeline_stages=(0, 1),
+    # Megatron-LM's default --transformer-impl is transformer_engine (arguments.py, core_v0.16.1): its layers are
+    # TE's modules (megatron/core/extensions/transformer_engine.py).
+    transformer_engine=True,
 )

@@ -11,6 +11,7 @@ from costmodels.collectives import (
     INTRA_NODE_LATENCY,
     LINK_EFFICIENCY,
     all_gather_seconds,
+    all_reduce_seconds,
     dp_group,
     reduce_scatter_seconds,
     tp_group,
@@ -35,9 +36,19 @@ def test_a_group_across_nodes_uses_its_ranks_nics_capped_by_nvlink(gpus, tp, per
     group = dp_group(cluster, tp=tp, dp=cluster.world_size // tp)
     assert group.spans_nodes and group.per_node == per_node
     rate = min(cluster.gpu.intra_node_bandwidth, per_node * cluster.inter_node_bandwidth) * LINK_EFFICIENCY
-    n = group.size
-    expected = (n - 1) / n * SIZE / rate + (n - 1) * INTER_NODE_LATENCY
+    n, nodes = group.size, group.size // per_node
+    # a ring node by node: nodes - 1 network hops, the rest NVLink
+    expected = (n - 1) / n * SIZE / rate + (nodes - 1) * INTER_NODE_LATENCY + (n - nodes) * INTRA_NODE_LATENCY
     assert all_gather_seconds(cluster, group, SIZE) == pytest.approx(expected, rel=1e-9)
+
+
+def test_two_nodes_of_one_gpu_all_reduce_at_the_measured_latency():
+    """nccl-tests all_reduce_perf, 8 bytes, two A100 nodes of one GPU each over HDR InfiniBand: 19.90 us (the
+    source of INTER_NODE_LATENCY); and 8 NVSwitch GPUs of one node: 12.49 us (INTRA_NODE_LATENCY's)."""
+    two = parse_cluster("2x1xA100")
+    assert all_reduce_seconds(two, dp_group(two, tp=1, dp=2), 8) == pytest.approx(19.90e-6, rel=1e-3)
+    one = parse_cluster("8xH100")
+    assert all_reduce_seconds(one, dp_group(one, tp=1, dp=8), 8) == pytest.approx(12.49e-6, rel=1e-3)
 
 
 def test_tensor_parallelism_beyond_a_node_spans_whole_nodes():
