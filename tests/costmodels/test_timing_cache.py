@@ -31,15 +31,19 @@ STATES = [dict(dp=16, engine=Engine.DEEPSPEED, zero=2, optimizer_offload=Offload
           dict(dp=1, optimizer=Optimizer.PAGED_ADAMW_8BIT), dict(dp=1, optimizer_in_backward=True)]
 
 
+# Config properties computed from fields (`Config.shard_ranks` is dp x cp): reading one reads those fields.
+PROPERTIES = {"shard_ranks": ("dp", "cp"), "world_size": ("tp", "cp", "pp", "dp")}
+
+
 class _Recorder:
-    """A configuration that records which fields are read."""
+    """A configuration that records which fields are read (a property as the fields it is computed from)."""
 
     def __init__(self, config: Config, read: set[str]) -> None:
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_read", read)
 
     def __getattr__(self, name: str) -> object:
-        self._read.add(name)
+        self._read.update(PROPERTIES.get(name, (name,)))
         return getattr(self._config, name)
 
 
