@@ -224,21 +224,7 @@ def train_pipeline(args, device, cuda):
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     mine = [s for s, r in enumerate(pipe["stage_ranks"]) if r == pp_rank]
     last = len(pipe["split"]) - 1
-    torch.manual_seed(0)
-    built = {s: stage_model(args, s, device) for s in mine}
-    for model, _, _ in built.values() if d["tp"] > 1 else ():
-        apply_tensor_parallel(model, mesh["tp"])  # from tensor-parallel rank 0's weights (src_data_rank=0)
-    sync_tied, tied_copy = tie_stages(built, pp_rank, pair_group)
-    modules = []
-    for s, (model, layers, start) in built.items():
-        apply_checkpointing(model, layers, d["checkpoint"][start:start + len(layers)])
-        if d["compile"]:
-            for layer in layers:
-                layer.compile()
-        module = StageModule(model, first=s == 0, last=s == last).train()
-        if d["dp"] > 1 and not pipe["split_backward"]:
-            module = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
-        modules.append(module)
+    built, modules, (sync_tied, tied_copy) = stage_modules(args, device, mesh, pair_group, mine)
     stages = [PipelineStage(module, s, len(pipe["split"]), device, group=mesh["pp"].get_group())
               for s, module in zip(mine, modules, strict=True)]
     vocab = built[mine[0]][0].config.vocab_size
@@ -287,6 +273,29 @@ def train_pipeline(args, device, cuda):
     if args.report:
         report_pipeline(args, modules, optimizer, held, mine, {"step_seconds": seconds, "grad_norms": norms,
                                                                 "learning_rates": lrs, "losses": step_losses})
+
+
+def stage_modules(args, device, mesh, pair_group, mine):
+    """This rank's stages built (from rank 0's weights under tensor parallelism), their tied weights joined across
+    stages, checkpointed, compiled and wrapped: the built parts, the stage modules, and the tying's hooks."""
+    d, pipe = PLAN["decisions"], PLAN["pipeline"]
+    last = len(pipe["split"]) - 1
+    torch.manual_seed(0)
+    built = {s: stage_model(args, s, device) for s in mine}
+    for model, _, _ in built.values() if d["tp"] > 1 else ():
+        apply_tensor_parallel(model, mesh["tp"])  # from tensor-parallel rank 0's weights (src_data_rank=0)
+    tying = tie_stages(built, mesh["pp"].get_local_rank(), pair_group)
+    modules = []
+    for s, (model, layers, start) in built.items():
+        apply_checkpointing(model, layers, d["checkpoint"][start:start + len(layers)])
+        if d["compile"]:
+            for layer in layers:
+                layer.compile()
+        module = StageModule(model, first=s == 0, last=s == last).train()
+        if d["dp"] > 1 and not pipe["split_backward"]:
+            module = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
+        modules.append(module)
+    return built, modules, tying
 
 
 def average_gradients(params, group):

@@ -1,8 +1,8 @@
 # fitplan: template only
 """`main` of the emitted training script: the process group, the model built and wrapped as the plan decides, and
 the training loop with its report. The last part of train_fitplan.py."""
-# ANN201: emitted script code, without annotations (see this package's docstring).
-# ruff: noqa: ANN201
+# ANN001, ANN201: emitted script code, without annotations (see this package's docstring).
+# ruff: noqa: ANN001, ANN201
 
 import contextlib
 import json
@@ -45,7 +45,6 @@ def main():
     d = PLAN["decisions"]
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -53,11 +52,19 @@ def main():
         torch.backends.cudnn.allow_tf32 = d["precision"] == "tf32"
     if d["pp"] > 1:
         train_pipeline(args, device, cuda)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
+    else:
+        model, vocab, offload = prepared_model(args, device, cuda)
+        train(args, model, vocab, offload, device, cuda)
+    dist.barrier()  # no rank tears its process group down while another still talks to it
+    dist.destroy_process_group()
+
+
+def prepared_model(args, device, cuda):
+    """The model as the plan runs it: built, patched (Liger, chunked loss, offload), checkpointed, converted to
+    fp8, tensor-parallel, sharded or wrapped, compiled; with its vocabulary size and the offloading hooks."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    d = PLAN["decisions"]
     mesh = init_device_mesh("cuda" if cuda else "cpu", (d["dp"], d["tp"]), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = build(args, device)
@@ -84,6 +91,13 @@ def main():
     if d["compile"]:
         for layer in decoder_layers(model):  # per block, as torchtitan compiles
             layer.compile()
+    return model, vocab, offload
+
+
+def train(args, model, vocab, offload, device, cuda):
+    """The training loop: accumulation, loss scaling, clipping, the optimizer step; with --report, one JSON per
+    rank of its bytes, peaks and step times."""
+    d = PLAN["decisions"]
     optimizer = optimizer_for(model, args.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     scaler = loss_scaler(device)
@@ -109,40 +123,52 @@ def main():
                 (scaler.scale(loss) if scaler else loss).backward()
         params = sum(local_bytes(p) for p in model.parameters())
         grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        if scaler:
-            scaler.unscale_(optimizer)  # clip the true gradients
         lrs.append(optimizer.param_groups[0]["lr"])
-        if args.max_grad_norm > 0 and not d.get("optimizer_in_backward"):  # no gradient is left to clip
-            norms.append(clip_gradients(model, args.max_grad_norm))
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        norms += optimizer_step(args, model, optimizer, scaler)
         warmup.step()
-        optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
-        if rank == 0:
+        if dist.get_rank() == 0:
             print(f"step {step + 1}: loss {loss.item() * d['grad_accum']:.4f}", flush=True)
+    if args.report:
+        report(args, optimizer, scaler, cuda, {"param_bytes": params, "grad_bytes": grads,
+                                              "saved_activation_bytes": saved[0],
+                                              "offloaded_activation_bytes": offloaded, "step_seconds": seconds,
+                                              "grad_norms": norms, "learning_rates": lrs})
+
+
+def optimizer_step(args, model, optimizer, scaler):
+    """Unscale, clip (its norm returned in a list, empty when not clipped) and step, then free the gradients."""
+    norms = []
+    if scaler:
+        scaler.unscale_(optimizer)  # clip the true gradients
+    if args.max_grad_norm > 0 and not PLAN["decisions"].get("optimizer_in_backward"):  # none left to clip
+        norms.append(clip_gradients(model, args.max_grad_norm))
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+def report(args, optimizer, scaler, cuda, measured):
+    """This rank's JSON report: what the loop measured, the optimizer states' bytes and the memory peaks."""
     # `step` counters count as device state where the implementation keeps them there (fused AdamW); the
     # foreach kernels keep them on the host (torch `_get_scalar_dtype`, capturable=False).
     on_device = bool(optimizer.defaults.get("fused"))
     states = sum(local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
                  if torch.is_tensor(v) and (k != "step" or on_device))
-    if args.report:
-        os.makedirs(args.report, exist_ok=True)
-        with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
-            json.dump({"rank": rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": states,
-                       "saved_activation_bytes": saved[0], "offloaded_activation_bytes": offloaded,
-                       "step_seconds": seconds, "grad_norms": norms,
-                       "learning_rates": lrs, "loss_scale": scaler.get_scale() if scaler else None,
-                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                       "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                       "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}, handle)
-    dist.barrier()  # no rank tears its process group down while another still talks to it
-    dist.destroy_process_group()
+    rank = dist.get_rank()
+    os.makedirs(args.report, exist_ok=True)
+    with open(os.path.join(args.report, f"rank{rank}.json"), "w") as handle:
+        json.dump({"rank": rank, **measured, "optimizer_bytes": states,
+                   "loss_scale": scaler.get_scale() if scaler else None,
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                   "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}, handle)
 
 
 if __name__ == "__main__":
