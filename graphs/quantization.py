@@ -175,15 +175,33 @@ def _peft_dequantize(original: Any) -> Any:
 
 
 @contextlib.contextmanager
+def _autocast_seen_as_on_the_gpu() -> Iterator[None]:
+    """PEFT's 4-bit adapters ask `torch.is_autocast_enabled()` (no device: CUDA's autocast) whether to cast each
+    input to the adapters' dtype and the output back (peft 0.21 tuners/lora/bnb.py `requires_conversion`). A GPU
+    run under autocast answers yes and skips both casts; the trace runs CPU autocast in its place, so the question
+    without a device is answered for the CPU."""
+    original = torch.is_autocast_enabled
+
+    def is_autocast_enabled(*args: Any, **kwargs: Any) -> bool:
+        return original(*args, **kwargs) if args or kwargs else original("cpu")
+
+    torch.is_autocast_enabled = is_autocast_enabled
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = original
+
+
+@contextlib.contextmanager
 def dequantizing() -> Iterator[None]:
-    """Trace bitsandbytes 4-bit layers as they run on a GPU in training (see the two quirks above). Enter it
-    inside the recorder so that the recorder sees the dequantization ops."""
+    """Trace bitsandbytes 4-bit layers and their PEFT adapters as they run on a GPU in training (see the three
+    quirks above). Enter it inside the recorder so that the recorder sees the dequantization ops."""
     import peft.tuners.lora.dora as dora
 
     original = dora.dequantize_module_weight
     dora.dequantize_module_weight = _peft_dequantize(original)
     try:
-        with _DequantizeThenMatmul():
+        with _DequantizeThenMatmul(), _autocast_seen_as_on_the_gpu():
             yield
     finally:
         dora.dequantize_module_weight = original

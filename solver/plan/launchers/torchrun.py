@@ -60,9 +60,17 @@ def on_meta():
     return d["engine"] == "fsdp2" and not d["lora"]
 
 
+# The 16-bit dtype each mixed precision computes in (autocast's under DDP, FSDP2's param_dtype).
+MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}
+
+
 def model_kwargs():
+    """Trained weights stay fp32 under mixed precision (the masters autocast and FSDP2 cast per use); a LoRA base is
+    frozen, with no master to keep, so it loads in the 16-bit compute dtype, as the plan prices it."""
     d = PLAN["decisions"]
-    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32  # masters stay fp32 when mixed
+    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32
+    if d["lora"]:
+        weights = MIXED.get(d["precision"], weights)
     return {"dtype": weights, "attn_implementation": d["attention"]}
 
 
@@ -84,8 +92,11 @@ def build(args, device):
 
         lora = d["lora"]
         targets = "all-linear" if lora["targets"] == ["all-linear"] else lora["targets"]
+        # fp32 adapters under mixed precision (PEFT's default upcast), whose fp32 masters autocast or FSDP2 cast per
+        # use; pure bf16 trains them in bf16, as it does every other weight.
         model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
-                                                 lora_dropout=lora["dropout"], task_type="CAUSAL_LM"))
+                                                 lora_dropout=lora["dropout"], task_type="CAUSAL_LM"),
+                               autocast_adapter_dtype=d["precision"] in MIXED)
     return model.to(device)
 
 
@@ -278,7 +289,7 @@ def apply_fsdp(model, mesh):
     from torch.distributed.tensor import DTensor, Shard
 
     d = PLAN["decisions"]
-    half = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "fp16-mixed": torch.float16}.get(d["precision"])
+    half = MIXED.get(d["precision"])
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
     # Pinned host memory needs an accelerator; a CPU (gloo) run offloads to plain memory.
     cpu = d["param_offload"] != "none"
@@ -505,7 +516,7 @@ def main():
     optimizer = optimizer_for(model, args.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     scaler = loss_scaler(device)
-    half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
+    half = MIXED.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
     data = batches(vocab, args, device)
     saved, offloaded, seconds, norms, lrs = [0], None, [], [], []
