@@ -34,8 +34,9 @@ def bnb_config(quantization: Quantization, *, double_quant: bool, compute_dtype:
 
 def quantize_linears(model: torch.nn.Module, quantization: Quantization, *, double_quant: bool) -> int:
     """Swap the model's linear layers for bitsandbytes layers on the meta device, as transformers' bnb quantizer
-    does before loading weights; returns how many were swapped. Weights stay plain (N, K) meta parameters until
-    `pack` (bitsandbytes' Params4bit cannot be deep-copied on meta, which the trace model needs)."""
+    does before loading weights; returns how many were swapped, and refuses a model where none would be. Weights
+    stay plain (N, K) meta parameters until `pack` (bitsandbytes' Params4bit cannot be deep-copied on meta, which
+    the trace model needs)."""
     import bitsandbytes as bnb
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import HfQuantizer
@@ -60,9 +61,28 @@ def quantize_linears(model: torch.nn.Module, quantization: Quantization, *, doub
                 module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=model.dtype),
                                                  requires_grad=False)
             swapped += 1
+    if swapped == 0:
+        raise _nothing_quantized(model)
     # transformers' quantizer marks the model so that PEFT dispatches its bitsandbytes adapters (lora.bnb).
     model.is_loaded_in_4bit = True
     return swapped
+
+
+def _nothing_quantized(model: torch.nn.Module) -> UnsupportedModel:
+    """transformers 5.24's `replace_with_bnb_linear` swaps only modules whose type is exactly `nn.Linear` (or
+    Conv1D): a model whose linear layers subclass it (Falcon's FalconLinear) loads with `load_in_4bit` and every
+    weight still 16-bit, with only a log line, and PEFT wraps those layers with its plain 16-bit adapters."""
+    import transformers
+
+    classes = sorted({type(m).__name__ for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear})
+    layers = f"its linear layers are {', '.join(classes)}, subclasses of nn.Linear" if classes else \
+        "it has no nn.Linear layer outside the skipped ones"
+    return UnsupportedModel(
+        f"{type(model).__name__} cannot be loaded in 4 bits: transformers {transformers.__version__} "
+        f"(replace_with_bnb_linear) quantizes only layers that are exactly torch.nn.Linear, and {layers}. "
+        "A QLoRA run of it would train LoRA over its 16-bit weights.",
+        "Plan 16-bit LoRA for this model (drop --lora-quantization).")
 
 
 def _prime_code_tables() -> None:

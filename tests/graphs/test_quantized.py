@@ -217,6 +217,23 @@ def test_model_states_hold_the_packed_base_weights(qlora_graph, engine, dp, zero
         assert packed + rest // dp <= params <= packed + rest // dp + 2 * 128 * len(qlora_graph.params())
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt2", "falcon"])
+def test_quantized_weights_are_those_transformers_and_bitsandbytes_quantize(arch, tmp_path):
+    # transformers' from_pretrained(quantization_config=...) swaps exact nn.Linear (and GPT-2's Conv1D) layers
+    # only: Falcon's FalconLinear subclass stays 16-bit with a log line. The lowering quantizes the same weights,
+    # and refuses a model where the real load quantizes none.
+    values = tiny_values(arch)
+    real = _real_model(_save_checkpoint(tmp_path / "checkpoint", values), QLORA).base_model.model
+    quantized = {f"{name}.weight" for name, module in real.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    folder = str(write_config(tmp_path / "config", values))
+    if not quantized:
+        with pytest.raises(UnsupportedModel, match=r"exactly torch\.nn\.Linear"):
+            lower(folder, lora=QLORA, use_cache=False)
+        return
+    graph = lower(folder, lora=QLORA, use_cache=False)
+    assert {p.name for p in graph.params() if p.quantized} == quantized
+
+
 def test_int8_bases_are_refused_by_the_lowering(folder):
     with pytest.raises(UnsupportedModel, match="int8"):
         lower(str(folder), lora=LoraSpec(quantization="int8"), use_cache=False)
