@@ -17,7 +17,7 @@ from .engines import UnitBytes, rules_of
 from .expert_parallel import with_dispatch
 from .loss import loss_terms
 from .optimizer_in_backward import in_backward_timeline
-from .overhead import reserved_bytes, runtime_overhead
+from .overhead import fragmentation_risk_bytes, reserved_bytes, runtime_overhead
 from .states import model_states
 from .terms import MemoryTerms, ModelStates
 from .zero import local_elements, persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
@@ -128,12 +128,14 @@ def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, co
     temporary = allocated - states.params - grads - states.master - states.optimizer - peak.activations
     overhead = runtime_overhead(cluster, config)
     reserved = reserved_bytes(allocated, config.expandable_segments)
+    risk = fragmentation_risk_bytes(allocated, config.expandable_segments)
     cpu, nvme = offload_bytes(cluster, config, states)
     cpu += activation_host_bytes(graph, cluster, workload, config)
     return MemoryBreakdown(parameters=states.params, gradients=grads, optimizer_states=states.master + states.optimizer,
                            activations=peak.activations, temporary=temporary, allocated_peak=allocated,
                            reserved_peak=reserved, overhead=overhead, device_peak=reserved + overhead,
-                           peak_at=peak.at, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme)
+                           peak_at=peak.at, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                           fragmentation_risk=risk)
 
 
 def activation_host_bytes(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> int:
