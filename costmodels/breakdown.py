@@ -34,6 +34,9 @@ class MemoryBreakdown:
     """Host RAM that offloaded states need on each node (pinned buffers included)."""
     nvme_bytes_per_node: int = 0
     """NVMe space that offloaded states need on each node."""
+    fragmentation_risk: int = 0
+    """Bytes above `reserved_peak` the classic allocator's fragmentation may take (up to the worst replayed step's,
+    `overhead.fragmentation_risk_bytes`); 0 with expandable segments."""
 
     def __post_init__(self) -> None:
         parts = self.parameters + self.gradients + self.optimizer_states + self.activations + self.temporary

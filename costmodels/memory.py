@@ -4,6 +4,7 @@ runtime overhead outside PyTorch's allocator."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
 
@@ -17,10 +18,16 @@ from .engines import UnitBytes, rules_of
 from .expert_parallel import with_dispatch
 from .loss import loss_terms
 from .optimizer_in_backward import in_backward_timeline
-from .overhead import reserved_bytes, runtime_overhead
+from .overhead import fragmentation_risk_bytes, reserved_bytes, runtime_overhead
 from .states import model_states
 from .terms import MemoryTerms, ModelStates
-from .zero import local_elements, persistence_threshold, prefetch_bucket_elements, reduce_bucket_elements
+from .zero import (
+    local_elements,
+    persistence_threshold,
+    prefetch_bucket_elements,
+    reduce_bucket_elements,
+    shard_ranks,
+)
 
 
 def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> MemoryTerms:
@@ -32,6 +39,7 @@ def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> Memor
     if config.optimizer_in_backward:
         terms = in_backward_timeline(graph, config, terms)
     terms = loss_terms(graph, config, terms, config.loss, seq_len=workload.seq_len)
+    terms = landed_grads(graph, config, terms)  # after the loss's own head node, whose weight gradient lands too
     terms = context_parallel.cp_terms(graph, config, terms, b=config.micro_batch, s_local=workload.seq_len)
     if config.activation_offload:
         terms = offload_terms(terms)
@@ -62,6 +70,26 @@ def _plain_terms(graph: LayerGraph, workload: Workload, config: Config) -> Memor
     return MemoryTerms(states=states, start=start, forward_only=forward_only, nodes=tuple(nodes),
                        names=tuple(layer.name for layer in graph.nodes()),
                        extra=tuple(engine_buffers(graph, config)), walks=tuple(walks))
+
+
+def landed_grads(graph: LayerGraph, config: Config, terms: MemoryTerms) -> MemoryTerms:
+    """`terms` where gradients land sharded (`EngineRules.grads_land_sharded`, FSDP2): each node's backward leaves
+    its reduce-scattered shard in the reduce dtype instead of the unsharded gradients it traced, which are freed
+    once reduced (its handed-off peak, with the engine's unsharded-gradient buffer)."""
+    if not rules_of(config.engine).grads_land_sharded:
+        return terms
+    reduce = precision.reduce_itemsize(config.precision, config.engine, config.optimizer)
+    shards: dict[object, int] = {}  # layers of one kind hold the same shard
+    for layer in graph.nodes():
+        key = layer.kind if layer.role is Role.DECODER else layer.name
+        if key not in shards:
+            shards[key] = reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp,
+                                                  dp=shard_ranks(config), engine=config.engine, sharded=True,
+                                                  ep=config.ep)
+    keys = [layer.kind if layer.role is Role.DECODER else layer.name for layer in graph.nodes()]
+    nodes = tuple(tuple((mode, replace(node, grads=shards[key], bwd_peak_fresh=node.bwd_peak))
+                        for mode, node in options) for key, options in zip(keys, terms.nodes, strict=True))
+    return replace(terms, nodes=nodes)
 
 
 def allocated_peak(terms: MemoryTerms, modes: tuple[Checkpoint, ...]) -> tuple[int, Peak, int]:
@@ -128,12 +156,14 @@ def memory_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, co
     temporary = allocated - states.params - grads - states.master - states.optimizer - peak.activations
     overhead = runtime_overhead(cluster, config)
     reserved = reserved_bytes(allocated, config.expandable_segments)
+    risk = fragmentation_risk_bytes(allocated, config.expandable_segments)
     cpu, nvme = offload_bytes(cluster, config, states)
     cpu += activation_host_bytes(graph, cluster, workload, config)
     return MemoryBreakdown(parameters=states.params, gradients=grads, optimizer_states=states.master + states.optimizer,
                            activations=peak.activations, temporary=temporary, allocated_peak=allocated,
                            reserved_peak=reserved, overhead=overhead, device_peak=reserved + overhead,
-                           peak_at=peak.at, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme)
+                           peak_at=peak.at, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                           fragmentation_risk=risk)
 
 
 def activation_host_bytes(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> int:

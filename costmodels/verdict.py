@@ -4,7 +4,8 @@ A configuration fits when its device peak (allocator reservation plus context, N
 the GPU's memory less a headroom fraction, floored to whole bytes, and its offloaded states fit the host. The solver
 states the same rule as a budget on the allocated peak (`memory_budget`): the allocator's reservation never
 decreases as the allocated peak grows, so "allocated <= budget" and "device peak <= usable" accept the same
-configurations.
+configurations. Under the classic allocator a fitting configuration is "at risk" when the worst fragmentation seen
+in replayed steps would take it past the usable memory: a stated risk, not a refusal.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Verdict:
     """Host RAM per node, or None when only device memory was checked."""
     nvme_missing: bool = False
     """States are offloaded to NVMe on a cluster without NVMe."""
+    risk_peak: int = 0
+    """The device peak with the worst fragmentation replayed steps showed (classic allocator), else `device_peak`."""
 
     @property
     def margin(self) -> int:
@@ -52,6 +55,11 @@ class Verdict:
     @property
     def device_fits(self) -> bool:
         return self.device_peak <= self.usable
+
+    @property
+    def at_risk(self) -> bool:
+        """It fits, but the classic allocator's worst replayed fragmentation would not."""
+        return self.fits and self.risk_peak > self.usable
 
     @property
     def sentence(self) -> str:
@@ -66,6 +74,9 @@ class Verdict:
                      f"{self.host_available / GIB:.1f} GiB available")
         if self.nvme_missing:
             text += "; states offloaded to NVMe but the cluster has no NVMe"
+        if self.at_risk:
+            text += (f"; at risk: with the classic allocator's worst replayed fragmentation the device peak would be "
+                     f"{self.risk_peak / GIB:.2f} GiB (expandable segments remove that risk)")
         return text
 
 
@@ -98,10 +109,12 @@ def fits(memory: Estimate | MemoryBreakdown, cluster: Cluster | int, headroom: f
     capacity = cluster if isinstance(cluster, int) else cluster.gpu.memory_bytes
     usable = usable_bytes(capacity, headroom)
     device_ok = breakdown.device_peak <= usable
+    risk = breakdown.device_peak + breakdown.fragmentation_risk
     if isinstance(cluster, int):
         return Verdict(fits=device_ok, device_peak=breakdown.device_peak, capacity=capacity, headroom=headroom,
-                       usable=usable)
+                       usable=usable, risk_peak=risk)
     cpu, nvme = breakdown.cpu_bytes_per_node, breakdown.nvme_bytes_per_node
     return Verdict(fits=device_ok and host_fits(cpu, nvme, cluster), device_peak=breakdown.device_peak,
                    capacity=capacity, headroom=headroom, usable=usable, host_needed=cpu,
-                   host_available=cluster.cpu_ram_per_node, nvme_missing=nvme > 0 and cluster.nvme_bandwidth <= 0)
+                   host_available=cluster.cpu_ram_per_node, nvme_missing=nvme > 0 and cluster.nvme_bandwidth <= 0,
+                   risk_peak=risk)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .graph import LayerGraph
 
 # Bump when the lowering's output changes meaning, so stale entries are ignored.
-FORMAT_VERSION = 11  # 11: compiled lowerings (variants), with the eager trace's work
+FORMAT_VERSION = 12  # 12: LoRA adapters in the dtype the runtime trains them in (fp32 under autocast)
 
 
 def cache_dir() -> Path:

@@ -12,19 +12,22 @@ from .errors import FitplanError
 if TYPE_CHECKING:
     import torch
 
-def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
-    """Inject adapters in place (PEFT `inject_adapter_in_model` semantics) and freeze everything else.
+def apply_lora(model: torch.nn.Module, spec: LoraSpec, *, autocast: bool) -> torch.nn.Module:
+    """Inject adapters in place (PEFT `get_peft_model`) and freeze everything else, in the dtype the runtime trains
+    them in.
 
-    The adapters take the base layer's dtype. PEFT's default (`autocast_adapter_dtype=True`) upcasts them to
-    fp32, but the runtimes that train in 16 bits run them in 16 bits: DeepSpeed casts the whole module
-    (`module.bfloat16()` under `bf16.enabled`) and FSDP2's `MixedPrecisionPolicy(param_dtype=bf16)` gathers every
-    parameter in bf16, so fp32 adapters would save fp32 copies of each adapted input that no real run keeps.
-    Under autocast (fp32 weights) both choices give fp32 adapters.
+    - Under torch.autocast (plain PyTorch mixed precision): PEFT's default, `autocast_adapter_dtype=True`, which
+      upcasts 16-bit adapters to fp32 (peft 0.21 tuners_utils `_cast_adapter_dtype`), as fitplan's torchrun script
+      and the HF/accelerate launchers (adapter_config.json read by `get_peft_model`) build them. PEFT then casts each
+      adapted layer's input to the adapters' fp32 (lora/layer.py `_cast_input_dtype`), and autocast casts it back
+      to 16 bits for lora_A's matmul: every adapted projection saves its own 16-bit copy of its input.
+    - Without autocast the engine runs the adapters in the base layer's 16 bits (DeepSpeed casts the whole module,
+      FSDP2's `MixedPrecisionPolicy(param_dtype=bf16)` gathers every parameter in bf16, pure bf16 builds them so).
     """
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(model, spec.peft_config(), autocast_adapter_dtype=False)
+        peft_model = get_peft_model(model, spec.peft_config(), autocast_adapter_dtype=autocast)
     except ValueError as err:
         raise FitplanError(f"LoRA targets {list(spec.targets)} do not fit this model: {err}",
                            "Use module names that exist in the model (e.g. q_proj,v_proj) or 'all-linear'.") from err

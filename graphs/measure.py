@@ -86,7 +86,8 @@ def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | No
 
     dims = dims_of(config)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    wide = _parts(config, dtype=dtype, attention=attention, lora=lora, layers=dims.layers, patch=patch)
+    wide = _parts(config, dtype=dtype, autocast=autocast, attention=attention, lora=lora, layers=dims.layers,
+                  patch=patch)
     kinds = layer_kinds(wide)
     layer_class = type(wide.layers[0]).__name__
     plan = dict(getattr(wide.model, "_tp_plan", None) or {})
@@ -99,8 +100,8 @@ def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | No
     probes = Probes(run(b0, s0), run(b0, 2 * s0), run(b0, 3 * s0), run(2 * b0, s0), None)
     tp_degrees = _tp_degrees(params, dims)
     if _clean(plan) and len(tp_degrees) > 1:
-        widened = _parts(widened_config(config, widen), dtype=dtype, attention=attention, lora=lora,
-                         layers=dims.layers, patch=patch)
+        widened = _parts(widened_config(config, widen), dtype=dtype, autocast=autocast, attention=attention,
+                         lora=lora, layers=dims.layers, patch=patch)
         if _matches_widening(widened, wide_params=params, factor=widen):
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
@@ -120,8 +121,8 @@ def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | No
                  versions=_versions(liger=patch is not None))
 
 
-def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | None, layers: int,
-           patch: Any = None) -> ModelParts:
+def _parts(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
+           layers: int, patch: Any = None) -> ModelParts:
     """The model to trace; `patch` (an ExitStack's enter_context) keeps Liger's patch on it while the study runs."""
     model = build_model(config, dtype=dtype, attention=attention)
     if lora is not None and lora.quantization is not None:
@@ -129,7 +130,7 @@ def _parts(config: Any, *, dtype: str, attention: str | None, lora: LoraSpec | N
 
         quantize_linears(model, lora.quantization, double_quant=lora.double_quant)
     if lora is not None:
-        model = apply_lora(model, lora)
+        model = apply_lora(model, lora, autocast=autocast is not None)
     if patch is not None:
         from .liger import liger_kernels
 

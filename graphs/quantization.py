@@ -34,8 +34,9 @@ def bnb_config(quantization: Quantization, *, double_quant: bool, compute_dtype:
 
 def quantize_linears(model: torch.nn.Module, quantization: Quantization, *, double_quant: bool) -> int:
     """Swap the model's linear layers for bitsandbytes layers on the meta device, as transformers' bnb quantizer
-    does before loading weights; returns how many were swapped. Weights stay plain (N, K) meta parameters until
-    `pack` (bitsandbytes' Params4bit cannot be deep-copied on meta, which the trace model needs)."""
+    does before loading weights; returns how many were swapped, and refuses a model where none would be. Weights
+    stay plain (N, K) meta parameters until `pack` (bitsandbytes' Params4bit cannot be deep-copied on meta, which
+    the trace model needs)."""
     import bitsandbytes as bnb
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import HfQuantizer
@@ -60,9 +61,28 @@ def quantize_linears(model: torch.nn.Module, quantization: Quantization, *, doub
                 module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=model.dtype),
                                                  requires_grad=False)
             swapped += 1
+    if swapped == 0:
+        raise _nothing_quantized(model)
     # transformers' quantizer marks the model so that PEFT dispatches its bitsandbytes adapters (lora.bnb).
     model.is_loaded_in_4bit = True
     return swapped
+
+
+def _nothing_quantized(model: torch.nn.Module) -> UnsupportedModel:
+    """transformers 5.24's `replace_with_bnb_linear` swaps only modules whose type is exactly `nn.Linear` (or
+    Conv1D): a model whose linear layers subclass it (Falcon's FalconLinear) loads with `load_in_4bit` and every
+    weight still 16-bit, with only a log line, and PEFT wraps those layers with its plain 16-bit adapters."""
+    import transformers
+
+    classes = sorted({type(m).__name__ for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear})
+    layers = f"its linear layers are {', '.join(classes)}, subclasses of nn.Linear" if classes else \
+        "it has no nn.Linear layer outside the skipped ones"
+    return UnsupportedModel(
+        f"{type(model).__name__} cannot be loaded in 4 bits: transformers {transformers.__version__} "
+        f"(replace_with_bnb_linear) quantizes only layers that are exactly torch.nn.Linear, and {layers}. "
+        "A QLoRA run of it would train LoRA over its 16-bit weights.",
+        "Plan 16-bit LoRA for this model (drop --lora-quantization).")
 
 
 def _prime_code_tables() -> None:
@@ -175,15 +195,33 @@ def _peft_dequantize(original: Any) -> Any:
 
 
 @contextlib.contextmanager
+def _autocast_seen_as_on_the_gpu() -> Iterator[None]:
+    """PEFT's 4-bit adapters ask `torch.is_autocast_enabled()` (no device: CUDA's autocast) whether to cast each
+    input to the adapters' dtype and the output back (peft 0.21 tuners/lora/bnb.py `requires_conversion`). A GPU
+    run under autocast answers yes and skips both casts; the trace runs CPU autocast in its place, so the question
+    without a device is answered for the CPU."""
+    original = torch.is_autocast_enabled
+
+    def is_autocast_enabled(*args: Any, **kwargs: Any) -> bool:
+        return original(*args, **kwargs) if args or kwargs else original("cpu")
+
+    torch.is_autocast_enabled = is_autocast_enabled
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = original
+
+
+@contextlib.contextmanager
 def dequantizing() -> Iterator[None]:
-    """Trace bitsandbytes 4-bit layers as they run on a GPU in training (see the two quirks above). Enter it
-    inside the recorder so that the recorder sees the dequantization ops."""
+    """Trace bitsandbytes 4-bit layers and their PEFT adapters as they run on a GPU in training (see the three
+    quirks above). Enter it inside the recorder so that the recorder sees the dequantization ops."""
     import peft.tuners.lora.dora as dora
 
     original = dora.dequantize_module_weight
     dora.dequantize_module_weight = _peft_dequantize(original)
     try:
-        with _DequantizeThenMatmul():
+        with _DequantizeThenMatmul(), _autocast_seen_as_on_the_gpu():
             yield
     finally:
         dora.dequantize_module_weight = original

@@ -150,6 +150,9 @@ class EngineRules:
     reduces_before_grad_hooks: bool = False
     """Its reduce-scatter runs before the post-accumulate-grad hooks (so an optimizer can step in backward on
     reduced, sharded gradients)."""
+    grads_land_sharded: bool = False
+    """A unit's gradients come into being as its reduce-scatter lands, sharded and in the reduce dtype, and the
+    unsharded ones backward produced are freed (FSDP2): a step's first backward holds none before that."""
     bf16_state_optimizer_stages: tuple[int, ...] = ()
     """Stages that run an Adam with bf16 moments and main gradients under bf16 mixed precision (Megatron's
     precision-aware optimizer: `Optimizer.ADAMW_BF16`)."""

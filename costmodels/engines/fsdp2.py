@@ -8,8 +8,10 @@ from .base import Buffers, EngineRules, GradientSizes, UnitBytes
 
 
 def gradients(stage: int, sizes: GradientSizes) -> tuple[int, int]:
-    """Sharded gradients in the reduce dtype (fp32 under mixed precision: MixedPrecisionPolicy reduce_dtype)."""
-    return sizes.partition * sizes.reduce_itemsize, 0
+    """Sharded gradients in the reduce dtype (fp32 under mixed precision: MixedPrecisionPolicy reduce_dtype). None
+    exists when a step's backward starts (the step's `zero_grad(set_to_none=True)` freed them): each unit's
+    appear as its reduce-scatter lands (`grads_land_sharded`), and later micro-batches accumulate into them."""
+    return 0, sizes.partition * sizes.reduce_itemsize
 
 
 def buffers(stage: int, units: UnitBytes) -> Buffers:
@@ -37,7 +39,7 @@ RULES = EngineRules(
     host_optimizer="adamw_torch", gradients=gradients, buffers=buffers,
     # FSDP2 reduce-scatters a unit's gradients before its post-accumulate-grad hooks run (torchtune's
     # optimizer-in-backward steps on the sharded, reduced gradient).
-    reduces_before_grad_hooks=True,
+    reduces_before_grad_hooks=True, grads_land_sharded=True,
     # bitsandbytes 0.50's optimizers on FSDP2's DTensor parameters: "optimizer_update_8bit_blockwise got mixed
     # torch.Tensor and DTensor" (8-bit, paged 8-bit), "optimizer_update_32bit does not have a sharding strategy
     # registered" (paged 32-bit): tests/costmodels/test_engine_rules.py runs them.

@@ -52,7 +52,8 @@ class EstimateReport:
         data["fits"] = self.fits
         data["device_capacity_bytes"] = self.capacity
         data["verdict"] = {"sentence": self.verdict.sentence, "headroom": self.verdict.headroom,
-                           "usable_bytes": self.verdict.usable, "margin_bytes": self.verdict.margin}
+                           "usable_bytes": self.verdict.usable, "margin_bytes": self.verdict.margin,
+                           "at_risk": self.verdict.at_risk, "risk_peak_bytes": self.verdict.risk_peak}
         return data
 
     def render(self, console: Console) -> None:

@@ -23,6 +23,7 @@ from costmodels.lowering import liger_lowering
 from costmodels.memory import memory_terms
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
+from costmodels.states import model_states
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
 from graphs.files import parse_json, read_text
 from graphs.lowering import lower_resolved
@@ -229,7 +230,9 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
                                    savers=config.loss is Loss.CHUNKED or config.activation_offload)
     rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
                 exact=cpu),
-            Row(name="gradients", measured=first["grad_bytes"], estimated=memory.gradients, unit="bytes", exact=cpu),
+            # what a backward leaves in .grad (not DDP's flat reduce buckets, nor the part landed by the peak)
+            Row(name="gradients", measured=first["grad_bytes"],
+                estimated=model_states(graph, config).accumulating_grads, unit="bytes", exact=cpu),
             Row(name="optimizer states", measured=first["optimizer_bytes"], estimated=memory.optimizer_states,
                 unit="bytes", exact=cpu),
             # the chunked loss also saves 0-dim scalars (each chunk's total_weight, the token count) fitplan omits

@@ -16,7 +16,7 @@ from solver.plan.capability import engine_label
 
 SCHEMA_VERSION = "2.3"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
 # megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
-# search's time apart from the lowering's)
+# search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 

@@ -4,6 +4,8 @@ shapes other than the ones its allowances were read from (overhead.py lists thos
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from benchmarks.allocator import HELD_OUT  # traced steps at other shapes than the allowances were read from
@@ -14,9 +16,17 @@ from costmodels.allocator import (
     segment_size,
     smallest_capacity,
 )
-from costmodels.overhead import EXPANDABLE_PAGES, EXPANDABLE_SLACK, PAGE, reserved_bytes
+from costmodels.overhead import (
+    EXPANDABLE_PAGES,
+    EXPANDABLE_SLACK,
+    FRAGMENTATION,
+    FRAGMENTATION_WORST,
+    PAGE,
+    fragmentation_risk_bytes,
+    reserved_bytes,
+)
 
-KIB, MIB = 2**10, 2**20
+KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 
 def allocations(*sizes: int) -> list[tuple[object, int | None]]:
@@ -98,8 +108,33 @@ def test_the_reservation_formula_holds_each_traced_step_with_expandable_segments
 @pytest.mark.slow
 def test_the_reservation_formula_holds_each_traced_step_with_classic_segments(traced):
     requested = replay(traced).requested
-    assert smallest_capacity(traced) <= reserved_bytes(requested, expandable=False)
-    assert reserved_bytes(requested, expandable=True) < reserved_bytes(requested, expandable=False)
+    need = smallest_capacity(traced)
+    priced = reserved_bytes(requested, expandable=False)
+    assert need <= priced
+    assert reserved_bytes(requested, expandable=True) < priced
+    # priced near what the step needs, not at the worst replay (which refused runs that ran): within 4% of the
+    # allocated peak above it (these steps need 3.5-4.8%); the risk band reaches the worst replay's allowance
+    assert priced - need <= 0.04 * requested
+    assert priced + fragmentation_risk_bytes(requested, expandable=False) >= requested * (1 + FRAGMENTATION_WORST)
+
+
+@pytest.mark.parametrize("expandable", [True, False])
+def test_a_plan_that_fits_but_not_with_the_worst_fragmentation_fits_at_risk(expandable):
+    from costmodels.breakdown import MemoryBreakdown
+    from costmodels.verdict import fits
+
+    allocated = 70 * GIB
+    reserved, risk = reserved_bytes(allocated, expandable), fragmentation_risk_bytes(allocated, expandable)
+    memory = MemoryBreakdown(parameters=allocated, gradients=0, optimizer_states=0, activations=0, temporary=0,
+                             allocated_peak=allocated, reserved_peak=reserved, overhead=0, device_peak=reserved,
+                             peak_at="backward layers.0", fragmentation_risk=risk)
+    capacity = reserved + 1  # headroom 0: it fits with one byte to spare
+    verdict = fits(memory, capacity, headroom=0.0)
+    assert verdict.fits and verdict.device_peak == reserved
+    assert verdict.at_risk is (not expandable)
+    assert verdict.risk_peak == reserved + (0 if expandable else math.ceil((FRAGMENTATION_WORST - FRAGMENTATION)
+                                                                           * allocated))
+    assert not fits(memory, reserved - 1, headroom=0.0).at_risk  # a refused plan is not "at risk": it does not fit
 
 
 @pytest.mark.parametrize("expandable", [True, False])

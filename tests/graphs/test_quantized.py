@@ -53,7 +53,9 @@ def checkpoint(tmp_path_factory, values):
     return _save_checkpoint(tmp_path_factory.mktemp("checkpoint"), values)
 
 
-def _real_model(checkpoint, spec: LoraSpec):
+def _real_model(checkpoint, spec: LoraSpec, *, fp32_adapters: bool = False):
+    """The model as transformers, bitsandbytes and PEFT build it; `fp32_adapters`: PEFT's default (what runs under
+    autocast), else the adapters in the base's bf16 (what engines that cast the module run)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -61,7 +63,7 @@ def _real_model(checkpoint, spec: LoraSpec):
         "quantization_config": bnb_config(spec.quantization, double_quant=spec.double_quant, compute_dtype="bfloat16")}
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map="cpu", **quantized)
     model.train()
-    return get_peft_model(model, spec.peft_config(), autocast_adapter_dtype=False)
+    return get_peft_model(model, spec.peft_config(), autocast_adapter_dtype=fp32_adapters)
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
@@ -158,10 +160,15 @@ def test_qlora_saved_activations_equal_a_real_step(qlora_graph, checkpoint):
     assert qlora_graph.node("layers.1").cost().saved(B, S) == saved[1]
 
 
-def test_qlora_under_autocast_equals_a_real_step(folder, checkpoint):
-    # HF Trainer with bf16=True runs the 4-bit model under autocast (what fitplan lowers for plain PyTorch).
+def test_qlora_under_autocast_equals_a_real_step(folder, checkpoint, monkeypatch):
+    # HF Trainer with bf16=True runs the 4-bit model under autocast (what fitplan lowers for plain PyTorch), with
+    # PEFT's default fp32 adapters. PEFT's 4-bit adapters skip their input and output casts when
+    # `torch.is_autocast_enabled()` (CUDA's autocast) is on, as it is on the GPU: the CPU run stands in for it.
     graph = lower(str(folder), lora=QLORA, autocast="bfloat16", use_cache=False)
-    real = _real_model(checkpoint, QLORA)
+    assert {p.itemsize for p in graph.params() if p.trainable} == {4}
+    real = _real_model(checkpoint, QLORA, fp32_adapters=True)
+    original = torch.is_autocast_enabled
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: original(*(args or ("cpu",))))
     torch.manual_seed(1)
     saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)), autocast=True)
     assert graph.node("layers.1").cost().saved(B, S) == saved[1]
@@ -208,6 +215,23 @@ def test_model_states_hold_the_packed_base_weights(qlora_graph, engine, dp, zero
         assert params == packed + rest
     else:
         assert packed + rest // dp <= params <= packed + rest // dp + 2 * 128 * len(qlora_graph.params())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt2", "falcon"])
+def test_quantized_weights_are_those_transformers_and_bitsandbytes_quantize(arch, tmp_path):
+    # transformers' from_pretrained(quantization_config=...) swaps exact nn.Linear (and GPT-2's Conv1D) layers
+    # only: Falcon's FalconLinear subclass stays 16-bit with a log line. The lowering quantizes the same weights,
+    # and refuses a model where the real load quantizes none.
+    values = tiny_values(arch)
+    real = _real_model(_save_checkpoint(tmp_path / "checkpoint", values), QLORA).base_model.model
+    quantized = {f"{name}.weight" for name, module in real.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    folder = str(write_config(tmp_path / "config", values))
+    if not quantized:
+        with pytest.raises(UnsupportedModel, match=r"exactly torch\.nn\.Linear"):
+            lower(folder, lora=QLORA, use_cache=False)
+        return
+    graph = lower(folder, lora=QLORA, use_cache=False)
+    assert {p.name for p in graph.params() if p.quantized} == quantized
 
 
 def test_int8_bases_are_refused_by_the_lowering(folder):

@@ -144,10 +144,10 @@ def test_lora_variants_reach_axolotls_peft_keys(emitted):
             assert config.get("bnb_config_kwargs") == ({"bnb_4bit_quant_type": lora.quantization,
                                                         "bnb_4bit_use_double_quant": lora.double_quant}
                                                        if quantized else None)
-            # PEFT's modules as traced: no axolotl Triton LoRA kernels, adapters in the base dtype
+            # PEFT's modules as traced: no axolotl Triton LoRA kernels, adapters in PEFT's default fp32
             assert not any(config[k] for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
                                                "lora_embedding_kernel"))
-            assert config["peft_autocast_adapter_dtype"] is False
+            assert config["peft_autocast_adapter_dtype"] is True
 
 
 @pytest.mark.parametrize(("knobs", "reason"), [

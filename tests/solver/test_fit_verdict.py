@@ -80,7 +80,7 @@ def test_the_budget_is_the_inverse_of_the_device_rule_byte_for_byte():
     usable = usable_bytes(capacity, DEFAULT_HEADROOM)
     budget = allocated_budget(usable, overhead)
     for allocated in (0, 1, budget - 2**21, budget - 1, budget, budget + 1, budget + 2**21, 2 * budget):
-        peak = SimpleNamespace(device_peak=reserved_bytes(allocated) + overhead)
+        peak = SimpleNamespace(device_peak=reserved_bytes(allocated) + overhead, fragmentation_risk=0)
         assert fits(peak, capacity, DEFAULT_HEADROOM).fits == (allocated <= budget), allocated
 
 
@@ -118,7 +118,7 @@ def test_estimate_rejects_a_headroom_outside_zero_to_one(bad):
 def test_verdict_checks_host_ram_as_the_solver_does():
     cluster = parse_cluster("1xA10G")
     memory = SimpleNamespace(device_peak=2**30, cpu_bytes_per_node=cluster.cpu_ram_per_node + 1,
-                             nvme_bytes_per_node=0)
+                             nvme_bytes_per_node=0, fragmentation_risk=0)
     verdict = fits(memory, cluster)
     assert verdict.device_fits and not verdict.fits
     assert "host RAM" in verdict.sentence and verdict.sentence.startswith("does NOT fit")

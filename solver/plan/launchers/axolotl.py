@@ -107,9 +107,9 @@ def _adapters(plan: Plan) -> dict[str, Any]:
         # passed to PEFT as given: "all-linear" is PEFT's own rule (every linear layer but the output head)
         "lora_target_modules": "all-linear" if list(lora.targets) == ["all-linear"] else list(lora.targets),
         "peft_use_dora": lora.use_dora, "peft_use_rslora": lora.use_rslora,
-        # the lowering prices adapters in the base layer's 16-bit dtype (graphs.lora.apply_lora); PEFT's default
-        # would upcast them to fp32
-        "peft_autocast_adapter_dtype": False,
+        # PEFT's default, fp32 adapters, as the lowering prices them under autocast (graphs.lora.apply_lora;
+        # DeepSpeed and FSDP2 run them in 16 bits either way)
+        "peft_autocast_adapter_dtype": True,
         # axolotl 0.19 swaps PEFT's LoRA forward for its own fused Triton kernels unless these are false
         # (schemas/config.py auto-enables them on one GPU, DDP and FSDP2); fitplan traced PEFT's modules
         **dict.fromkeys(LORA_KERNELS, False),

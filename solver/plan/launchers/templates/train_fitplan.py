@@ -61,9 +61,17 @@ def on_meta():
     return d["engine"] == "fsdp2" and not d["lora"]
 
 
+# The 16-bit dtype each mixed precision computes in (autocast's under DDP, FSDP2's param_dtype).
+MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}
+
+
 def model_kwargs():
+    """Trained weights stay fp32 under mixed precision (the masters autocast and FSDP2 cast per use); a LoRA base is
+    frozen, with no master to keep, so it loads in the 16-bit compute dtype, as the plan prices it."""
     d = PLAN["decisions"]
-    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32  # masters stay fp32 when mixed
+    weights = torch.bfloat16 if d["precision"] == "bf16" else torch.float32
+    if d["lora"]:
+        weights = MIXED.get(d["precision"], weights)
     return {"dtype": weights, "attn_implementation": d["attention"]}
 
 
@@ -85,8 +93,11 @@ def build(args, device):
 
         lora = d["lora"]
         targets = "all-linear" if lora["targets"] == ["all-linear"] else lora["targets"]
+        # fp32 adapters under mixed precision (PEFT's default upcast), whose fp32 masters autocast or FSDP2 cast per
+        # use; pure bf16 trains them in bf16, as it does every other weight.
         model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
-                                                 lora_dropout=lora["dropout"], task_type="CAUSAL_LM"))
+                                                 lora_dropout=lora["dropout"], task_type="CAUSAL_LM"),
+                               autocast_adapter_dtype=d["precision"] in MIXED)
     return model.to(device)
 
 
@@ -280,7 +291,7 @@ def apply_fsdp(model, mesh):
     from torch.distributed.tensor import DTensor, Shard
 
     d = PLAN["decisions"]
-    half = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "fp16-mixed": torch.float16}.get(d["precision"])
+    half = MIXED.get(d["precision"])
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
     # Pinned host memory needs an accelerator; a CPU (gloo) run offloads to plain memory.
     cpu = d["param_offload"] != "none"

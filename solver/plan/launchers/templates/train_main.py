@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .memory_savers import OffloadActivations, apply_chunked_output, forward_loss, keep_head_on_device
 from .pipeline_stages import train_pipeline
 from .train_fitplan import (
+    MIXED,
     PLAN,
     apply_checkpointing,
     apply_float8,
@@ -101,7 +102,7 @@ def train(args, model, vocab, offload, device, cuda):
     optimizer = optimizer_for(model, args.lr)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     scaler = loss_scaler(device)
-    half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(d["precision"])
+    half = MIXED.get(d["precision"])
     autocast = half is not None and d["engine"] == "ddp"
     data = batches(vocab, args, device)
     saved, offloaded, seconds, norms, lrs = [0], None, [], [], []
