@@ -241,7 +241,7 @@ def test_a_compiled_titan_block_saves_what_inductor_saves(arch, folders):
     # for torchtitan's `deterministic_scatter_add` (the combine), an extern kernel (checked at b=3, s=80 on
     # Qwen3-MoE, CPU Inductor). That is why the lowering refuses it compiled and prices it eager.
     from graphs.compiled import compile_forward
-    from graphs.titan import _to_fake
+    from graphs.fake import to_fake
     from tests.graphs.test_compiled import saved
 
     torch.manual_seed(0)
@@ -253,7 +253,7 @@ def test_a_compiled_titan_block_saves_what_inductor_saves(arch, folders):
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _titan_block(folders[arch])
-    _to_fake(model, mode, torch.bfloat16)
+    to_fake(model, mode, param_dtype=torch.bfloat16)
     fake_block = next(iter(model.layers.values()))
     compile_forward(fake_block)
     with mode:

@@ -61,7 +61,7 @@ def test_sweep_points_equal_solving_each_cluster_alone(sweep):
 
 
 def test_costs_follow_the_bundled_price_table_exactly(sweep):
-    data = json.loads(resources.files("solver").joinpath("data/prices.json").read_text())
+    data = json.loads(resources.files("solver.hardware").joinpath("data/prices.json").read_text())
     per_gpu = {find_gpu(r["gpu"]).id: r["instance_usd_per_hour"] / r["gpus_per_instance"] for r in data["prices"]}
     for point in sweep.points:
         assert point.usd_per_gpu_hour == per_gpu[point.gpu]

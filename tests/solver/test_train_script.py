@@ -130,3 +130,17 @@ def test_fsdp2_script_never_holds_the_unsharded_model(model_dir, tmp_path):
     replicated, _ = peak_rss_growth(big, tmp_path / "ddp", "ddp", baseline)
     assert replicated >= 0.9 * whole, (replicated, whole)  # the control: holding the model shows in the measure
     assert sharded < 0.75 * whole, (sharded, whole)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_lora_plan_runs_as_emitted_and_holds_the_priced_parameters(engine, model_dir, tmp_path):
+    # The frozen base loads in bf16 and PEFT's fp32 adapters train beside it: FSDP2 takes the mixed dtypes (its
+    # uniform-dtype rule is over trainable parameters), and each rank holds the parameter bytes the plan priced.
+    from graphs import LoraSpec
+
+    plan, script = emitted_script(model_dir, tmp_path / "out", engine=engine, precision=("bf16-mixed",),
+                                  lora=LoraSpec(rank=8, alpha=16))
+    reports, losses = run(script, model_dir, tmp_path / "r")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert reports[0]["param_bytes"] == plan.estimate.memory.parameters
