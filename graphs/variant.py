@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import multiprocessing
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -16,6 +15,7 @@ from .adapters import LoraSpec
 from .cache import load_cached
 from .errors import UnsupportedModel
 from .lowering_keys import hf_key, megatron_key, titan_key
+from .workers import spawn_context
 
 if TYPE_CHECKING:  # graphs.graph and graphs.sources are light, but only the annotations need them here
     from .graph import LayerGraph
@@ -85,9 +85,9 @@ def lower_all(resolved: ResolvedModel, variants: Iterable[Variant], *, workers: 
     is lowered for use (`lower_variant`); here a failed worker leaves its variant to that."""
     missing = [v for v in dict.fromkeys(variants) if load_cached(variant_key(resolved, v)) is None]
     workers = min(len(missing), workers or os.cpu_count() or 1)
-    if workers <= 1:
+    context = spawn_context()
+    if workers <= 1 or context is None:  # lowered one by one when used
         return
-    context = multiprocessing.get_context("spawn")  # the caller may hold OR-Tools' or torch's threads: no fork
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         for batch in ([v for v in missing if not v.compiled], [v for v in missing if v.compiled]):
             for future in [pool.submit(_lower_quietly, resolved, v) for v in batch]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import multiprocessing
 import os
 import re
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 from costmodels import GPU, find_gpu
 from graphs import FitplanError, resolve
+from graphs.workers import spawn_context
 from solver.api import solve
 from solver.hardware.prices import GpuPrice, bundled_note, bundled_prices, load_prices
 from solver.search.diagnose import Infeasible
@@ -257,13 +257,13 @@ def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, 
             progress(found[gpu.id, count])
     rest = [(gpu, count) for gpu, count in sweep if (gpu.id, count) not in found]
     workers = min(len(rest), workers or os.cpu_count() or 1)
-    if workers <= 1:
+    context = spawn_context()
+    if workers <= 1 or context is None:
         for gpu, count in rest:
             found[gpu.id, count] = point(gpu, count)
             if progress is not None:
                 progress(found[gpu.id, count])
     else:
-        context = multiprocessing.get_context("spawn")  # the parent holds OR-Tools' threads: no fork
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             futures = {pool.submit(plan_point, model, gpu, count, tokens=tokens, price=table[gpu.id], spot=spot,
                                    **solve_options): (gpu.id, count) for gpu, count in rest}

@@ -147,8 +147,9 @@ def solve_command(
         lora = adapters.spec()
         targets = Targets(output=outputs.output, launchers=launcher_names(outputs.emit), emit_dir=outputs.emit_dir,
                           plot=outputs.plot)
-        # --emit X alone plans for what X runs (the first named, when several are)
-        planned_for = launcher.value if launcher else (targets.launchers[0] if targets.launchers else None)
+        # --emit X alone plans for what X runs; several named leave the choice open (those that cannot run the plan
+        # are named with their reasons)
+        planned_for = launcher.value if launcher else (targets.launchers[0] if len(targets.launchers) == 1 else None)
         pins = pins_from_options(knob_values(knobs), launcher=planned_for)
         check_pins(pins, global_batch=global_batch)  # contradicting pins named before any lowering (exit 2)
         if packing != "none" and dataset_lengths is None:

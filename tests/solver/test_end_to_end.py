@@ -19,6 +19,7 @@ import yaml
 
 from solver import solve
 from solver.cli.commands import emit_files
+from solver.hardware.check import compare
 from solver.plan.record import Plan
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -68,13 +69,19 @@ def script_args(folder: Path, model_dir: Path, report: Path) -> list[str]:
             "--report", str(report)]
 
 
-def check_run(plan: Plan, reports: list[dict], stdout: str) -> None:
-    memory = plan.estimate.memory
-    for field, estimated in (("param_bytes", memory.parameters), ("grad_bytes", memory.gradients),
-                             ("optimizer_bytes", memory.optimizer_states)):
-        # Exact: both sides count whole tensors of one dtype; rank 0 holds the largest FSDP shard.
+def assert_states_as_priced(plan: Plan, reports: list[dict]) -> None:
+    """Exact: both sides count whole tensors of one dtype; rank 0 holds the largest FSDP shard. The gradients are
+    what a backward leaves in .grad, as `fitplan check` compares them (FSDP2's land sharded during backward)."""
+    rows = {row.name: row for row in compare(plan, reports, device="cpu")}
+    for field, name in (("param_bytes", "parameters"), ("grad_bytes", "gradients"),
+                        ("optimizer_bytes", "optimizer states")):
+        estimated = rows[name].estimated
         assert reports[0][field] == estimated, field
         assert all(r[field] <= estimated for r in reports), field
+
+
+def check_run(plan: Plan, reports: list[dict], stdout: str) -> None:
+    assert_states_as_priced(plan, reports)
     losses = [float(x) for x in re.findall(r"loss (\S+)", stdout)]
     assert len(losses) == STEPS
     assert all(math.isfinite(loss) for loss in losses)

@@ -167,7 +167,8 @@ def test_estimate_of_a_torchtitan_plan_json_gives_the_plans_own_estimate(tmp_pat
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     plan = json.loads(plan_path.read_text())
-    assert {k: v for k, v in data.items() if k not in ("fits", "device_capacity_bytes", "verdict", "log")} == plan["estimate"]
+    not_in_plan = ("fits", "device_capacity_bytes", "verdict", "log")
+    assert {k: v for k, v in data.items() if k not in not_in_plan} == plan["estimate"]
 
 
 MEGATRON_1B = ("meta-llama/Llama-3.2-1B", "8xH100")
@@ -208,7 +209,8 @@ def test_estimate_of_a_megatron_plan_json_gives_the_plans_own_estimate(megatron_
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     plan = json.loads(path.read_text())
-    assert {k: v for k, v in data.items() if k not in ("fits", "device_capacity_bytes", "verdict", "log")} == plan["estimate"]
+    not_in_plan = ("fits", "device_capacity_bytes", "verdict", "log")
+    assert {k: v for k, v in data.items() if k not in not_in_plan} == plan["estimate"]
 
 
 def test_megatron_engine_estimate_without_a_plan_uses_the_megatron_lowering_too(megatron_plan):
@@ -252,13 +254,17 @@ def test_te_attention_without_megatrons_engine_is_refused_clearly():
 def test_a_config_megatron_core_cannot_build_is_priced_on_the_hf_code(monkeypatch):
     # A Llama-type config the megatron-core lowering refuses (UnsupportedModel) still plans, on the HF lowering.
     pytest.importorskip("megatron.core")
-    import graphs.megatron
+    import graphs.variant
     from graphs import UnsupportedModel
 
-    def refuse(*args, **kwargs):
-        raise UnsupportedModel("not buildable", "")
+    lower = graphs.variant._lower
 
-    monkeypatch.setattr(graphs.megatron, "lower_megatron_resolved", refuse)
+    def refuse_megatron(resolved, variant):  # cached or not (the route reads the cache before lowering)
+        if variant.runtime == "megatron":
+            raise UnsupportedModel("not buildable", "")
+        return lower(resolved, variant)
+
+    monkeypatch.setattr(graphs.variant, "_lower", refuse_megatron)
     plan = solve(*MEGATRON_1B, seq_len=2048, global_batch=64, time_limit=20, launcher="megatron")
     assert plan.decisions.engine.value == "megatron" and plan.decisions.attention == "sdpa"
     assert not any("megatron-core's GPT layers" in note for note in plan.estimate.notes)
