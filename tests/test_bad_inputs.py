@@ -37,6 +37,7 @@ GPT2 = ["--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512", "--global-bat
 SOLVE = ["solve", *GPT2]
 ESTIMATE = ["estimate", "--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512"]
 LLAMA = ["solve", "--model", "meta-llama/Llama-3.2-1B", "--gpus", "8xA100", "--seq-len", "512", "--global-batch", "8"]
+CHOOSE = ["choose", "--model", "gpt2", "--tokens", "2e9"]
 NO_CONFIG = "No configuration is possible"  # pins that leave no configuration (solver.search.diagnose)
 
 
@@ -295,6 +296,41 @@ PLANS = [  # explain PLAN: plan files that are not plans this fitplan wrote
     case("explain-not-utf8", explain("latin1.json"), 2, "is not UTF-8 text"),
 ]
 
+TAMPERED = [  # plans edited by hand: refused against the model and cluster they name, as estimate --config does
+    case("explain-dp-billion", explain("plan_dp_billion.json"), 2, "= 1000000000 ranks, but the cluster has 1 GPUs"),
+    case("explain-one-checkpoint-for-12-layers", explain("plan_one_checkpoint.json"), 2,
+         "checkpoint lists 1 modes but the model has 12 layers"),
+    case("explain-tp-beyond-heads", explain("plan_tp_5.json"), 2, "does not run on the model and cluster it names"),
+    case("check-cpu-dp-billion", ["check", "{d}/plan_dp_billion.json", "--device", "cpu"], 2,
+         "a CPU check starts at most 16 processes"),
+    case("check-cpu-one-checkpoint", ["check", "{d}/plan_one_checkpoint.json", "--device", "cpu"], 2,
+         "checkpoint lists 1 modes"),
+]
+
+OTHER_COMMANDS = [  # the numeric options of choose, check and measure (issue 38: every one has a range)
+    case("choose-max-gpus-hundred-million", [*CHOOSE, "--max-gpus", "100000000"], 2, "allowed: 1 to 1,024"),
+    case("choose-max-gpus-zero", [*CHOOSE, "--max-gpus", "0"], 2, "'--max-gpus'"),
+    case("choose-tokens-zero", ["choose", "--model", "gpt2", "--tokens", "0"], 2, "'--tokens'"),
+    case("choose-tokens-inf", ["choose", "--model", "gpt2", "--tokens", "inf"], 2, "inf is out of range"),
+    case("choose-tokens-huge", ["choose", "--model", "gpt2", "--tokens", "1e30"], 2, "at most 1e+16"),
+    case("choose-budget-negative", [*CHOOSE, "--budget", "-5"], 2, "'--budget'"),
+    case("choose-budget-nan", [*CHOOSE, "--budget", "nan"], 2, "nan is out of range"),
+    case("choose-time-limit-zero", [*CHOOSE, "--time-limit", "0"], 2, "more than 0 and at most 3,600"),
+    case("choose-time-limit-a-year", [*CHOOSE, "--time-limit", "31536000"], 2, "'--time-limit'"),
+    case("choose-seq-len-zero", [*CHOOSE, "--seq-len", "0"], 2, "'--seq-len'"),
+    case("choose-global-batch-huge", [*CHOOSE, "--global-batch", "1000000000000"], 2, "allowed: 1 to 1,048,576"),
+    case("choose-lora-rank-zero", [*CHOOSE, "--lora-rank", "0"], 2, "'--lora-rank'"),
+    case("choose-deadline-centuries", [*CHOOSE, "--deadline", "99999999h"], 2, "is out of range"),
+    case("choose-gpu-types-too-long", [*CHOOSE, "--gpu-types", "H100," * 100], 2, "too long"),
+    case("check-steps-zero", ["check", "{d}/plan_dp_billion.json", "--steps", "0"], 2, "'--steps'"),
+    case("check-steps-huge", ["check", "{d}/plan_dp_billion.json", "--steps", "100000"], 2, "allowed: 1 to 1,000"),
+    case("check-nproc-zero", ["check", "{d}/plan_dp_billion.json", "--nproc", "0"], 2, "'--nproc'"),
+    case("measure-ranks-zero", ["measure", "--ranks", "0"], 2, "'--ranks'"),
+    case("measure-ranks-huge", ["measure", "--ranks", "1000000"], 2, "allowed: 1 to 1,024"),
+    case("measure-cpu-ranks-beyond-cap", ["measure", "--device", "cpu", "--ranks", "64", "-o", "{d}/profile.json"],
+         2, "a CPU measurement starts at most 16 processes"),
+]
+
 PINS = [  # pins that contradict each other or the cluster
     case("pins-mb-ga-not-batch", [*SOLVE, "--micro-batch", "2", "--grad-accum", "2"], 2, NO_CONFIG),
     case("pins-param-offload-zero-2", [*SOLVE, "--offload-params", "cpu", "--zero", "2"], 2,
@@ -315,7 +351,7 @@ PINS = [  # pins that contradict each other or the cluster
     case("pins-fsdp2-zero-0", [*SOLVE, "--engine", "fsdp2", "--zero", "0"], 2, "engine=fsdp2"),
 ]
 
-CASES = NUMBERS + CHOICES + LORA + CLUSTERS + CONFIGS + ESTIMATES + LISTINGS + PLANS + PINS
+CASES = NUMBERS + CHOICES + LORA + CLUSTERS + CONFIGS + ESTIMATES + LISTINGS + PLANS + TAMPERED + OTHER_COMMANDS + PINS
 
 
 def write(folder: Path, name: str, content: object) -> None:
@@ -385,6 +421,8 @@ def corpus(tmp_path_factory) -> Path:
     }
     for name, content in configs.items():
         write(d, name, content)
+    for name, content in tampered_plans().items():
+        write(d, name, content)
     (d / "latin1.json").write_bytes('{"model_type": "llama", "name": "caf\xe9"}'.encode("latin-1"))
     (d / "empty_folder").mkdir()
     (d / "folder.json").mkdir()
@@ -392,6 +430,17 @@ def corpus(tmp_path_factory) -> Path:
     with (d / "oversize.json").open("wb") as handle:  # sparse: costs no disk
         handle.truncate(MAX_INPUT_BYTES + 1)
     return d
+
+
+def tampered_plans() -> dict[str, dict]:
+    """A plan of gpt2 on one A100, edited by hand: dp=10^9, one checkpoint mode for 12 layers, tp=5 on one GPU."""
+    from solver import solve
+
+    plan = solve("gpt2", "1xA100", seq_len=512, global_batch=8, time_limit=10).to_json()
+    edited = {"dp_billion": {"dp": 10**9}, "one_checkpoint": {"checkpoint": plan["decisions"]["checkpoint"][:1]},
+              "tp_5": {"tp": 5}}
+    return {f"plan_{name}.json": {**plan, "decisions": {**plan["decisions"], **change}}
+            for name, change in edited.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -447,6 +496,18 @@ def test_bad_input_is_refused_with_exit_code_and_message(bad: Case, corpus: Path
     assert isinstance(result.exception, SystemExit), repr(result.exception)  # handled, never an escaped exception
     assert "Traceback" not in result.output
     assert normalized(bad.phrase).replace("{d}", str(corpus)) in message, message[-1500:]
+
+
+def test_every_numeric_option_of_every_command_has_a_range():
+    import typing
+
+    import typer.main
+
+    for name, command in typer.main.get_command(app).commands.items():
+        for param in command.params:
+            kinds = set(typing.get_args(param.type_descriptor.annotation)) or {param.type_descriptor.annotation}
+            if kinds & {int, float}:
+                assert isinstance(param.type_descriptor.parameter_info.parser, Bounded), (name, param.name)
 
 
 def test_help_of_every_command_shows_ranges_and_whole_option_names():

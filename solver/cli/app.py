@@ -20,6 +20,7 @@ import typer
 import typer.rich_utils
 from rich.console import Console
 
+from costmodels import cluster as C
 from costmodels.packing import read_lengths
 from graphs import FitplanError, LoraSpec
 from solver.cli.groups import (
@@ -275,23 +276,27 @@ def explain_command(plan_file: Annotated[Path, typer.Argument(help="A plan JSON 
 @app.command("choose")
 def choose_command(
     model: Model,
-    tokens: Annotated[float, typer.Option(help="Tokens to train on, e.g. 2e9.")],
-    gpu_types: Annotated[str, typer.Option(help="GPU types to compare, comma-separated.")] = "H100,A100-80GB,L40S,A10G",
-    max_gpus: Annotated[int, typer.Option(help="Largest cluster tried (whole nodes above one node).")] = 64,
-    deadline: Annotated[str | None, typer.Option(help="Finish within, e.g. 24h, 90m, 2d.")] = None,
-    budget: Annotated[float | None, typer.Option(help="Spend at most this many USD.")] = None,
+    tokens: Annotated[float, number(float, 0, B.MAX_TRAIN_TOKENS, "Tokens to train on, e.g. 2e9.", lo_open=True)],
+    gpu_types: Annotated[str, text(B.MAX_FILTER_CHARS, "GPU types to compare, comma-separated.")
+                         ] = "H100,A100-80GB,L40S,A10G",
+    max_gpus: Annotated[int, number(int, 1, B.MAX_CHOOSE_GPUS, "Largest cluster tried (whole nodes above one "
+                                    "node).")] = 64,
+    deadline: Annotated[str | None, text(40, "Finish within, e.g. 24h, 90m, 2d.")] = None,
+    budget: Annotated[float | None, number(float, 0, B.MAX_BUDGET_USD, "Spend at most this many USD.",
+                                           lo_open=True)] = None,
     prices: Annotated[Path | None, typer.Option(help="Your prices: YAML/JSON {GPU: USD per GPU-hour} or a "
                                                 "SkyPilot-style catalog (CSV).")] = None,
     spot: Annotated[bool, typer.Option(help="Use spot prices where the table has them.")] = False,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
-    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")] = None,
-    precision: Annotated[str | None, typer.Option(help="Allowed precisions, comma-separated.")] = None,
-    optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated.")] = "adamw",
-    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
+    seq_len: Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence.")] = None,
+    global_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Sequences per optimizer step.")] = None,
+    precision: Annotated[str | None, text(200, "Allowed precisions, comma-separated.")] = None,
+    optimizers: Annotated[str, text(200, "Allowed optimizers, comma-separated.")] = "adamw",
+    lora_rank: Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")] = None,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA where full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let each solve choose the memory savers that keep the "
                                                "training (--loss, --activation-offload).")] = False,
-    time_limit: Annotated[float, typer.Option(help="Solver time limit per cluster, seconds.")] = 10.0,
+    time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit per cluster, seconds.",
+                                        lo_open=True)] = 10.0,
     as_json: AsJson = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
     verbose: Verbose = False,
@@ -330,8 +335,8 @@ def measure_command(
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (under a minute).")] = False,
     device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo collectives) or auto.")
                       ] = "auto",
-    ranks: Annotated[int | None, typer.Option(help="Processes for the collectives (default: the local GPUs; 2 "
-                                              "on CPU; 1 skips them).")] = None,
+    ranks: Annotated[int | None, number(int, 1, C.MAX_GPUS_PER_NODE, "Processes for the collectives (default: the "
+                                        f"local GPUs; 2 on CPU, at most {B.MAX_CPU_RANKS}; 1 skips them).")] = None,
     as_json: AsJson = False,
     verbose: Verbose = False,
 ) -> None:
@@ -357,9 +362,11 @@ def measure_command(
 @app.command("check")
 def check_command(
     plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
-    steps: Annotated[int, typer.Option(help="Training steps (the first is a warm-up for the step time).")] = 5,
+    steps: Annotated[int, number(int, 1, B.MAX_CHECK_STEPS, "Training steps (the first is a warm-up for the step "
+                                 "time).")] = 5,
     device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo) or auto.")] = "auto",
-    nproc: Annotated[int | None, typer.Option(help="Processes; must equal the plan's ranks (the default).")] = None,
+    nproc: Annotated[int | None, number(int, 1, B.MAX_GPUS, "Processes; must equal the plan's ranks (the default; "
+                                        f"at most {B.MAX_CPU_RANKS} on CPU).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Run a plan here for a few steps (random weights, synthetic batch) and compare with its estimate."""

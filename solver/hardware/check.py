@@ -13,8 +13,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from costmodels import Config, Workload, activation_offload, shared_lowering
 from costmodels.activations import evaluate
 from costmodels.config import Loss
@@ -24,10 +22,11 @@ from costmodels.memory import memory_terms
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
 from costmodels.states import model_states
-from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
-from graphs.files import parse_json, read_text
+from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, Role, resolve
 from graphs.lowering import lower_resolved
 from solver.plan.record import Plan
+from solver.plan.validation import load_plan, load_valid_plan
+from solver.search.bounds import MAX_CPU_RANKS
 
 # A few steps of a real model on GPUs take minutes (model build, NCCL set-up); beyond this the run is stuck.
 RUN_TIMEOUT = 1800
@@ -75,22 +74,14 @@ class CheckReport:
                           "error": r.error, "exact": r.exact} for r in self.rows]}
 
 
-def load_plan(path: Path) -> Plan:
-    """The plan in a JSON file written by `solve -o`."""
-    try:
-        return Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
-    except (ValueError, ValidationError) as error:  # a file that cannot be read says so itself (graphs.files)
-        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
-                              "Write one with `solve ... -o plan.json`.") from error
-
-
 def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int | None = None) -> CheckReport:
     """Run the plan at `path` for `steps` steps on `nproc` local ranks and compare with its estimate."""
     import torch
 
     plan = load_plan(path)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    ranks = _ranks(plan, device, nproc, steps)
+    ranks = _ranks(plan, device, nproc, steps)  # before the lowering: an edited dp is refused at once
+    plan = load_valid_plan(path)
     with tempfile.TemporaryDirectory(prefix="fitplan-check-") as folder:
         reports = run_plan(plan, Path(folder), device=device, ranks=ranks, steps=steps)
     return CheckReport(plan=str(path), device=device, ranks=ranks, steps=steps,
@@ -110,6 +101,10 @@ def _ranks(plan: Plan, device: str, nproc: int | None, steps: int) -> int:
     if nproc is not None and nproc != world:
         raise FitplanError(f"--nproc {nproc}: the plan runs tp={d.tp} x cp={d.cp} x pp={d.pp} x dp={d.dp} = "
                            f"{world} ranks.", "Check runs the plan as planned: one process per rank.")
+    if device == "cpu" and world > MAX_CPU_RANKS:  # one process per rank: refuse before starting any
+        raise FitplanError(f"The plan runs tp={d.tp} x cp={d.cp} x pp={d.pp} x dp={d.dp} = {world:,} ranks; a CPU "
+                           f"check starts at most {MAX_CPU_RANKS} processes.",
+                           f"Check a plan of at most {MAX_CPU_RANKS} GPUs on CPU, or run it on its GPUs.")
     if device == "cuda" and torch.cuda.device_count() < world:
         raise FitplanError(f"The plan needs {world} GPUs; this machine has {torch.cuda.device_count()}.",
                            "Plan for the local GPUs (--gpus auto) or check on CPU with --device cpu.")

@@ -27,6 +27,7 @@ from costmodels.profile import (
     fit_link,
 )
 from graphs import FitplanError
+from solver.search.bounds import MAX_CPU_RANKS
 
 MIB = 2**20
 
@@ -256,6 +257,9 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
     if device == "cuda" and ranks > count:
         raise FitplanError(f"--ranks {ranks}: this node has {count} GPUs (one process per GPU).",
                            f"Pass --ranks {count} or fewer.")
+    if device == "cpu" and ranks > MAX_CPU_RANKS:
+        raise FitplanError(f"--ranks {ranks}: a CPU measurement starts at most {MAX_CPU_RANKS} processes.",
+                           f"Pass --ranks {MAX_CPU_RANKS} or fewer.")
     sizes = sizes_for(device, quick=quick)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     context = cuda_context_bytes() if device == "cuda" else None
