@@ -581,3 +581,53 @@ def test_profile_from_a_device_fifo_or_huge_file_is_refused_unread(name: str, co
     with pytest.raises(InvalidProfile, match=r"not a regular file|are read|nests deeper"):
         within_timeout(lambda: load_profile(name.replace("{d}", str(corpus))))
 
+
+
+def test_cache_entry_swapped_for_a_fifo_or_grown_past_the_limit_is_a_miss(tmp_path, monkeypatch):
+    """The entry is checked on the opened file, not the path: a FIFO swapped in after a check of the path (here: a
+    path check that says "regular file") is a miss, never a hang."""
+    import graphs.cache as cache
+
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    (tmp_path / "lower").mkdir()
+    os.mkfifo(tmp_path / "lower" / "fifo.json")
+    monkeypatch.setattr(Path, "is_file", lambda self: True)  # the race: the path looked like a file a moment ago
+    assert within_timeout(lambda: load_cached("fifo"), seconds=10) is None
+    with (tmp_path / "lower" / "huge.json").open("wb") as handle:  # sparse
+        handle.truncate(cache.MAX_ENTRY_BYTES + 1)
+    assert load_cached("huge") is None
+
+
+def test_cache_write_interrupted_or_failing_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import graphs.cache as cache
+    from graphs import lower
+
+    graph = lower("gpt2")
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    for failure in (KeyboardInterrupt, OSError(28, "No space left on device"), RecursionError):
+        def fail(*args, failure=failure, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(cache.json, "dump", fail)
+        try:
+            store_cached("entry", graph)
+        except BaseException as error:  # an interruption propagates; a full disk is skipped
+            assert not isinstance(error, OSError)
+        assert list((tmp_path / "lower").iterdir()) == [], failure
+
+
+def test_stale_cache_temporaries_are_removed_at_first_use_and_live_ones_kept(tmp_path, monkeypatch):
+    import time
+
+    import graphs.cache as cache
+
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "lower"
+    folder.mkdir()
+    stale, live = folder / "dead-writer.tmp", folder / "live-writer.tmp"
+    stale.write_text("{")
+    live.write_text("{")
+    old = time.time() - cache.STALE_TEMPORARY_SECONDS - 60
+    os.utime(stale, (old, old))
+    assert load_cached("absent") is None  # a lookup, no write: the process's first use of the folder
+    assert not stale.exists() and live.exists()
