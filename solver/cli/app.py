@@ -142,12 +142,13 @@ def solve_command(
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from solver.api import solve
-    from solver.cli.outputs import Targets, launcher_names, write_outputs
+    from solver.cli.outputs import Targets, check_targets, launcher_names, write_outputs
 
     try:
         lora = adapters.spec()
         targets = Targets(output=outputs.output, launchers=launcher_names(outputs.emit), emit_dir=outputs.emit_dir,
                           plot=outputs.plot)
+        check_targets(targets, force=outputs.force)
         # --emit X alone plans for what X runs (the first named, when several are)
         planned_for = launcher.value if launcher else (targets.launchers[0] if targets.launchers else None)
         pins = pins_from_options(knob_values(knobs), launcher=planned_for)
@@ -299,13 +300,17 @@ def choose_command(
                                         lo_open=True)] = 10.0,
     as_json: AsJson = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing --plot file.")] = False,
     verbose: Verbose = False,
 ) -> None:
     """Which GPUs, how many, how long and at what cost: the time/cost front over GPU types and counts."""
     from solver.choose import choose, parse_duration
     from solver.cli.choose_report import plot_choice, render_choice
+    from solver.plan.staging import refuse_overwrite, write_together
 
     try:
+        if plot is not None:  # before the sweep, not after minutes of solving
+            refuse_overwrite([plot], force=force)
         pins = {"pins": pins_from_options({"precision": precision, "optimizer": optimizers}, launcher=None),
                 "lora": None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=2 * lora_rank)}
         shown = None if as_json else lambda p: err.print(f"[dim]{p.gpus} x {p.gpu_name}: {p.status}[/]")
@@ -315,7 +320,7 @@ def choose_command(
                             budget_usd=budget, progress=shown, seq_len=seq_len, global_batch=global_batch,
                             allow_lora=allow_lora, allow_savers=allow_savers, time_limit=time_limit, **pins)
         if plot:
-            plot_choice(choice, plot)
+            write_together({plot: lambda path: plot_choice(choice, path)}, force=force)
             err.print(f"wrote {plot}")
     except Exception as error:
         _fail(error)
@@ -337,6 +342,7 @@ def measure_command(
                       ] = "auto",
     ranks: Annotated[int | None, number(int, 1, C.MAX_GPUS_PER_NODE, "Processes for the collectives (default: the "
                                         f"local GPUs; 2 on CPU, at most {B.MAX_CPU_RANKS}; 1 skips them).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing -o file.")] = False,
     as_json: AsJson = False,
     verbose: Verbose = False,
 ) -> None:
@@ -347,7 +353,7 @@ def measure_command(
 
     try:
         with _quietly("Measuring this node", verbose=verbose) as (_log, progress):
-            profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output,
+            profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output, force=force,
                                             progress=lambda step: progress(f"Measuring {step}"))
     except Exception as error:
         _fail(error)
@@ -370,11 +376,12 @@ def check_command(
     as_json: AsJson = False,
 ) -> None:
     """Run a plan here for a few steps (random weights, synthetic batch) and compare with its estimate."""
+    from solver.cli.validation import checked
     from solver.hardware.check import check_lines, check_plan
 
     try:
         err.print("[dim]Running the plan's torchrun script...[/]")
-        report = check_plan(plan_file, steps=steps, device=device, nproc=nproc)
+        report = check_plan(plan_file, steps=steps, device=device, nproc=nproc, validate=checked(plan_file))
     except Exception as error:
         _fail(error)
     if as_json:

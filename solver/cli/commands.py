@@ -190,7 +190,7 @@ def pipeline_lines(plan: Plan) -> list[str]:
 
 def explain_plan(path: Path) -> list[str]:
     """Why the plan at `path` (checked against its model and cluster first) chose what it did, in lines."""
-    from solver.plan.validation import load_valid_plan
+    from solver.cli.validation import load_valid_plan
 
     plan = load_valid_plan(path)
     d, e = plan.decisions, plan.estimate

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,8 @@ from costmodels.pipeline_stages import rank_config, rank_slices
 from costmodels.states import model_states
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, Role, resolve
 from graphs.lowering import lower_resolved
-from solver.plan.record import Plan
-from solver.plan.validation import load_plan, load_valid_plan
-from solver.search.bounds import MAX_CPU_RANKS
+from solver.hardware.limits import MAX_CPU_RANKS
+from solver.plan.record import Plan, load_plan
 
 # A few steps of a real model on GPUs take minutes (model build, NCCL set-up); beyond this the run is stuck.
 RUN_TIMEOUT = 1800
@@ -74,14 +74,17 @@ class CheckReport:
                           "error": r.error, "exact": r.exact} for r in self.rows]}
 
 
-def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int | None = None) -> CheckReport:
-    """Run the plan at `path` for `steps` steps on `nproc` local ranks and compare with its estimate."""
+def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int | None = None,
+               validate: Callable[[Plan], object] | None = None) -> CheckReport:
+    """Run the plan at `path` for `steps` steps on `nproc` local ranks and compare with its estimate; `validate`
+    (the CLI's check against the plan's model and cluster) runs after the rank checks and before any process."""
     import torch
 
     plan = load_plan(path)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    ranks = _ranks(plan, device, nproc, steps)  # before the lowering: an edited dp is refused at once
-    plan = load_valid_plan(path)
+    ranks = _ranks(plan, device, nproc, steps)  # before any lowering: an edited dp is refused at once
+    if validate is not None:
+        validate(plan)
     with tempfile.TemporaryDirectory(prefix="fitplan-check-") as folder:
         reports = run_plan(plan, Path(folder), device=device, ranks=ranks, steps=steps)
     return CheckReport(plan=str(path), device=device, ranks=ranks, steps=steps,

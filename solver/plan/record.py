@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import ConfigDict, TypeAdapter
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from costmodels import Config, Estimate, Offload
 from costmodels.knobs import Knob, declared
-from graphs import Checkpoint, FitplanError, LoraSpec
+from graphs import Checkpoint, FitplanError, LoraSpec, MalformedConfig
+from graphs.files import parse_json, read_text
 from solver.plan.capability import engine_label
 
 SCHEMA_VERSION = "2.3"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
@@ -327,6 +329,15 @@ def check_schema_version(version: object) -> int:
 
 
 _ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)
+
+
+def load_plan(path: Path) -> Plan:
+    """The plan in a JSON file written by `solve -o`, as its schema reads it (no check against its model)."""
+    try:
+        return Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
+    except (ValueError, ValidationError) as error:  # a file that cannot be read says so itself (graphs.files)
+        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
+                              "Write one with `solve ... -o plan.json`.") from error
 
 
 def json_schema() -> dict[str, Any]:

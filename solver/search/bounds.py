@@ -5,6 +5,9 @@ library checks the workload against the same numbers, so no input reaches the so
 from __future__ import annotations
 
 from graphs import FitplanError
+from solver.hardware.limits import MAX_CHECK_STEPS, MAX_CPU_RANKS
+
+__all__ = ["MAX_CHECK_STEPS", "MAX_CPU_RANKS"]  # the local runs' limits, listed here with every other range
 
 # Tokens per sequence: 12x the longest context in the catalog (DeepSeek-V3, 163,840 positions).
 MAX_SEQ_LEN = 2**21
@@ -33,11 +36,6 @@ MAX_BUDGET_USD = 1e12
 MAX_CHOOSE_GPUS = 1024
 # `choose --deadline`: a million hours (114 years) is no deadline.
 MAX_DEADLINE_HOURS = 1e6
-# `check --steps`: a few steps compare a plan with its estimate; a thousand is already a training run.
-MAX_CHECK_STEPS = 1000
-# Processes a CPU run (`check --device cpu`, `measure --device cpu`) starts: each rank is a Python process holding
-# torch and the model (~0.5 GiB for the tiny models a CPU check is for), and gloo on shared cores slows with each.
-MAX_CPU_RANKS = 16
 # Longest --gpus string: "2x8xH100-SXM5-80GB" is 18 characters; a long one is a mistake (and slow to match).
 MAX_CLUSTER_CHARS = 256
 # Longest `fitplan models` filter.

@@ -4,39 +4,35 @@ the model) is refused with exit 2 rather than explained or run. The plan's recor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from costmodels import Cluster, Estimate
 from costmodels.cluster import parse_cluster
-from graphs import FitplanError, MalformedConfig
-from graphs.files import parse_json, read_text
-from solver.plan.record import ClusterInfo, Plan
+from graphs import FitplanError
+from solver.plan.record import ClusterInfo, Plan, load_plan
 from solver.search.pins import KNOBS
-
-
-def load_plan(path: Path) -> Plan:
-    """The plan in a JSON file written by `solve -o`, as its schema reads it (no check against its model)."""
-    try:
-        return Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
-    except (ValueError, ValidationError) as error:  # a file that cannot be read says so itself (graphs.files)
-        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
-                              "Write one with `solve ... -o plan.json`.") from error
 
 
 def load_valid_plan(path: Path) -> Plan:
     """The plan at `path`, refused (FitplanError naming the file) unless its decisions run on its model and
     cluster."""
     plan = load_plan(path)
-    try:
-        validate_plan(plan)
-    except (FitplanError, ValueError) as error:  # ValueError: a Config or cluster invariant
-        message, hint = (error.message, error.hint) if isinstance(error, FitplanError) else \
-            (str(error), "Re-create the plan with `solve ... -o plan.json`.")
-        raise FitplanError(f"{path} does not run on the model and cluster it names: {message}", hint) from error
+    checked(path)(plan)
     return plan
+
+
+def checked(path: Path) -> Callable[[Plan], None]:
+    """A check of the plan read from `path` against its model and cluster, its errors naming the file."""
+    def check(plan: Plan) -> None:
+        try:
+            validate_plan(plan)
+        except (FitplanError, ValueError) as error:  # ValueError: a Config or cluster invariant
+            message, hint = (error.message, error.hint) if isinstance(error, FitplanError) else \
+                (str(error), "Re-create the plan with `solve ... -o plan.json`.")
+            raise FitplanError(f"{path} does not run on the model and cluster it names: {message}", hint) from error
+    return check
 
 
 def validate_plan(plan: Plan) -> Estimate:
