@@ -61,7 +61,8 @@ def resolve(name: str) -> ResolvedModel:
         if path.is_dir() and not file.exists():
             raise MalformedConfig(f"{path} is a directory without a config.json",
                                   "Point --model at a folder saved with save_pretrained(), or at a config.json.")
-        return _from_values(str(path), read_config_file(file), "local", str(file))
+        # recorded absolute: a plan's `check` and its emitted scripts run from other folders than this one
+        return _from_values(str(path.resolve()), read_config_file(file), "local", str(file))
     try:
         entry = load_entry(name)
     except UnknownModel:

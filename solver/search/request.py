@@ -150,6 +150,9 @@ def plan_inputs(request: Request, pins: Pins, graph: LayerGraph) -> Inputs:
                        inter_node_bytes_per_s=cluster.inter_node_bandwidth, nvme_bytes_per_s=cluster.nvme_bandwidth,
                        assumptions=cluster.assumptions)
     defaults = [*request.assumed, f"memory headroom {request.headroom:.0%} of each GPU kept free (--headroom)"]
+    if resolved.source == "local":
+        defaults.append(f"local model recorded by its absolute path {resolved.id}, so that `fitplan check` and the "
+                        "emitted scripts find it from any folder")
     if pins.allowed("precision") is None:
         defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
                         "(pure bf16 and fp8 only when allowed: --precision)")
