@@ -39,7 +39,7 @@ from solver.cli.knob_options import (
     solve_parameters,
     with_knob_options,
 )
-from solver.cli.options import Text, help_width, number, text
+from solver.cli.options import Text, help_width, number, result_console, text
 from solver.cli.progress import status_line
 from solver.cli.quiet import captured, user_stderr
 from solver.plan.capability import LAUNCHERS
@@ -53,7 +53,7 @@ typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH or help_width()  # no tr
 HELP = {"max_content_width": help_width()}
 app = typer.Typer(help="Plan LLM training on GPUs: what fits, what is fastest, and the launcher configs.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, context_settings=HELP)
-out = Console()
+out = result_console()
 err = Console(file=user_stderr)  # stays the terminal while third-party output is captured (`quiet.captured`)
 
 Model = Annotated[str, text(4096, "Catalog id (see `fitplan models`), a local config.json or folder, or a Hub id "
@@ -230,7 +230,7 @@ def models_command(filter: Annotated[str, typer.Argument(parser=Text(B.MAX_FILTE
 
     table = Table(title=f"{len(rows)} catalog models (published config.json values)")
     for column in ("id", "model_type", "published params"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # wrapped where too narrow, never cut
     for row in rows:
         table.add_row(row["id"], row["model_type"], f"{row['published_params']:,}" if row["published_params"] else "-")
     out.print(table)
@@ -249,7 +249,7 @@ def gpus_command(as_json: AsJson = False) -> None:
 
     table = Table(title="GPU catalog (dense figures; memory in GiB; profile: from `fitplan measure`)")
     for column in ("id", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "intra-node", "profile"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # wrapped where too narrow, never cut
     for r in rows:
         table.add_row(r["id"], ", ".join(r["aliases"]), f"{r['memory_gib']:.0f}", str(r["bf16_tflops"] or "-"),
                       str(r["fp8_tflops"] or "-"), f"{r['hbm_gbps']:.0f}", r["intra_node"], r["profile"] or "-")
