@@ -126,7 +126,11 @@ def solve_command(
                                                "loss needs liger-kernel).")] = False,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
-                                        "excluded).", lo_open=True)] = 10.0,
+                                        "excluded); with --deterministic, each CP-SAT model's work budget in "
+                                        "deterministic seconds.", lo_open=True)] = 10.0,
+    deterministic: Annotated[bool, typer.Option(help="Search every configuration with a fixed CP-SAT work budget "
+                                                "instead of the wall clock: the same plan under any load (for "
+                                                "scripts; may take longer).")] = False,
     attention: Annotated[Literal["sdpa", "eager"] | None, typer.Option(help="Attention implementation.")] = None,
     input_tokens_per_s: Annotated[float | None, number(float, 0, B.MAX_INPUT_TOKENS_PER_S, "Tokens/s one "
                                                        "data-loading worker supplies (default 1M, a fast "
@@ -159,8 +163,9 @@ def solve_command(
         lengths = read_lengths(dataset_lengths) if dataset_lengths is not None else None
         with _quietly(f"Planning {model} on {gpus}", verbose=verbose) as (log, progress):
             plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
-                         headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
-                         allow_savers=allow_savers, attention=attention, input_tokens_per_s=input_tokens_per_s,
+                         headroom=headroom, time_limit=time_limit, deterministic=deterministic, lora=lora,
+                         allow_lora=allow_lora, allow_savers=allow_savers, attention=attention,
+                         input_tokens_per_s=input_tokens_per_s,
                          cluster_options=cluster.as_dict(), pins=pins, dataset_lengths=lengths, packing=packing,
                          progress=progress)
         for line in write_outputs(plan, targets, force=outputs.force).lines():
