@@ -2,7 +2,8 @@
 
 stdout carries only the result (a report, or JSON with --json); progress and errors go to stderr.
 Exit codes: 0 plan found, 1 internal error, 2 bad input, 3 nothing fits (with the diagnosis), 4 no plan found
-within the time limit (nothing proven; raise --time-limit).
+within the time limit (nothing proven; raise --time-limit), 5 `check` measured a difference where the bytes must be
+exact.
 """
 
 from __future__ import annotations
@@ -394,6 +395,11 @@ def check_command(
     else:
         for line in check_lines(report):
             out.print(line, markup=False, highlight=False, soft_wrap=True)
+    if not report.exact_ok:  # a reported difference is a failed check, also for scripts that read only the code
+        differing = ", ".join(row.name for row in report.rows if row.exact and row.measured != row.estimated)
+        err.print(f"[bold red]Check failed:[/] measured differs from the estimate where it must be exact: "
+                  f"{differing}.", markup=True, highlight=False)
+        raise typer.Exit(code=5)
 
 
 def main() -> None:

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from costmodels import Config, Workload, activation_offload, shared_lowering
+from costmodels import Config, Offload, Workload, activation_offload, shared_lowering
 from costmodels.activations import evaluate
 from costmodels.config import Loss
 from costmodels.knobs import declared
@@ -23,6 +23,7 @@ from costmodels.memory import memory_terms
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
 from costmodels.states import model_states
+from costmodels.terms import ModelStates
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, Role, resolve
 from graphs.lowering import lower_resolved
 from solver.hardware.limits import MAX_CPU_RANKS
@@ -226,13 +227,14 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
     # the chunked loss's and offload's own saved bytes (memory_terms), not the plain lowering's
     saved = saved_activation_bytes(graph, config, seq_len=plan.inputs.seq_len,
                                    savers=config.loss is Loss.CHUNKED or config.activation_offload)
-    rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
+    states, where = stored_states(graph, config)
+    rows = [Row(name=f"parameters{where}", measured=first["param_bytes"], estimated=states.params, unit="bytes",
                 exact=cpu),
             # what a backward leaves in .grad (not DDP's flat reduce buckets, nor the part landed by the peak)
-            Row(name="gradients", measured=first["grad_bytes"],
-                estimated=model_states(graph, config).accumulating_grads, unit="bytes", exact=cpu),
-            Row(name="optimizer states", measured=first["optimizer_bytes"], estimated=memory.optimizer_states,
+            Row(name=f"gradients{where}", measured=first["grad_bytes"], estimated=states.accumulating_grads,
                 unit="bytes", exact=cpu),
+            Row(name=f"optimizer states{where}", measured=first["optimizer_bytes"],
+                estimated=states.master + states.optimizer, unit="bytes", exact=cpu),
             # the chunked loss also saves 0-dim scalars (each chunk's total_weight, the token count) fitplan omits
             Row(name="saved activations (one micro-batch)", measured=first["saved_activation_bytes"],
                 estimated=saved, unit="bytes", exact=cpu and config.loss is not Loss.CHUNKED)]
@@ -249,6 +251,17 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
                      estimated=memory.reserved_peak, unit="bytes", exact=False)]
     rows.append(_step_row(plan, reports))
     return rows
+
+
+def stored_states(graph: LayerGraph, config: Config) -> tuple[ModelStates, str]:
+    """Rank 0's parameter, gradient and optimizer-state bytes wherever they live, and where that is in words. The
+    script counts a tensor's bytes on whichever device holds it; an offloaded plan keeps the same shards on the host
+    (FSDP2's CPUOffloadPolicy), which the device breakdown prices at 0 bytes. So the states are those of the same
+    configuration kept on the device, and the rows say they are on the host."""
+    if config.optimizer_offload is Offload.NONE and config.param_offload is Offload.NONE:
+        return model_states(graph, config), ""
+    on_device = replace(config, optimizer_offload=Offload.NONE, param_offload=Offload.NONE)
+    return model_states(graph, on_device), " (on the host)"
 
 
 def _step_row(plan: Plan, reports: list[dict]) -> Row:
