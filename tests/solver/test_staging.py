@@ -129,3 +129,17 @@ def test_shared_paths_named_by_both_options(tmp_path):
     with pytest.raises(FitplanError, match="-o and --plot both write"):
         refuse_shared_paths({"-o": tmp_path / "x", "--plot": tmp_path / "hard"})
     refuse_shared_paths({"-o": tmp_path / "x", "--plot": tmp_path / "y"})
+
+
+def test_every_output_flag_of_every_command_on_one_existing_path_loses_nothing(tmp_path):
+    """The issue's closing check: every command, every output flag pointing at one path."""
+    path = tmp_path / "one"
+    path.write_text("kept")
+    runs = [[*SOLVE, "-o", path], [*SOLVE, "--plot", path], [*SOLVE, "-o", path, "--plot", path],
+            [*SOLVE, "--emit", "torchrun", "--emit-dir", path],
+            [*SOLVE, "-o", path, "--plot", path, "--emit", "torchrun", "--emit-dir", path],
+            ["choose", "--model", "gpt2", "--tokens", "2e9", "--plot", path], ["measure", "-o", path]]
+    for args in runs:
+        result = invoke(args)
+        assert result.exit_code == 2, (args, result.output)
+        assert os.listdir(tmp_path) == ["one"] and path.read_text() == "kept", args
