@@ -638,3 +638,39 @@ def test_stale_cache_temporaries_are_removed_at_first_use_and_live_ones_kept(tmp
     os.utime(stale, (old, old))
     assert load_cached("absent") is None  # a lookup, no write: the process's first use of the folder
     assert not stale.exists() and live.exists()
+
+
+CUSTOM_GPU = """gpu:
+  id: my-accel
+  name: My Accelerator
+  vendor: nvidia
+  arch: hopper
+  memory_gib: 96
+  hbm_bandwidth_gbps: 4000
+  tflops_dense: {fp32: 60, tf32: 400, fp16: 800, bf16: 800, fp8: 1600}
+  intra_node: {kind: nvlink4, uni_gbps: 450, nvswitch: true}
+  host_link: {pcie_gen: 5, uni_gbps: 63}
+nodes: 1
+gpus_per_node: 1
+cpu_ram_gib: 256
+cpu_cores: 16
+"""
+
+
+def test_explain_accepts_intact_plans_on_catalog_and_custom_gpus(tmp_path, monkeypatch, corpus):
+    """The check against the model and cluster refuses edited plans only: an intact plan explains, also one made
+    on a custom GPU of a cluster file (read again from that file)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "custom.yml").write_text(CUSTOM_GPU)
+    solved = run(["solve", "--model", "gpt2", "--gpus", "custom.yml", "--seq-len", "512", "--global-batch", "8",
+                  "-o", "plan.json"])
+    assert solved.exit_code == 0, solved.output
+    for plan in ("plan.json", str(corpus / "plan_dp_billion.json")):
+        intact = plan if plan == "plan.json" else "intact.json"
+        if plan != "plan.json":  # the corpus's edited plan with its dp restored
+            data = json.loads(Path(plan).read_text())
+            (tmp_path / intact).write_text(json.dumps({**data, "decisions": {**data["decisions"], "dp": 1}}))
+        result = run(["explain", intact])
+        assert result.exit_code == 0, result.output
+    (tmp_path / "custom.yml").unlink()
+    assert run(["explain", "plan.json"]).exit_code == 2

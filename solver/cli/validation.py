@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from costmodels import Cluster, Estimate
-from costmodels.cluster import parse_cluster
+from costmodels.cluster import load_cluster_file, parse_cluster
+from costmodels.hardware import UnknownGPU
 from graphs import FitplanError
 from solver.plan.record import ClusterInfo, Plan, load_plan
 from solver.search.pins import KNOBS
@@ -49,7 +50,15 @@ def validate_plan(plan: Plan) -> Estimate:
 
 def plan_cluster(info: ClusterInfo) -> Cluster:
     """The cluster a plan records: its GPU, node layout, host RAM, fabric and NVMe as written (cores, which the
-    plan does not record, are the GPU's typical host's)."""
-    base = parse_cluster(f"{info.nodes}x{info.gpus_per_node}x{info.gpu}")
+    plan does not record, are the GPU's typical host's). A custom GPU (not in the catalog) is read again from the
+    cluster file the plan names."""
+    try:
+        base = parse_cluster(f"{info.nodes}x{info.gpus_per_node}x{info.gpu}")
+    except UnknownGPU:
+        if not Path(info.spec).is_file():
+            raise FitplanError(f"the plan's GPU {info.gpu!r} is not in the catalog, and its cluster file "
+                               f"{info.spec} is not here.",
+                               "Run from the folder of the cluster file the plan was made with.") from None
+        base = load_cluster_file(info.spec)
     return replace(base, cpu_ram_per_node=info.cpu_ram_per_node_bytes, inter_node_bandwidth=info.inter_node_bytes_per_s,
                    nvme_bandwidth=info.nvme_bytes_per_s)
