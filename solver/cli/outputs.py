@@ -4,6 +4,7 @@ still write."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,7 +110,14 @@ def write_outputs(plan: Plan, targets: Targets, *, force: bool) -> Written:
             raise FitplanError(f"Cannot write {path}: folder {path.parent} does not exist; nothing was written.",
                                "Create the folder first, or write elsewhere.")
     refuse_overwrite(list(writers), force=force)  # before the emit folder is created
+    created = bool(result.files) and not targets.emit_dir.exists()
     if result.files:
         targets.emit_dir.mkdir(parents=True, exist_ok=True)
     scripts = frozenset(path for path in writers if path.suffix == ".sh")
-    return Written(paths=write_together(writers, force=force, executable=scripts), refused=result.refused)
+    try:
+        return Written(paths=write_together(writers, force=force, executable=scripts), refused=result.refused)
+    except BaseException:
+        if created:  # nothing was written: not even the folder stays
+            with contextlib.suppress(OSError):
+                targets.emit_dir.rmdir()
+        raise
