@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
@@ -85,15 +86,32 @@ MAX_ENTRY_BYTES = 64 * 2**20
 
 
 def _user_entry(key: str) -> str | None:
-    """The text of the user's cache entry, if it is a regular file of a sane size (a FIFO or a device is a miss,
-    never a hang)."""
-    path = cache_dir() / "lower" / f"{key}.json"
+    """The text of the user's cache entry, if it is a regular file of at most `MAX_ENTRY_BYTES`; anything else
+    (a FIFO, a device, a folder, a huge file) is a miss, never a hang."""
+    folder = cache_dir() / "lower"
+    _sweep_once(folder)
+    return read_regular(folder / f"{key}.json", limit=MAX_ENTRY_BYTES)
+
+
+def read_regular(path: Path, *, limit: int) -> str | None:
+    """The UTF-8 text of `path` if what is opened is a regular file of at most `limit` bytes, else None. The file
+    is opened without blocking and checked on the open descriptor, so a FIFO swapped in after a check of the
+    path cannot block the read, and at most `limit` + 1 bytes are read even if the file grows."""
     try:
-        if not path.is_file() or path.stat().st_size > MAX_ENTRY_BYTES:
-            return None
-        return path.read_text()
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
+            data = handle.read(limit + 1)
+        return data.decode() if len(data) <= limit else None
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(descriptor)
 
 
 def _shipped_entry(key: str) -> str | None:
@@ -121,32 +139,47 @@ def ship(key: str, graph: LayerGraph) -> Path:
 
 
 def store_cached(key: str, graph: LayerGraph) -> None:
-    """Write atomically; a cache that cannot be written is skipped, not an error, and leaves no temporary file."""
+    """Write atomically; a cache that cannot be written (a full disk, no permission) is skipped, not an error, and
+    its temporary file is removed whatever interrupted the write."""
     folder = cache_dir() / "lower"
-    handle = None
+    temporary: Path | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(folder)
+        _sweep_once(folder)
         data = graph.to_json()
         with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
+            temporary = Path(handle.name)
             json.dump({"sha256": _digest(data), "graph": data}, handle)
-        os.replace(handle.name, folder / f"{key}.json")
+        os.replace(temporary, folder / f"{key}.json")
+        temporary = None
     except OSError:
-        if handle is not None:
-            Path(handle.name).unlink(missing_ok=True)
+        pass
+    finally:  # also on KeyboardInterrupt or an unexpected error: never leave the temporary behind
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
 
 
-# A temporary entry older than this was left by a process that died while writing it.
+# A temporary entry older than this was left by a process that died while writing it; a younger one may be a
+# concurrent writer's, which must not be removed under it.
 STALE_TEMPORARY_SECONDS = 600
+_swept: set[Path] = set()
 
 
-def _remove_stale_temporaries(folder: Path) -> None:
+def _sweep_once(folder: Path) -> None:
+    """At a process's first use of the cache folder, remove the temporary files dead writers left in it."""
+    if folder not in _swept:
+        _swept.add(folder)
+        remove_stale_temporaries(folder)
+
+
+def remove_stale_temporaries(folder: Path) -> None:
     """Remove the temporary files that interrupted writers left in the cache folder."""
     import time
 
     for path in folder.glob("*.tmp"):
         try:
-            if path.is_file() and time.time() - path.stat().st_mtime > STALE_TEMPORARY_SECONDS:
+            info = path.lstat()
+            if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > STALE_TEMPORARY_SECONDS:
                 path.unlink()
         except OSError:
             continue

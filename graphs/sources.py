@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import closest_ids, load_entry
+from .dimensions import check_dimensions
 from .errors import MalformedConfig, UnknownModel, UnsupportedModel
 from .files import parse_json, read_text
 
@@ -60,7 +61,8 @@ def resolve(name: str) -> ResolvedModel:
         if path.is_dir() and not file.exists():
             raise MalformedConfig(f"{path} is a directory without a config.json",
                                   "Point --model at a folder saved with save_pretrained(), or at a config.json.")
-        return _from_values(str(path), read_config_file(file), "local", str(file))
+        # recorded absolute: a plan's `check` and its emitted scripts run from other folders than this one
+        return _from_values(str(path.resolve()), read_config_file(file), "local", str(file))
     try:
         entry = load_entry(name)
     except UnknownModel:
@@ -118,7 +120,7 @@ def validate_values(values: dict[str, Any], location: str) -> None:
                 raise MalformedConfig(f"{location}: field '{alias}' must be an integer from 1 to {limit:,}, got "
                                       f"{_short(value)}", f"Fix '{alias}' ({field}) in the config file.")
     _check_integers(values, location, prefix="")
-    _check_heads(values, location)
+    check_dimensions(values, location)
 
 
 def _short(value: Any) -> str:
@@ -135,25 +137,6 @@ def _check_integers(values: dict[str, Any], location: str, *, prefix: str) -> No
             raise MalformedConfig(f"{location}: field '{prefix}{key}' = {_short(value)} is out of range: integers "
                                   f"are at most {_MAX_INT_FIELD:,} in magnitude.",
                                   f"Fix '{prefix}{key}' in the config file.")
-
-
-def _check_heads(values: dict[str, Any], location: str) -> None:
-    """The attention shapes every HF decoder assumes: heads split the hidden size (unless head_dim is given) and
-    key-value heads divide the query heads."""
-    hidden = next((values[a] for a in _REQUIRED["hidden_size"] if a in values), None)
-    heads = next((values[a] for a in _REQUIRED["num_attention_heads"] if a in values), None)
-    if hidden is None or heads is None:
-        return
-    if heads > hidden:
-        raise MalformedConfig(f"{location}: {heads} attention heads for hidden size {hidden}: at most one head per "
-                              "hidden unit.", "Fix num_attention_heads or hidden_size in the config file.")
-    if not isinstance(values.get("head_dim"), int) and hidden % heads:
-        raise MalformedConfig(f"{location}: hidden size {hidden} is not a multiple of the {heads} attention heads.",
-                              "Fix hidden_size or num_attention_heads, or give head_dim.")
-    kv = values.get("num_key_value_heads")
-    if isinstance(kv, int) and not isinstance(kv, bool) and (kv < 1 or heads % kv):
-        raise MalformedConfig(f"{location}: num_key_value_heads={kv} must divide num_attention_heads={heads}.",
-                              "Fix num_key_value_heads in the config file.")
 
 
 def _hf_cache_config(model_id: str) -> Path | None:

@@ -42,7 +42,7 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
           allow_savers: bool = False, attention: str | None = None, alternatives_count: int = 3,
           input_tokens_per_s: float | None = None, cluster_options: dict[str, Any] | None = None,
           pins: Pins | None = None, dataset_lengths: Lengths | None = None, packing: str = "none",
-          progress: Callable[[str], None] | None = None, **knobs: Any) -> Plan:
+          progress: Callable[[str], None] | None = None, deterministic: bool = False, **knobs: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: `pins`, or knob values by name (`costmodels.knobs`: tp=2, engine="fsdp2", precision=("bf16-mixed",
@@ -54,7 +54,9 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     micro-batch the data can make, and the plan says how many of the computed tokens are real. `allow_savers`
     lets the search choose the memory savers that keep the training where they are not pinned: the loss
     computation (hf, torchtune's chunked, Liger's fused-linear) and activation offload (`SAVER_CHOICES`).
-    `progress` is told each long step as it starts (a lowering, the search).
+    `progress` is told each long step as it starts (a lowering, the search). `deterministic` searches the whole space
+    with `time_limit` as each CP-SAT model's work budget (deterministic seconds, one worker) instead of a wall-clock
+    limit: the same request then gives the same plan under any load, for scripted use.
     """
     if not 0 <= headroom < 1:
         raise FitplanError(f"headroom={headroom} must be in [0, 1)", "e.g. --headroom 0.1 keeps 10% free.")
@@ -72,7 +74,8 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
                            f"the longest in each micro-batch; --seq-len {cap:,} caps it)")
     pin, notes = prepared(pins_of(pins, knobs), allow_savers=allow_savers, lora=lora)
     request = Request(resolved=resolved, cluster=cluster, workload=workload, gpus=spec_of(gpus, cluster),
-                      headroom=headroom, time_limit=time_limit, lora=lora, attention=attention,
+                      headroom=headroom, time_limit=time_limit, deterministic=deterministic, lora=lora,
+                      attention=attention,
                       assumed=(*assumed, *notes), alternatives=alternatives_count,
                       input_tokens_per_s=input_tokens_per_s, **({"progress": progress} if progress else {}))
     plan = strategies.plan(request, pin, allow_lora=allow_lora)

@@ -24,6 +24,7 @@ from graphs import FitplanError, resolve
 from graphs.workers import spawn_context
 from solver.api import solve
 from solver.hardware.prices import GpuPrice, bundled_note, bundled_prices, load_prices
+from solver.search.bounds import MAX_DEADLINE_HOURS
 from solver.search.diagnose import Infeasible
 
 # Counts tried inside one node before whole nodes: the usual rentable shapes (1, 2, 4 or 8 GPUs per VM).
@@ -171,7 +172,11 @@ def parse_duration(text: str) -> float:
     if match is None or float(match.group(1)) <= 0:
         raise FitplanError(f"Cannot read the duration {text!r}.", "Write e.g. 24h, 90m, 2d or 3600s (positive).")
     unit = (match.group(2) or "h")[0].lower()
-    return float(match.group(1)) * _HOURS_PER_UNIT[unit]
+    hours = float(match.group(1)) * _HOURS_PER_UNIT[unit]
+    if hours > MAX_DEADLINE_HOURS:
+        raise FitplanError(f"The duration {text!r} is out of range: at most {MAX_DEADLINE_HOURS:,.0f} hours.",
+                           "Write e.g. 24h, 90m, 2d or 3600s.")
+    return hours
 
 
 def price_table(prices: str | Path | dict[str, GpuPrice] | None) -> dict[str, GpuPrice]:

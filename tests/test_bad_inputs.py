@@ -37,6 +37,7 @@ GPT2 = ["--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512", "--global-bat
 SOLVE = ["solve", *GPT2]
 ESTIMATE = ["estimate", "--model", "gpt2", "--gpus", "1xA100", "--seq-len", "512"]
 LLAMA = ["solve", "--model", "meta-llama/Llama-3.2-1B", "--gpus", "8xA100", "--seq-len", "512", "--global-batch", "8"]
+CHOOSE = ["choose", "--model", "gpt2", "--tokens", "2e9"]
 NO_CONFIG = "No configuration is possible"  # pins that leave no configuration (solver.search.diagnose)
 
 
@@ -140,6 +141,13 @@ CHOICES = [  # enumerations, lists and text options of solve
     case("json-with-value", [*SOLVE, "--json", "1"], 2, "unexpected extra argument(s) (1)"),
     case("emit-dir-is-a-file", [*SOLVE, "--emit", "hf", "--emit-dir", "{d}/invalid.json"], 2, "{d}/invalid.json"),
     case("plot-into-missing-folder", [*SOLVE, "--plot", "{d}/missing/memory.png"], 2, "does not exist"),
+    case("output-and-plot-one-path", [*SOLVE, "-o", "{d}/same.png", "--plot", "{d}/same.png"], 2,
+         "-o and --plot both write"),
+    case("output-is-an-emitted-file", [*SOLVE, "-o", "{d}/empty_folder/ds_config.json", "--emit", "deepspeed",
+                                       "--emit-dir", "{d}/empty_folder"], 2, "-o and --emit (ds_config.json) both"),
+    case("output-over-an-input-file", [*SOLVE, "-o", "{d}/invalid.json"], 2, "Refusing to overwrite"),
+    case("choose-plot-over-existing-file", [*CHOOSE, "--plot", "{d}/invalid.json"], 2, "Refusing to overwrite"),
+    case("measure-output-over-existing-file", ["measure", "-o", "{d}/invalid.json"], 2, "Refusing to overwrite"),
     case("unknown-option", [*SOLVE, "--pipeline", "2"], 2, "No such option"),
     case("missing-model", ["solve", "--gpus", "1xA100"], 2, "Missing option '--model'"),
     case("unknown-command", ["frobnicate"], 2, "No such command 'frobnicate'"),
@@ -221,6 +229,16 @@ CONFIGS = [  # --model as a local path: hostile or malformed config.json files
     case("model-remote-code", model("remote.json"), 2, "remote code"),
     case("model-huge-nested-integer", model("huge_nested.json"), 2, "'rope_scaling.factor'"),
     case("model-huge-intermediate", model("huge_intermediate.json"), 2, "'intermediate_size'"),
+    case("model-intermediate-zero", model("intermediate_zero.json"), 2, "'intermediate_size' must be a positive"),
+    case("model-head-dim-zero", model("head_dim_zero.json"), 2, "'head_dim' must be a positive integer"),
+    case("model-ffn-dim-negative", model("ffn_negative.json"), 2, "'ffn_dim' must be a positive integer"),
+    case("model-kv-heads-zero", model("kv_heads_0.json"), 2, "'num_key_value_heads' must be a positive"),
+    case("model-experts-per-token-zero", model("moe_top_0.json"), 2, "'num_experts_per_tok' must be a positive"),
+    case("model-experts-per-token-beyond-experts", model("moe_top_9.json"), 2, "num_experts_per_tok=9 exceeds"),
+    case("model-expert-groups-not-dividing", model("moe_groups_3.json"), 2, "n_group=3 must divide"),
+    case("model-positions-negative", model("positions_negative.json"), 2,
+         "'max_position_embeddings' must be a positive integer"),
+    case("model-positions-zero-gpt2", model("gpt2_zero_positions.json"), 2, "'n_positions' must be a positive"),
     case("model-seq-beyond-local-positions", [*model("gpt2_64_positions.json")[:-4], "--seq-len", "128"], 2,
          "n_positions=64"),
 ]
@@ -285,6 +303,41 @@ PLANS = [  # explain PLAN: plan files that are not plans this fitplan wrote
     case("explain-not-utf8", explain("latin1.json"), 2, "is not UTF-8 text"),
 ]
 
+TAMPERED = [  # plans edited by hand: refused against the model and cluster they name, as estimate --config does
+    case("explain-dp-billion", explain("plan_dp_billion.json"), 2, "= 1000000000 ranks, but the cluster has 1 GPUs"),
+    case("explain-one-checkpoint-for-12-layers", explain("plan_one_checkpoint.json"), 2,
+         "checkpoint lists 1 modes but the model has 12 layers"),
+    case("explain-tp-beyond-heads", explain("plan_tp_5.json"), 2, "does not run on the model and cluster it names"),
+    case("check-cpu-dp-billion", ["check", "{d}/plan_dp_billion.json", "--device", "cpu"], 2,
+         "a CPU check starts at most 16 processes"),
+    case("check-cpu-one-checkpoint", ["check", "{d}/plan_one_checkpoint.json", "--device", "cpu"], 2,
+         "checkpoint lists 1 modes"),
+]
+
+OTHER_COMMANDS = [  # the numeric options of choose, check and measure (issue 38: every one has a range)
+    case("choose-max-gpus-hundred-million", [*CHOOSE, "--max-gpus", "100000000"], 2, "allowed: 1 to 1,024"),
+    case("choose-max-gpus-zero", [*CHOOSE, "--max-gpus", "0"], 2, "'--max-gpus'"),
+    case("choose-tokens-zero", ["choose", "--model", "gpt2", "--tokens", "0"], 2, "'--tokens'"),
+    case("choose-tokens-inf", ["choose", "--model", "gpt2", "--tokens", "inf"], 2, "inf is out of range"),
+    case("choose-tokens-huge", ["choose", "--model", "gpt2", "--tokens", "1e30"], 2, "at most 1e+16"),
+    case("choose-budget-negative", [*CHOOSE, "--budget", "-5"], 2, "'--budget'"),
+    case("choose-budget-nan", [*CHOOSE, "--budget", "nan"], 2, "nan is out of range"),
+    case("choose-time-limit-zero", [*CHOOSE, "--time-limit", "0"], 2, "more than 0 and at most 3,600"),
+    case("choose-time-limit-a-year", [*CHOOSE, "--time-limit", "31536000"], 2, "'--time-limit'"),
+    case("choose-seq-len-zero", [*CHOOSE, "--seq-len", "0"], 2, "'--seq-len'"),
+    case("choose-global-batch-huge", [*CHOOSE, "--global-batch", "1000000000000"], 2, "allowed: 1 to 1,048,576"),
+    case("choose-lora-rank-zero", [*CHOOSE, "--lora-rank", "0"], 2, "'--lora-rank'"),
+    case("choose-deadline-centuries", [*CHOOSE, "--deadline", "99999999h"], 2, "is out of range"),
+    case("choose-gpu-types-too-long", [*CHOOSE, "--gpu-types", "H100," * 100], 2, "too long"),
+    case("check-steps-zero", ["check", "{d}/plan_dp_billion.json", "--steps", "0"], 2, "'--steps'"),
+    case("check-steps-huge", ["check", "{d}/plan_dp_billion.json", "--steps", "100000"], 2, "allowed: 1 to 1,000"),
+    case("check-nproc-zero", ["check", "{d}/plan_dp_billion.json", "--nproc", "0"], 2, "'--nproc'"),
+    case("measure-ranks-zero", ["measure", "--ranks", "0"], 2, "'--ranks'"),
+    case("measure-ranks-huge", ["measure", "--ranks", "1000000"], 2, "allowed: 1 to 1,024"),
+    case("measure-cpu-ranks-beyond-cap", ["measure", "--device", "cpu", "--ranks", "64", "-o", "{d}/profile.json"],
+         2, "a CPU measurement starts at most 16 processes"),
+]
+
 PINS = [  # pins that contradict each other or the cluster
     case("pins-mb-ga-not-batch", [*SOLVE, "--micro-batch", "2", "--grad-accum", "2"], 2, NO_CONFIG),
     case("pins-param-offload-zero-2", [*SOLVE, "--offload-params", "cpu", "--zero", "2"], 2,
@@ -305,7 +358,7 @@ PINS = [  # pins that contradict each other or the cluster
     case("pins-fsdp2-zero-0", [*SOLVE, "--engine", "fsdp2", "--zero", "0"], 2, "engine=fsdp2"),
 ]
 
-CASES = NUMBERS + CHOICES + LORA + CLUSTERS + CONFIGS + ESTIMATES + LISTINGS + PLANS + PINS
+CASES = NUMBERS + CHOICES + LORA + CLUSTERS + CONFIGS + ESTIMATES + LISTINGS + PLANS + TAMPERED + OTHER_COMMANDS + PINS
 
 
 def write(folder: Path, name: str, content: object) -> None:
@@ -339,6 +392,15 @@ def corpus(tmp_path_factory) -> Path:
         "huge_nested.json": {**llama, "rope_scaling": {"rope_type": "linear", "factor": 2**40}},
         "huge_intermediate.json": {**llama, "intermediate_size": 2**40},
         "gpt2_64_positions.json": {**gpt2, "n_positions": 64, "n_ctx": 64},
+        "intermediate_zero.json": {**llama, "intermediate_size": 0},
+        "head_dim_zero.json": {**llama, "head_dim": 0},
+        "ffn_negative.json": {**tiny_values("opt"), "ffn_dim": -256},
+        "kv_heads_0.json": {**llama, "num_key_value_heads": 0},
+        "moe_top_0.json": {**tiny_values("qwen3_moe"), "num_experts_per_tok": 0},
+        "moe_top_9.json": {**tiny_values("qwen3_moe"), "num_experts_per_tok": 9},
+        "moe_groups_3.json": {**tiny_values("deepseek_v3"), "n_group": 3},
+        "positions_negative.json": {**llama, "max_position_embeddings": -1},
+        "gpt2_zero_positions.json": {**gpt2, "n_positions": 0},
         "cluster_invalid.json": "{gpus: ", "cluster_list.json": ["8xA100"],
         "cluster_both.json": {"gpus": "8xA100", "gpu": "A100"},
         "cluster_unknown.json": {"gpus": "8xA100", "racks": 2},
@@ -366,6 +428,8 @@ def corpus(tmp_path_factory) -> Path:
     }
     for name, content in configs.items():
         write(d, name, content)
+    for name, content in tampered_plans().items():
+        write(d, name, content)
     (d / "latin1.json").write_bytes('{"model_type": "llama", "name": "caf\xe9"}'.encode("latin-1"))
     (d / "empty_folder").mkdir()
     (d / "folder.json").mkdir()
@@ -373,6 +437,17 @@ def corpus(tmp_path_factory) -> Path:
     with (d / "oversize.json").open("wb") as handle:  # sparse: costs no disk
         handle.truncate(MAX_INPUT_BYTES + 1)
     return d
+
+
+def tampered_plans() -> dict[str, dict]:
+    """A plan of gpt2 on one A100, edited by hand: dp=10^9, one checkpoint mode for 12 layers, tp=5 on one GPU."""
+    from solver import solve
+
+    plan = solve("gpt2", "1xA100", seq_len=512, global_batch=8, time_limit=10).to_json()
+    edited = {"dp_billion": {"dp": 10**9}, "one_checkpoint": {"checkpoint": plan["decisions"]["checkpoint"][:1]},
+              "tp_5": {"tp": 5}}
+    return {f"plan_{name}.json": {**plan, "decisions": {**plan["decisions"], **change}}
+            for name, change in edited.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -428,6 +503,18 @@ def test_bad_input_is_refused_with_exit_code_and_message(bad: Case, corpus: Path
     assert isinstance(result.exception, SystemExit), repr(result.exception)  # handled, never an escaped exception
     assert "Traceback" not in result.output
     assert normalized(bad.phrase).replace("{d}", str(corpus)) in message, message[-1500:]
+
+
+def test_every_numeric_option_of_every_command_has_a_range():
+    import typing
+
+    import typer.main
+
+    for name, command in typer.main.get_command(app).commands.items():
+        for param in command.params:
+            kinds = set(typing.get_args(param.type_descriptor.annotation)) or {param.type_descriptor.annotation}
+            if kinds & {int, float}:
+                assert isinstance(param.type_descriptor.parameter_info.parser, Bounded), (name, param.name)
 
 
 def test_help_of_every_command_shows_ranges_and_whole_option_names():
@@ -501,3 +588,89 @@ def test_profile_from_a_device_fifo_or_huge_file_is_refused_unread(name: str, co
     with pytest.raises(InvalidProfile, match=r"not a regular file|are read|nests deeper"):
         within_timeout(lambda: load_profile(name.replace("{d}", str(corpus))))
 
+
+
+def test_cache_entry_swapped_for_a_fifo_or_grown_past_the_limit_is_a_miss(tmp_path, monkeypatch):
+    """The entry is checked on the opened file, not the path: a FIFO swapped in after a check of the path (here: a
+    path check that says "regular file") is a miss, never a hang."""
+    import graphs.cache as cache
+
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    (tmp_path / "lower").mkdir()
+    os.mkfifo(tmp_path / "lower" / "fifo.json")
+    monkeypatch.setattr(Path, "is_file", lambda self: True)  # the race: the path looked like a file a moment ago
+    assert within_timeout(lambda: load_cached("fifo"), seconds=10) is None
+    with (tmp_path / "lower" / "huge.json").open("wb") as handle:  # sparse
+        handle.truncate(cache.MAX_ENTRY_BYTES + 1)
+    assert load_cached("huge") is None
+
+
+def test_cache_write_interrupted_or_failing_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import graphs.cache as cache
+    from graphs import lower
+
+    graph = lower("gpt2")
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    for failure in (KeyboardInterrupt, OSError(28, "No space left on device"), RecursionError):
+        def fail(*args, failure=failure, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(cache.json, "dump", fail)
+        try:
+            store_cached("entry", graph)
+        except BaseException as error:  # an interruption propagates; a full disk is skipped
+            assert not isinstance(error, OSError)
+        assert list((tmp_path / "lower").iterdir()) == [], failure
+
+
+def test_stale_cache_temporaries_are_removed_at_first_use_and_live_ones_kept(tmp_path, monkeypatch):
+    import time
+
+    import graphs.cache as cache
+
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "lower"
+    folder.mkdir()
+    stale, live = folder / "dead-writer.tmp", folder / "live-writer.tmp"
+    stale.write_text("{")
+    live.write_text("{")
+    old = time.time() - cache.STALE_TEMPORARY_SECONDS - 60
+    os.utime(stale, (old, old))
+    assert load_cached("absent") is None  # a lookup, no write: the process's first use of the folder
+    assert not stale.exists() and live.exists()
+
+
+CUSTOM_GPU = """gpu:
+  id: my-accel
+  name: My Accelerator
+  vendor: nvidia
+  arch: hopper
+  memory_gib: 96
+  hbm_bandwidth_gbps: 4000
+  tflops_dense: {fp32: 60, tf32: 400, fp16: 800, bf16: 800, fp8: 1600}
+  intra_node: {kind: nvlink4, uni_gbps: 450, nvswitch: true}
+  host_link: {pcie_gen: 5, uni_gbps: 63}
+nodes: 1
+gpus_per_node: 1
+cpu_ram_gib: 256
+cpu_cores: 16
+"""
+
+
+def test_explain_accepts_intact_plans_on_catalog_and_custom_gpus(tmp_path, monkeypatch, corpus):
+    """The check against the model and cluster refuses edited plans only: an intact plan explains, also one made
+    on a custom GPU of a cluster file (read again from that file)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "custom.yml").write_text(CUSTOM_GPU)
+    solved = run(["solve", "--model", "gpt2", "--gpus", "custom.yml", "--seq-len", "512", "--global-batch", "8",
+                  "-o", "plan.json"])
+    assert solved.exit_code == 0, solved.output
+    for plan in ("plan.json", str(corpus / "plan_dp_billion.json")):
+        intact = plan if plan == "plan.json" else "intact.json"
+        if plan != "plan.json":  # the corpus's edited plan with its dp restored
+            data = json.loads(Path(plan).read_text())
+            (tmp_path / intact).write_text(json.dumps({**data, "decisions": {**data["decisions"], "dp": 1}}))
+        result = run(["explain", intact])
+        assert result.exit_code == 0, result.output
+    (tmp_path / "custom.yml").unlink()
+    assert run(["explain", "plan.json"]).exit_code == 2

@@ -2,7 +2,8 @@
 
 stdout carries only the result (a report, or JSON with --json); progress and errors go to stderr.
 Exit codes: 0 plan found, 1 internal error, 2 bad input, 3 nothing fits (with the diagnosis), 4 no plan found
-within the time limit (nothing proven; raise --time-limit).
+within the time limit (nothing proven; raise --time-limit), 5 `check` measured a difference where the bytes must be
+exact.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import typer
 import typer.rich_utils
 from rich.console import Console
 
+from costmodels import cluster as C
 from costmodels.packing import read_lengths
 from graphs import FitplanError, LoraSpec
 from solver.cli.groups import (
@@ -38,7 +40,7 @@ from solver.cli.knob_options import (
     solve_parameters,
     with_knob_options,
 )
-from solver.cli.options import Text, help_width, number, text
+from solver.cli.options import Text, help_width, number, result_console, text
 from solver.cli.progress import status_line
 from solver.cli.quiet import captured, user_stderr
 from solver.plan.capability import LAUNCHERS
@@ -52,7 +54,7 @@ typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH or help_width()  # no tr
 HELP = {"max_content_width": help_width()}
 app = typer.Typer(help="Plan LLM training on GPUs: what fits, what is fastest, and the launcher configs.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False, context_settings=HELP)
-out = Console()
+out = result_console()
 err = Console(file=user_stderr)  # stays the terminal while third-party output is captured (`quiet.captured`)
 
 Model = Annotated[str, text(4096, "Catalog id (see `fitplan models`), a local config.json or folder, or a Hub id "
@@ -125,7 +127,11 @@ def solve_command(
                                                "loss needs liger-kernel).")] = False,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
-                                        "excluded).", lo_open=True)] = 10.0,
+                                        "excluded); with --deterministic, each CP-SAT model's work budget in "
+                                        "deterministic seconds.", lo_open=True)] = 10.0,
+    deterministic: Annotated[bool, typer.Option(help="Search every configuration with a fixed CP-SAT work budget "
+                                                "instead of the wall clock: the same plan under any load (for "
+                                                "scripts; may take longer).")] = False,
     attention: Annotated[Literal["sdpa", "eager"] | None, typer.Option(help="Attention implementation.")] = None,
     input_tokens_per_s: Annotated[float | None, number(float, 0, B.MAX_INPUT_TOKENS_PER_S, "Tokens/s one "
                                                        "data-loading worker supplies (default 1M, a fast "
@@ -141,12 +147,13 @@ def solve_command(
 ) -> None:
     """Find the fastest configuration that fits, and optionally write launcher configs."""
     from solver.api import solve
-    from solver.cli.outputs import Targets, launcher_names, write_outputs
+    from solver.cli.outputs import Targets, check_targets, launcher_names, write_outputs
 
     try:
         lora = adapters.spec()
         targets = Targets(output=outputs.output, launchers=launcher_names(outputs.emit), emit_dir=outputs.emit_dir,
                           plot=outputs.plot)
+        check_targets(targets, force=outputs.force)
         # --emit X alone plans for what X runs; several named leave the choice open (those that cannot run the plan
         # are named with their reasons)
         planned_for = launcher.value if launcher else (targets.launchers[0] if len(targets.launchers) == 1 else None)
@@ -158,8 +165,9 @@ def solve_command(
         lengths = read_lengths(dataset_lengths) if dataset_lengths is not None else None
         with _quietly(f"Planning {model} on {gpus}", verbose=verbose) as (log, progress):
             plan = solve(model, gpus, seq_len=seq_len, global_batch=global_batch, tokens_per_step=tokens_per_step,
-                         headroom=headroom, time_limit=time_limit, lora=lora, allow_lora=allow_lora,
-                         allow_savers=allow_savers, attention=attention, input_tokens_per_s=input_tokens_per_s,
+                         headroom=headroom, time_limit=time_limit, deterministic=deterministic, lora=lora,
+                         allow_lora=allow_lora, allow_savers=allow_savers, attention=attention,
+                         input_tokens_per_s=input_tokens_per_s,
                          cluster_options=cluster.as_dict(), pins=pins, dataset_lengths=lengths, packing=packing,
                          progress=progress)
         for line in write_outputs(plan, targets, force=outputs.force).lines():
@@ -229,7 +237,7 @@ def models_command(filter: Annotated[str, typer.Argument(parser=Text(B.MAX_FILTE
 
     table = Table(title=f"{len(rows)} catalog models (published config.json values)")
     for column in ("id", "model_type", "published params"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # wrapped where too narrow, never cut
     for row in rows:
         table.add_row(row["id"], row["model_type"], f"{row['published_params']:,}" if row["published_params"] else "-")
     out.print(table)
@@ -248,7 +256,7 @@ def gpus_command(as_json: AsJson = False) -> None:
 
     table = Table(title="GPU catalog (dense figures; memory in GiB; profile: from `fitplan measure`)")
     for column in ("id", "aliases", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "intra-node", "profile"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # wrapped where too narrow, never cut
     for r in rows:
         table.add_row(r["id"], ", ".join(r["aliases"]), f"{r['memory_gib']:.0f}", str(r["bf16_tflops"] or "-"),
                       str(r["fp8_tflops"] or "-"), f"{r['hbm_gbps']:.0f}", r["intra_node"], r["profile"] or "-")
@@ -276,32 +284,40 @@ def explain_command(plan_file: Annotated[Path, typer.Argument(help="A plan JSON 
 @app.command("choose")
 def choose_command(
     model: Model,
-    tokens: Annotated[float, typer.Option(help="Tokens to train on, e.g. 2e9.")],
-    gpu_types: Annotated[str, typer.Option(help="GPU types to compare, comma-separated.")] = "H100,A100-80GB,L40S,A10G",
-    max_gpus: Annotated[int, typer.Option(help="Largest cluster tried (whole nodes above one node).")] = 64,
-    deadline: Annotated[str | None, typer.Option(help="Finish within, e.g. 24h, 90m, 2d.")] = None,
-    budget: Annotated[float | None, typer.Option(help="Spend at most this many USD.")] = None,
+    tokens: Annotated[float, number(float, 0, B.MAX_TRAIN_TOKENS, "Tokens to train on, e.g. 2e9.", lo_open=True)],
+    gpu_types: Annotated[str, text(B.MAX_FILTER_CHARS, "GPU types to compare, comma-separated.")
+                         ] = "H100,A100-80GB,L40S,A10G",
+    max_gpus: Annotated[int, number(int, 1, B.MAX_CHOOSE_GPUS, "Largest cluster tried (whole nodes above one "
+                                    "node).")] = 64,
+    deadline: Annotated[str | None, text(40, "Finish within, e.g. 24h, 90m, 2d.")] = None,
+    budget: Annotated[float | None, number(float, 0, B.MAX_BUDGET_USD, "Spend at most this many USD.",
+                                           lo_open=True)] = None,
     prices: Annotated[Path | None, typer.Option(help="Your prices: YAML/JSON {GPU: USD per GPU-hour} or a "
                                                 "SkyPilot-style catalog (CSV).")] = None,
     spot: Annotated[bool, typer.Option(help="Use spot prices where the table has them.")] = False,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
-    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")] = None,
-    precision: Annotated[str | None, typer.Option(help="Allowed precisions, comma-separated.")] = None,
-    optimizers: Annotated[str, typer.Option(help="Allowed optimizers, comma-separated.")] = "adamw",
-    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank.")] = None,
+    seq_len: Annotated[int | None, number(int, 1, B.MAX_SEQ_LEN, "Tokens per sequence.")] = None,
+    global_batch: Annotated[int | None, number(int, 1, B.MAX_GLOBAL_BATCH, "Sequences per optimizer step.")] = None,
+    precision: Annotated[str | None, text(200, "Allowed precisions, comma-separated.")] = None,
+    optimizers: Annotated[str, text(200, "Allowed optimizers, comma-separated.")] = "adamw",
+    lora_rank: Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")] = None,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA where full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let each solve choose the memory savers that keep the "
                                                "training (--loss, --activation-offload).")] = False,
-    time_limit: Annotated[float, typer.Option(help="Solver time limit per cluster, seconds.")] = 10.0,
+    time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit per cluster, seconds.",
+                                        lo_open=True)] = 10.0,
     as_json: AsJson = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of cost against time.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing --plot file.")] = False,
     verbose: Verbose = False,
 ) -> None:
     """Which GPUs, how many, how long and at what cost: the time/cost front over GPU types and counts."""
     from solver.choose import choose, parse_duration
     from solver.cli.choose_report import plot_choice, render_choice
+    from solver.plan.staging import refuse_overwrite, write_together
 
     try:
+        if plot is not None:  # before the sweep, not after minutes of solving
+            refuse_overwrite([plot], force=force)
         pins = {"pins": pins_from_options({"precision": precision, "optimizer": optimizers}, launcher=None),
                 "lora": None if lora_rank is None else LoraSpec(rank=lora_rank, alpha=2 * lora_rank)}
         shown = None if as_json else lambda p: err.print(f"[dim]{p.gpus} x {p.gpu_name}: {p.status}[/]")
@@ -311,7 +327,7 @@ def choose_command(
                             budget_usd=budget, progress=shown, seq_len=seq_len, global_batch=global_batch,
                             allow_lora=allow_lora, allow_savers=allow_savers, time_limit=time_limit, **pins)
         if plot:
-            plot_choice(choice, plot)
+            write_together({plot: lambda path: plot_choice(choice, path)}, force=force)
             err.print(f"wrote {plot}")
     except Exception as error:
         _fail(error)
@@ -331,8 +347,9 @@ def measure_command(
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (under a minute).")] = False,
     device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo collectives) or auto.")
                       ] = "auto",
-    ranks: Annotated[int | None, typer.Option(help="Processes for the collectives (default: the local GPUs; 2 "
-                                              "on CPU; 1 skips them).")] = None,
+    ranks: Annotated[int | None, number(int, 1, C.MAX_GPUS_PER_NODE, "Processes for the collectives (default: the "
+                                        f"local GPUs; 2 on CPU, at most {B.MAX_CPU_RANKS}; 1 skips them).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing -o file.")] = False,
     as_json: AsJson = False,
     verbose: Verbose = False,
 ) -> None:
@@ -343,7 +360,7 @@ def measure_command(
 
     try:
         with _quietly("Measuring this node", verbose=verbose) as (_log, progress):
-            profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output,
+            profile, path = measure_to_file(device, quick=quick, ranks=ranks, output=output, force=force,
                                             progress=lambda step: progress(f"Measuring {step}"))
     except Exception as error:
         _fail(error)
@@ -358,17 +375,20 @@ def measure_command(
 @app.command("check")
 def check_command(
     plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `solve -o`.")],
-    steps: Annotated[int, typer.Option(help="Training steps (the first is a warm-up for the step time).")] = 5,
+    steps: Annotated[int, number(int, 1, B.MAX_CHECK_STEPS, "Training steps (the first is a warm-up for the step "
+                                 "time).")] = 5,
     device: Annotated[Literal["auto", "cuda", "cpu"], typer.Option(help="cuda, cpu (gloo) or auto.")] = "auto",
-    nproc: Annotated[int | None, typer.Option(help="Processes; must equal the plan's ranks (the default).")] = None,
+    nproc: Annotated[int | None, number(int, 1, B.MAX_GPUS, "Processes; must equal the plan's ranks (the default; "
+                                        f"at most {B.MAX_CPU_RANKS} on CPU).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Run a plan here for a few steps (random weights, synthetic batch) and compare with its estimate."""
+    from solver.cli.validation import checked
     from solver.hardware.check import check_lines, check_plan
 
     try:
         err.print("[dim]Running the plan's torchrun script...[/]")
-        report = check_plan(plan_file, steps=steps, device=device, nproc=nproc)
+        report = check_plan(plan_file, steps=steps, device=device, nproc=nproc, validate=checked(plan_file))
     except Exception as error:
         _fail(error)
     if as_json:
@@ -376,6 +396,11 @@ def check_command(
     else:
         for line in check_lines(report):
             out.print(line, markup=False, highlight=False, soft_wrap=True)
+    if not report.exact_ok:  # a reported difference is a failed check, also for scripts that read only the code
+        differing = ", ".join(row.name for row in report.rows if row.exact and row.measured != row.estimated)
+        err.print(f"[bold red]Check failed:[/] measured differs from the estimate where it must be exact: "
+                  f"{differing}.", markup=True, highlight=False)
+        raise typer.Exit(code=5)
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ def front_table(choice: Choice) -> Table:
     table = Table(title=f"Time against cost: the Pareto front ({len(choice.front)} of "
                         f"{sum(p.feasible for p in choice.points)} feasible clusters)", show_edge=False)
     for column in ("#", "cluster", "time", "cost USD", "$/GPU-h", "tokens/s", "MFU"):
-        table.add_column(column, justify="left" if column == "cluster" else "right")
+        table.add_column(column, justify="left" if column == "cluster" else "right", overflow="fold")
     for number, p in enumerate(choice.front, start=1):
         table.add_row(str(number), _label(p), hours_text(p.hours), usd_text(p.cost_usd),
                       f"{p.usd_per_gpu_hour:.2f}" + (" spot" if p.price_kind == "spot" else ""),

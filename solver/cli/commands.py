@@ -189,11 +189,10 @@ def pipeline_lines(plan: Plan) -> list[str]:
 
 
 def explain_plan(path: Path) -> list[str]:
-    try:
-        plan = Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
-    except (ValueError, ValidationError) as error:
-        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
-                              "Write one with `solve ... -o plan.json`.") from error
+    """Why the plan at `path` (checked against its model and cluster first) chose what it did, in lines."""
+    from solver.cli.validation import load_valid_plan
+
+    plan = load_valid_plan(path)
     d, e = plan.decisions, plan.estimate
     lines = [f"Plan for {plan.inputs.model} on {plan.inputs.cluster.spec}: {d.summary()}",
              f"Why: fastest configuration under the cost model ({plan.solver.status}; step {e.time.step_time:.3f} s, "

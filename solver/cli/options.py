@@ -5,10 +5,13 @@ the option's name, the value and what is allowed, and --help shows the range. Th
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import sys
 from typing import Any
 
 import typer
+from rich.console import Console
 
 # Rich renders help at the terminal's width, 80 columns when output is piped or captured, and then truncates
 # long option names ("--offload-para…"); help is rendered at least this wide (TERMINAL_WIDTH still overrides).
@@ -18,6 +21,18 @@ HELP_WIDTH = 150
 def help_width() -> int:
     """Columns for --help: the terminal's width, at least `HELP_WIDTH`."""
     return max(HELP_WIDTH, shutil.get_terminal_size(fallback=(HELP_WIDTH, 24)).columns)
+
+
+# Rich renders piped output at 80 columns and cuts table cells to fit ("a100-s…"); piped, the result is rendered
+# this wide (the widest table, `fitplan gpus`, needs ~170), and listing columns wrap rather than cut.
+PIPED_WIDTH = 200
+
+
+def result_console() -> Console:
+    """The console of the result on stdout: the terminal's width, or `PIPED_WIDTH` when stdout is a pipe or a
+    file (an explicit COLUMNS still decides)."""
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=PIPED_WIDTH) if piped else Console()
 
 
 class Bounded:

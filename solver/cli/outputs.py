@@ -1,13 +1,16 @@
-"""Writing a plan's files (`-o`, `--emit`, `--plot`): nothing existing is overwritten without --force, and a
-launcher that cannot run the plan is reported while the others still write."""
+"""Writing a plan's files (`-o`, `--emit`, `--plot`): all together or none (`staging`), nothing existing overwritten
+without --force, no two outputs on one path, and a launcher that cannot run the plan reported while the others
+still write."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphs import FitplanError
 from solver.plan.record import Plan
+from solver.plan.staging import Writer, refuse_overwrite, refuse_shared_paths, text_writer, write_together
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,16 +59,6 @@ def emitted(plan: Plan, launchers: tuple[str, ...]) -> Emitted:
     return Emitted(files=files, refused=refused)
 
 
-def refuse_overwrite(paths: list[Path], *, force: bool) -> None:
-    """Raise, naming the files, when any of `paths` exists and --force was not given."""
-    existing = sorted({(str(path.parent), path.name) for path in paths if path.exists()})
-    if existing and not force:
-        folders = {folder: [name for f, name in existing if f == folder] for folder, _ in existing}
-        listed = "; ".join(f"{', '.join(names)} in {folder}" for folder, names in folders.items())
-        raise FitplanError(f"Refusing to overwrite existing files, so nothing was written: {listed}.",
-                           "Pass --force to overwrite them, or choose another -o / --emit-dir / --plot path.")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Written:
     """What `write_outputs` did: the files written, and the launchers that refused with their reasons."""
@@ -77,35 +70,54 @@ class Written:
         return [f"wrote {path}" for path in self.paths] + refusals
 
 
+def target_paths(targets: Targets, emitted_names: tuple[str, ...] = ()) -> dict[str, Path]:
+    """Each output by the option that names it: -o, --plot and every file --emit writes (-o may name the emit
+    folder's plan.json: that is the one plan, written once)."""
+    named = {} if targets.output is None else {"-o": targets.output}
+    for name in emitted_names:
+        path = targets.emit_dir / name
+        if not (name == "plan.json" and targets.output is not None and path.resolve() == targets.output.resolve()):
+            named[f"--emit ({name})"] = path
+    if targets.plot is not None:
+        named["--plot"] = targets.plot
+    return named
+
+
+def check_targets(targets: Targets, *, force: bool) -> None:
+    """Refuse, before any solving, the outputs known up front (-o, --plot) that share a path or exist without
+    --force; the emitted files are known, and checked, once the plan is."""
+    named = target_paths(targets)
+    refuse_shared_paths(named)
+    refuse_overwrite(list(named.values()), force=force)
+
+
 def write_outputs(plan: Plan, targets: Targets, *, force: bool) -> Written:
-    """Write the plan's files after checking all of them, so that a refusal writes nothing."""
+    """Write the plan's files together (`staging.write_together`): after checking all of them, all or none."""
     from solver.cli.plot import plot_plan
 
     result = emitted(plan, targets.launchers) if targets.launchers else Emitted(files={})
-    files: dict[Path, str] = {} if targets.output is None else {targets.output: plan.dumps()}
-    for name, text in result.files.items():
-        files.setdefault(targets.emit_dir / name, text)  # -o may name emit_dir/plan.json too
-    plot = [targets.plot] if targets.plot is not None else []
-    refuse_overwrite([*files, *plot], force=force)
-    for path in [*files, *plot]:
-        folder = path.parent
-        if folder != targets.emit_dir and not folder.is_dir():
-            raise FitplanError(f"Cannot write {path}: folder {folder} does not exist; nothing was written.",
+    named = target_paths(targets, tuple(result.files))
+    refuse_shared_paths(named)
+    kept = set(named.values())  # without the emit folder's plan.json where -o names it
+    writers: dict[Path, Writer] = {targets.emit_dir / name: text_writer(text) for name, text in result.files.items()
+                                   if targets.emit_dir / name in kept}
+    if targets.output is not None:
+        writers[targets.output] = text_writer(plan.dumps())
+    if targets.plot is not None:
+        writers[targets.plot] = lambda path: plot_plan(plan, path)
+    for path in writers:
+        if path.parent != targets.emit_dir and not path.parent.is_dir():
+            raise FitplanError(f"Cannot write {path}: folder {path.parent} does not exist; nothing was written.",
                                "Create the folder first, or write elsewhere.")
+    refuse_overwrite(list(writers), force=force)  # before the emit folder is created
+    created = bool(result.files) and not targets.emit_dir.exists()
     if result.files:
         targets.emit_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for path, text in files.items():
-        if path.resolve() not in {p.resolve() for p in written}:
-            _write(path, text, force=force)
-            written.append(path)
-    if targets.plot is not None:
-        plot_plan(plan, targets.plot)
-        written.append(targets.plot)
-    return Written(paths=written, refused=result.refused)
-
-
-def _write(path: Path, text: str, *, force: bool) -> None:
-    # Exclusive creation without --force: a file that appeared since the check is still never overwritten.
-    with path.open("w" if force else "x") as handle:
-        handle.write(text)
+    scripts = frozenset(path for path in writers if path.suffix == ".sh")
+    try:
+        return Written(paths=write_together(writers, force=force, executable=scripts), refused=result.refused)
+    except BaseException:
+        if created:  # nothing was written: not even the folder stays
+            with contextlib.suppress(OSError):
+                targets.emit_dir.rmdir()
+        raise

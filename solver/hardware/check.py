@@ -10,12 +10,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from costmodels import Config, Workload, activation_offload, shared_lowering
+from costmodels import Config, Offload, Workload, activation_offload, shared_lowering
 from costmodels.activations import evaluate
 from costmodels.config import Loss
 from costmodels.knobs import declared
@@ -24,10 +23,11 @@ from costmodels.memory import memory_terms
 from costmodels.pipeline import StageActivations, held_activation_bytes
 from costmodels.pipeline_stages import rank_config, rank_slices
 from costmodels.states import model_states
-from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, MalformedConfig, Role, resolve
-from graphs.files import parse_json, read_text
+from costmodels.terms import ModelStates
+from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, Role, resolve
 from graphs.lowering import lower_resolved
-from solver.plan.record import Plan
+from solver.hardware.limits import MAX_CPU_RANKS
+from solver.plan.record import Plan, load_plan
 
 # A few steps of a real model on GPUs take minutes (model build, NCCL set-up); beyond this the run is stuck.
 RUN_TIMEOUT = 1800
@@ -75,22 +75,17 @@ class CheckReport:
                           "error": r.error, "exact": r.exact} for r in self.rows]}
 
 
-def load_plan(path: Path) -> Plan:
-    """The plan in a JSON file written by `solve -o`."""
-    try:
-        return Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
-    except (ValueError, ValidationError) as error:  # a file that cannot be read says so itself (graphs.files)
-        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
-                              "Write one with `solve ... -o plan.json`.") from error
-
-
-def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int | None = None) -> CheckReport:
-    """Run the plan at `path` for `steps` steps on `nproc` local ranks and compare with its estimate."""
+def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int | None = None,
+               validate: Callable[[Plan], object] | None = None) -> CheckReport:
+    """Run the plan at `path` for `steps` steps on `nproc` local ranks and compare with its estimate; `validate`
+    (the CLI's check against the plan's model and cluster) runs after the rank checks and before any process."""
     import torch
 
     plan = load_plan(path)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    ranks = _ranks(plan, device, nproc, steps)
+    ranks = _ranks(plan, device, nproc, steps)  # before any lowering: an edited dp is refused at once
+    if validate is not None:
+        validate(plan)
     with tempfile.TemporaryDirectory(prefix="fitplan-check-") as folder:
         reports = run_plan(plan, Path(folder), device=device, ranks=ranks, steps=steps)
     return CheckReport(plan=str(path), device=device, ranks=ranks, steps=steps,
@@ -110,6 +105,10 @@ def _ranks(plan: Plan, device: str, nproc: int | None, steps: int) -> int:
     if nproc is not None and nproc != world:
         raise FitplanError(f"--nproc {nproc}: the plan runs tp={d.tp} x cp={d.cp} x pp={d.pp} x dp={d.dp} = "
                            f"{world} ranks.", "Check runs the plan as planned: one process per rank.")
+    if device == "cpu" and world > MAX_CPU_RANKS:  # one process per rank: refuse before starting any
+        raise FitplanError(f"The plan runs tp={d.tp} x cp={d.cp} x pp={d.pp} x dp={d.dp} = {world:,} ranks; a CPU "
+                           f"check starts at most {MAX_CPU_RANKS} processes.",
+                           f"Check a plan of at most {MAX_CPU_RANKS} GPUs on CPU, or run it on its GPUs.")
     if device == "cuda" and torch.cuda.device_count() < world:
         raise FitplanError(f"The plan needs {world} GPUs; this machine has {torch.cuda.device_count()}.",
                            "Plan for the local GPUs (--gpus auto) or check on CPU with --device cpu.")
@@ -228,13 +227,14 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
     # the chunked loss's and offload's own saved bytes (memory_terms), not the plain lowering's
     saved = saved_activation_bytes(graph, config, seq_len=plan.inputs.seq_len,
                                    savers=config.loss is Loss.CHUNKED or config.activation_offload)
-    rows = [Row(name="parameters", measured=first["param_bytes"], estimated=memory.parameters, unit="bytes",
+    states, where = stored_states(graph, config)
+    rows = [Row(name=f"parameters{where}", measured=first["param_bytes"], estimated=states.params, unit="bytes",
                 exact=cpu),
             # what a backward leaves in .grad (not DDP's flat reduce buckets, nor the part landed by the peak)
-            Row(name="gradients", measured=first["grad_bytes"],
-                estimated=model_states(graph, config).accumulating_grads, unit="bytes", exact=cpu),
-            Row(name="optimizer states", measured=first["optimizer_bytes"], estimated=memory.optimizer_states,
+            Row(name=f"gradients{where}", measured=first["grad_bytes"], estimated=states.accumulating_grads,
                 unit="bytes", exact=cpu),
+            Row(name=f"optimizer states{where}", measured=first["optimizer_bytes"],
+                estimated=states.master + states.optimizer, unit="bytes", exact=cpu),
             # the chunked loss also saves 0-dim scalars (each chunk's total_weight, the token count) fitplan omits
             Row(name="saved activations (one micro-batch)", measured=first["saved_activation_bytes"],
                 estimated=saved, unit="bytes", exact=cpu and config.loss is not Loss.CHUNKED)]
@@ -251,6 +251,17 @@ def compare(plan: Plan, reports: list[dict], *, device: str) -> list[Row]:
                      estimated=memory.reserved_peak, unit="bytes", exact=False)]
     rows.append(_step_row(plan, reports))
     return rows
+
+
+def stored_states(graph: LayerGraph, config: Config) -> tuple[ModelStates, str]:
+    """Rank 0's parameter, gradient and optimizer-state bytes wherever they live, and where that is in words. The
+    script counts a tensor's bytes on whichever device holds it; an offloaded plan keeps the same shards on the host
+    (FSDP2's CPUOffloadPolicy), which the device breakdown prices at 0 bytes. So the states are those of the same
+    configuration kept on the device, and the rows say they are on the host."""
+    if config.optimizer_offload is Offload.NONE and config.param_offload is Offload.NONE:
+        return model_states(graph, config), ""
+    on_device = replace(config, optimizer_offload=Offload.NONE, param_offload=Offload.NONE)
+    return model_states(graph, on_device), " (on the host)"
 
 
 def _step_row(plan: Plan, reports: list[dict]) -> Row:

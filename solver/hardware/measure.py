@@ -27,6 +27,8 @@ from costmodels.profile import (
     fit_link,
 )
 from graphs import FitplanError
+from solver.hardware.limits import MAX_CPU_RANKS
+from solver.plan.staging import refuse_overwrite, text_writer, write_together
 
 MIB = 2**20
 
@@ -256,6 +258,9 @@ def measure(device: str, *, quick: bool, ranks: int | None = None,
     if device == "cuda" and ranks > count:
         raise FitplanError(f"--ranks {ranks}: this node has {count} GPUs (one process per GPU).",
                            f"Pass --ranks {count} or fewer.")
+    if device == "cpu" and ranks > MAX_CPU_RANKS:
+        raise FitplanError(f"--ranks {ranks}: a CPU measurement starts at most {MAX_CPU_RANKS} processes.",
+                           f"Pass --ranks {MAX_CPU_RANKS} or fewer.")
     sizes = sizes_for(device, quick=quick)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     context = cuda_context_bytes() if device == "cuda" else None
@@ -290,9 +295,10 @@ def stored_profiles() -> dict[str, Path]:
     return {path.stem: path for path in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
 
 
-def measure_to_file(device: str, *, quick: bool, ranks: int | None, output: Path | None,
+def measure_to_file(device: str, *, quick: bool, ranks: int | None, output: Path | None, force: bool = False,
                     progress: Callable[[str], None] = lambda _: None) -> tuple[Profile, Path]:
-    """Measure this node and write the profile to `output`, or to the profile folder as `<gpu id>.json`."""
+    """Measure this node and write the profile to `output` (an existing file only with `force`, checked before
+    measuring), or to the profile folder as `<gpu id>.json`, replacing the stored profile of that GPU."""
     import torch
 
     from costmodels.profile import profile_json
@@ -301,10 +307,12 @@ def measure_to_file(device: str, *, quick: bool, ranks: int | None, output: Path
         raise FitplanError(f"--device {device!r} must be auto, cpu or cuda.", "e.g. --device cpu")
     if ranks is not None and ranks < 1:
         raise FitplanError(f"--ranks {ranks} must be at least 1.", "1 skips the collectives.")
+    if output is not None:
+        refuse_overwrite([output], force=force)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     profile = measure(device, quick=quick, ranks=ranks, progress=progress)
     path = output or profile_dir() / f"{profile.gpu}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile_json(profile))
+    write_together({path: text_writer(profile_json(profile))}, force=force or output is None)
     return profile, path

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import ConfigDict, TypeAdapter
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from costmodels import Config, Estimate, Offload
 from costmodels.knobs import Knob, declared
-from graphs import Checkpoint, FitplanError, LoraSpec
+from graphs import Checkpoint, FitplanError, LoraSpec, MalformedConfig
+from graphs.files import parse_json, read_text
 from solver.plan.capability import engine_label
 
-SCHEMA_VERSION = "2.3"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+SCHEMA_VERSION = "2.4"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
 # megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
-# search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator)
+# search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator); 2.4:
+# solver.deterministic (--deterministic: a fixed work budget instead of the wall clock)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -197,33 +200,46 @@ def decisions_of(outer: Config, checkpoint: tuple[Checkpoint, ...], *, lora: Lor
 class SolverStats:
     __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
     status: str
-    """OPTIMAL (proved best under the cost model), FEASIBLE (time limit hit) or INFEASIBLE."""
+    """OPTIMAL (proved best under the cost model), FEASIBLE (time limit or work budget hit) or INFEASIBLE."""
     objective_seconds: float
     """Step time the solver optimised (its integer resolution)."""
     bound_seconds: float | None
     """Best lower bound on the step time CP-SAT proved."""
     gap: float | None
     wall_seconds: float
-    """Search time: building the cost tables and the searches (the time limit's clock), lowering excluded."""
+    """Search time: building the cost tables, the searches and the alternatives (what the time limit bounds),
+    lowering excluded."""
     configurations: int
     """Outer configurations in the search space."""
     considered: int
     """Configurations left after exact pruning by bounds: each solved by CP-SAT, or settled by evaluating its few
     count vectors below the best so far (`count_search`)."""
     time_limit_seconds: float
+    """The wall-clock limit of the search, or under `deterministic` each CP-SAT model's work budget in
+    deterministic seconds."""
     explored: int | None = None
     """Configurations whose costs were built before the time limit (all of them unless the limit cut the search;
     absent in 1.0 plans)."""
     lowering_seconds: float | None = None
-    """Time spent lowering the model's variants before the search (outside the time limit; absent before 2.1)."""
+    """Time spent lowering the model's variants before the search, outside the time limit (absent before 2.1)."""
+    deterministic: bool = False
+    """Searched with `--deterministic`: every configuration built and searched, CP-SAT on one worker within a fixed
+    work budget, no wall-clock cut, so the same request gives the same plan under any load (absent before 2.4)."""
 
     def summary(self) -> str:
-        """One line: the status, and when the time limit cut the search, how much was explored and the way on."""
-        lowering = "" if self.lowering_seconds is None else f" (lowering {self.lowering_seconds:.2f} s before it)"
-        text = (f"{self.status} in {self.wall_seconds:.2f} s{lowering}, {self.considered} of {self.configurations} "
-                "configurations searched exactly")
+        """One line: the status and the search's own time, the lowering's apart; when the limit cut the search, how
+        much was explored and the way on."""
+        lowering = "" if self.lowering_seconds is None else \
+            f", after {self.lowering_seconds:.2f} s of lowering (outside the limit)"
+        budget = f"deterministic: {self.time_limit_seconds:g} s of CP-SAT work per model" if self.deterministic \
+            else f"limit {self.time_limit_seconds:g} s"
+        text = (f"{self.status} in {self.wall_seconds:.2f} s of search ({budget}){lowering}, {self.considered} of "
+                f"{self.configurations} configurations searched exactly")
         explored = self.configurations if self.explored is None else self.explored
-        if self.status != "OPTIMAL":
+        if self.status != "OPTIMAL" and self.deterministic:
+            gap = "" if self.gap is None else f", gap {self.gap:.1%}"
+            text += f"; the work budget cut a CP-SAT model{gap}: not proven best: raise --time-limit"
+        elif self.status != "OPTIMAL":
             gap = "" if self.gap is None else f", gap {self.gap:.1%} within them"
             text += (f"; time limit {self.time_limit_seconds:g} s reached: {explored} of {self.configurations} "
                      f"configurations explored{gap}; not proven best: raise --time-limit")
@@ -327,6 +343,15 @@ def check_schema_version(version: object) -> int:
 
 
 _ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)
+
+
+def load_plan(path: Path) -> Plan:
+    """The plan in a JSON file written by `solve -o`, as its schema reads it (no check against its model)."""
+    try:
+        return Plan.from_json(parse_json(read_text(path, what="plan file"), where=str(path)))
+    except (ValueError, ValidationError) as error:  # a file that cannot be read says so itself (graphs.files)
+        raise MalformedConfig(f"{path} is not a fitplan plan: {str(error).splitlines()[0]}",
+                              "Write one with `solve ... -o plan.json`.") from error
 
 
 def json_schema() -> dict[str, Any]:

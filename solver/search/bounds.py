@@ -5,6 +5,9 @@ library checks the workload against the same numbers, so no input reaches the so
 from __future__ import annotations
 
 from graphs import FitplanError
+from solver.hardware.limits import MAX_CHECK_STEPS, MAX_CPU_RANKS
+
+__all__ = ["MAX_CHECK_STEPS", "MAX_CPU_RANKS"]  # the local runs' limits, listed here with every other range
 
 # Tokens per sequence: 12x the longest context in the catalog (DeepSeek-V3, 163,840 positions).
 MAX_SEQ_LEN = 2**21
@@ -25,6 +28,14 @@ MAX_LORA_RANK = 4096
 MAX_LORA_ALPHA = 2**16
 # Tokens/s one data-loading worker supplies: 1e12 is a million times a fast tokenizer (~1M tokens/s).
 MAX_INPUT_TOKENS_PER_S = 1e12
+# `choose`: tokens to train on, 600x Llama 3's 15.6T pre-training tokens (Dubey et al. 2024, section 3.1); a budget
+# in USD; and the largest cluster a sweep tries. The sweep solves every whole-node count up to it: 1,024 GPUs of 8
+# per node is 128 solves per GPU type, minutes at the default time limit.
+MAX_TRAIN_TOKENS = 1e16
+MAX_BUDGET_USD = 1e12
+MAX_CHOOSE_GPUS = 1024
+# `choose --deadline`: a million hours (114 years) is no deadline.
+MAX_DEADLINE_HOURS = 1e6
 # Longest --gpus string: "2x8xH100-SXM5-80GB" is 18 characters; a long one is a mistake (and slow to match).
 MAX_CLUSTER_CHARS = 256
 # Longest `fitplan models` filter.

@@ -8,6 +8,9 @@ beside the most its other in-flight micro-batches hold at the schedule's moments
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -320,10 +323,31 @@ def _add_hint(pm: PlanModel, table: int, modes: tuple[Checkpoint, ...]) -> None:
                 pm.model.add_hint(flags[p], mode is flag_mode)
 
 
+# Under --deterministic, CP-SAT's budget per model in deterministic seconds (its count of work, independent of
+# load and machine; about a second of one core each); None: the wall-clock limit the caller passes.
+WORK_BUDGET: ContextVar[float | None] = ContextVar("WORK_BUDGET", default=None)
+
+
+@contextmanager
+def work_budget(deterministic_seconds: float | None) -> Iterator[None]:
+    """Within the block, every CP-SAT solve runs on one worker for at most `deterministic_seconds` of work, with no
+    wall-clock limit: the same model then gets the same answer under any load (None: wall-clock limits)."""
+    token = WORK_BUDGET.set(deterministic_seconds)
+    try:
+        yield
+    finally:
+        WORK_BUDGET.reset(token)
+
+
 def solve(pm: PlanModel, *, time_limit: float, workers: int = 2, seed: int = 0) -> SolveResult:
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
-    solver.parameters.num_workers = workers
+    budget = WORK_BUDGET.get()
+    if budget is None:
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit)
+        solver.parameters.num_workers = workers
+    else:  # several workers race each other, so only one is deterministic (CP-SAT's parameters documentation)
+        solver.parameters.max_deterministic_time = budget
+        solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     status = solver.solve(pm.model)
     name = solver.status_name(status)

@@ -3,7 +3,6 @@ that bound the search. Built once by `solver.api` from the caller's arguments; r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,13 +40,15 @@ class Request:
     """The cluster as the caller named it (recorded in the plan)."""
     headroom: float = DEFAULT_HEADROOM
     time_limit: float = DEFAULT_TIME_LIMIT
+    deterministic: bool = False
+    """Search the whole space with a fixed work budget instead of the wall clock: `time_limit` is then each CP-SAT
+    model's budget in deterministic seconds, and the same request gives the same plan under any load."""
     lora: LoraSpec | None = None
     attention: str | None = None
     assumed: tuple[str, ...] = ()
     """The defaults the request assumed, each with the flag that changes it."""
     alternatives: int = 3
     input_tokens_per_s: float | None = None
-    started: float = field(default_factory=time.perf_counter)
     progress: Callable[[str], None] = field(default=lambda _text: None, compare=False)
     """Told each long step as it starts (a lowering, the search), for a progress display."""
 
@@ -150,6 +151,9 @@ def plan_inputs(request: Request, pins: Pins, graph: LayerGraph) -> Inputs:
                        inter_node_bytes_per_s=cluster.inter_node_bandwidth, nvme_bytes_per_s=cluster.nvme_bandwidth,
                        assumptions=cluster.assumptions)
     defaults = [*request.assumed, f"memory headroom {request.headroom:.0%} of each GPU kept free (--headroom)"]
+    if resolved.source == "local":
+        defaults.append(f"local model recorded by its absolute path {resolved.id}, so that `fitplan check` and the "
+                        "emitted scripts find it from any folder")
     if pins.allowed("precision") is None:
         defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
                         "(pure bf16 and fp8 only when allowed: --precision)")

@@ -4,6 +4,7 @@ time limit, then the plan assembled from a fresh estimate of the winner."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -19,7 +20,7 @@ from solver.plan.launchers.support import model_launchers, model_problems, pipel
 from solver.plan.record import Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from solver.search.alternatives import alternatives
 from solver.search.diagnose import Infeasible, NoPlanInTime, diagnose
-from solver.search.model import SolveResult
+from solver.search.model import SolveResult, work_budget
 from solver.search.pin_rules import check_memory_savers
 from solver.search.pins import Pins
 from solver.search.pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
@@ -50,23 +51,25 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class Searched:
-    """What the searches found, and the time they took (lowering excluded)."""
+    """What the searches found, when they began (the time limit's clock starts there, after every lowering) and
+    how long the lowering before them took."""
 
     found: SearchResult
     tables: list
     piped: PipelineResult | None
     pipeline_status: str | None
-    seconds: float
+    began: float
+    """perf_counter() when the search began."""
     lowering_seconds: float
 
 
 def solve_request(request: Request, pins: Pins) -> Plan:
     """The fastest configuration of `request` within `pins` that fits (`Infeasible` with a diagnosis when none
     does, `NoPlanInTime` when the limit cut the search before any plan)."""
-    prepared = prepare(request, pins)
-    lowered = time.perf_counter()
+    started = time.perf_counter()
+    prepared = prepare(request, pins)  # lowers the model's base variant
     lower_needed(prepared)
-    searched = run_searches(prepared, lowering_seconds=time.perf_counter() - lowered)
+    searched = run_searches(prepared, lowering_seconds=time.perf_counter() - started)
     outer, modes, result = decide(prepared, searched)
     return assemble(prepared, searched, outer, modes, result)
 
@@ -139,11 +142,19 @@ def lower_needed(prepared: Prepared) -> None:
 
 def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:
     """The whole-model search, then the pipeline search against its plan. Of the limit, table building gets half,
-    the searches run until 85%, and the rest is for the report (alternatives stop at the limit)."""
-    request, space, pins = prepared.request, prepared.space, prepared.pins
+    the searches run until 85%, and the rest is for the report (alternatives stop at the limit). Deterministic, no
+    wall clock cuts anything: every table is built and searched, each CP-SAT model within the work budget."""
+    request, space = prepared.request, prepared.space
     request.progress(f"Searching {len(space.outers) + len(space.pipelines):,} configurations")
     begin = time.perf_counter()
-    limit = request.time_limit
+    with work_budget(request.time_limit if request.deterministic else None):
+        return _searches(prepared, begin=begin, lowering_seconds=lowering_seconds)
+
+
+def _searches(prepared: Prepared, *, begin: float, lowering_seconds: float) -> Searched:
+    """`run_searches` from `begin`, its clock's start."""
+    request, space, pins = prepared.request, prepared.space, prepared.pins
+    limit = math.inf if request.deterministic else request.time_limit  # the work budget bounds CP-SAT instead
     tables = build_tables(space, prepared.lowerings, request.cluster, request.workload, headroom=request.headroom,
                           deadline=begin + 0.5 * limit)
     kinds = [layer.kind for layer in prepared.any_graph.decoder_layers()]
@@ -163,8 +174,7 @@ def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:
         piped = pipeline_search(space.pipelines, prepared.lowerings, request.cluster, request.workload,
                                 headroom=request.headroom, modes=space.modes, incumbent=incumbent,
                                 deadline=begin + 0.85 * limit, runs=runs)
-    return Searched(found, tables, piped, piped.status if piped else None, time.perf_counter() - begin,
-                    lowering_seconds)
+    return Searched(found, tables, piped, piped.status if piped else None, begin, lowering_seconds)
 
 
 def decide(prepared: Prepared, searched: Searched) -> tuple[Outer, tuple[Checkpoint, ...], SolveResult]:
@@ -225,7 +235,8 @@ def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[
     alts = alternatives(searched.found, [layer.kind for layer in prepared.any_graph.decoder_layers()],
                         prepared.space.modes, prepared.lowerings, cluster, workload, chosen=result.table,
                         pipeline=(outer, priced.time.step_time) if searched.piped is not None else None,
-                        count=request.alternatives, deadline=request.started + request.time_limit)
+                        count=request.alternatives,
+                        deadline=None if request.deterministic else searched.began + request.time_limit)
     schedules = schedule_options(prepared.space, outer, modes, graph, cluster, workload, request.headroom, priced) \
         if outer.pp > 1 else ()
     return Plan(inputs=prepared.inputs, decisions=decisions, estimate=priced,
@@ -234,15 +245,17 @@ def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[
 
 
 def solver_stats(prepared: Prepared, searched: Searched, result: SolveResult, step_time: float) -> SolverStats:
-    """The search's status, objective and bound in seconds, and its time apart from the lowering's."""
+    """The search's status, objective and bound in seconds, and its time (tables, searches and alternatives: what
+    the time limit bounds) apart from the lowering's."""
     weight = searched.found.weight
     objective = result.objective // weight * TICK_SECONDS if result.objective is not None else step_time
     bound = result.bound // weight * TICK_SECONDS if result.bound is not None else None
     return SolverStats(status=result.status, objective_seconds=objective, bound_seconds=bound,
                        gap=None if bound is None or objective == 0 else max(0.0, (objective - bound) / objective),
-                       wall_seconds=searched.seconds, lowering_seconds=searched.lowering_seconds,
+                       wall_seconds=time.perf_counter() - searched.began, lowering_seconds=searched.lowering_seconds,
                        configurations=len(prepared.space.outers) + len(prepared.space.pipelines),
                        considered=len(searched.found.candidates), time_limit_seconds=prepared.request.time_limit,
+                       deterministic=prepared.request.deterministic,
                        explored=len(searched.tables))
 
 

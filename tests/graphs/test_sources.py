@@ -75,3 +75,15 @@ def test_unknown_architecture_names_its_model_type_and_never_runs_remote_code(tm
     with pytest.raises(UnsupportedModel) as err:
         lower(str(tmp_path))
     assert "acme_lm" in err.value.message and "remote code" in err.value.message
+
+
+def test_local_model_given_relative_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    """Issue 38 item 12: `./tiny-llama` recorded as given is "Unknown model" from any other folder."""
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_text(json.dumps(resolve("gpt2").as_dict()))
+    monkeypatch.chdir(tmp_path)
+    for given in ("./tiny-llama", "tiny-llama", "tiny-llama/config.json"):
+        resolved = resolve(given)
+        assert resolved.id == str((tmp_path / given).resolve()), given
+    monkeypatch.chdir(tmp_path.parent)
+    assert resolve(resolve("./" + tmp_path.name + "/tiny-llama").id).source == "local"

@@ -132,3 +132,15 @@ def test_auto_compile_is_decided_in_the_search_so_no_alternative_is_faster(model
     # The objective sums the fixed time and each layer's time, each rounded to a tick (half a tick each at most).
     rounding = (len(plan.decisions.checkpoint) + 1) * TICK_SECONDS / 2
     assert plan.solver.objective_seconds == pytest.approx(plan.estimate.time.step_time, abs=rounding)
+
+
+def test_plan_of_a_relative_local_model_records_and_says_its_absolute_path(tmp_path, monkeypatch):
+    from tests.graphs.reference import write_config
+    from tests.graphs.tiny_configs import tiny_values
+
+    write_config(tmp_path / "tiny-llama", tiny_values("llama"))
+    monkeypatch.chdir(tmp_path)
+    plan = solve("./tiny-llama", "2xCPU", seq_len=64, global_batch=4, time_limit=5)
+    absolute = str((tmp_path / "tiny-llama").resolve())
+    assert plan.inputs.model == absolute and plan.inputs.model_source == "local"
+    assert any(absolute in line and "absolute path" in line for line in plan.inputs.assumed)

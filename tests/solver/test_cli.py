@@ -283,3 +283,16 @@ def test_estimate_takes_lora_targets_and_a_launcher():
     refused = invoke([*ESTIMATE_GPT2, "--launcher", "megatron", "--engine", "fsdp2", "--zero", "3"])
     assert refused.exit_code == 2
     assert "megatron launcher cannot run this configuration" in refused.stderr
+
+
+def test_piped_gpus_table_shows_every_gpu_id_and_alias_whole():
+    """Issue 38 item 16: piped, rich rendered at 80 columns and cut the ids ("a100-s…")."""
+    import os
+
+    from solver.cli.commands import gpu_rows
+
+    env = {name: value for name, value in os.environ.items() if name not in ("COLUMNS", "LINES")}
+    done = subprocess.run([str(BIN / "fitplan"), "gpus"], capture_output=True, text=True, env=env, check=True)
+    assert "…" not in done.stdout
+    for row in gpu_rows():
+        assert row["id"] in done.stdout and all(alias in done.stdout for alias in row["aliases"]), row["id"]

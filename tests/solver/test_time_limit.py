@@ -141,3 +141,91 @@ def test_the_reported_time_limit_cases_plan_instead_of_saying_nothing_fits(model
     assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
     if plan.solver.status == "FEASIBLE":
         assert "raise --time-limit" in plan.solver.summary()
+
+
+class LoadedClock:
+    """perf_counter() of a machine under heavy load: every reading is `step` seconds after the last."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def load_the_search_clock(monkeypatch, step: float = 1000.0) -> None:
+    import solver.search.alternatives
+    import solver.search.pipeline_search
+    import solver.search.solve
+    import solver.search.table_search
+
+    clock = LoadedClock(step)
+    for module in (solver.search.alternatives, solver.search.pipeline_search, solver.search.solve,
+                   solver.search.table_search):
+        monkeypatch.setattr(module, "time", clock)
+
+
+def test_lowering_is_reported_apart_and_never_eats_the_limit(monkeypatch):
+    """Issue 38 items 13-14: a slow (cold) lowering once used up the alternatives' share of the limit."""
+    import time
+
+    import solver.search.solve as solve_module
+
+    lower_needed = solve_module.lower_needed
+
+    def slow_lowering(prepared):
+        time.sleep(1.5)  # longer than the whole limit
+        lower_needed(prepared)
+
+    monkeypatch.setattr(solve_module, "lower_needed", slow_lowering)
+    plan = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, time_limit=1.0)
+    assert plan.solver.lowering_seconds >= 1.5
+    assert plan.alternatives  # computed within the limit, which starts after the lowering
+    summary = plan.solver.summary()
+    assert f"{plan.solver.wall_seconds:.2f} s of search (limit 1 s)" in summary
+    assert f"after {plan.solver.lowering_seconds:.2f} s of lowering (outside the limit)" in summary
+
+
+def test_deterministic_search_gives_the_unhurried_plan_under_any_load(monkeypatch):
+    unhurried = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, time_limit=60)
+    assert unhurried.solver.status == "OPTIMAL"
+    load_the_search_clock(monkeypatch)
+    hurried = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, time_limit=60)
+    assert hurried.solver.status == "FEASIBLE" and hurried.solver.explored < hurried.solver.configurations
+    steady = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, time_limit=60, deterministic=True)
+    assert steady.solver.deterministic and not unhurried.solver.deterministic
+    assert steady.solver.status == "OPTIMAL" and steady.solver.explored == unhurried.solver.explored
+    assert steady.decisions == unhurried.decisions and steady.estimate == unhurried.estimate
+    assert [a.decisions for a in steady.alternatives] == [a.decisions for a in unhurried.alternatives]
+    assert "deterministic: 60 s of CP-SAT work per model" in steady.solver.summary()
+
+
+def test_work_budget_runs_cp_sat_on_one_worker_without_a_wall_clock_limit(monkeypatch):
+    import solver.search.model as model
+
+    seen = []
+
+    class Spy(model.cp_model.CpSolver):
+        def solve(self, *args, **kwargs):
+            seen.append((self.parameters.num_workers, self.parameters.max_deterministic_time,
+                         self.parameters.max_time_in_seconds))
+            return super().solve(*args, **kwargs)
+
+    monkeypatch.setattr(model.cp_model, "CpSolver", Spy)
+    space, tables, kinds = space_and_tables(MODEL, "1xA100")
+    pm = model.build_model(tables[:1], kinds, space.modes)
+    with model.work_budget(3.0):
+        model.solve(pm, time_limit=0.5)
+    model.solve(pm, time_limit=0.5)
+    default = model.cp_model.CpSolver().parameters
+    assert seen == [(1, 3.0, default.max_time_in_seconds), (2, default.max_deterministic_time, 0.5)]
+
+
+def test_cli_deterministic_flag_is_recorded_in_the_plan():
+    result = CliRunner().invoke(app, ["solve", "--model", MODEL, "--gpus", "1xA100", "--seq-len", "1024",
+                                      "--global-batch", "8", "--deterministic", "--time-limit", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    assert json.loads(result.stdout)["solver"]["deterministic"] is True
