@@ -77,6 +77,25 @@ def test_every_outer_in_the_space_has_a_launcher_that_runs_it():
                 assert "torchrun" in runnable_by(outer)
 
 
+def test_outer_only_one_policy_launchers_run_takes_one_mode_for_every_layer():
+    # fp8 with tp=2 runs under torchtitan alone (one activation-checkpoint policy for every layer): the search
+    # used to mix full and no recompute there, and the plan then had no launcher (issue 35 item 2, Llama-3.1-405B
+    # on 64x8 H100 with fp8: "No launcher runs the chosen configuration ... fitplan bug").
+    from solver.plan.capability import runnable_by
+
+    pins = {"tp": 2, "pp": 1, "cp": 1, "engine": Engine.FSDP2, "precision": (Precision.FP8,)}
+    outers = space_for("meta-llama/Llama-3.1-8B", "8xH100", **pins).outers
+    assert outers and all(o.uniform is not None for o in outers)
+    assert {o.uniform for o in outers} >= {Checkpoint.NONE, Checkpoint.FULL}
+    for outer in outers:
+        layers = 32
+        assert [m for m in Checkpoint if outer.runs(m)] == [outer.uniform]
+        assert runnable_by(outer.config((outer.uniform,) * layers), checkpoint=(outer.uniform,) * layers)
+    plan = api.solve("meta-llama/Llama-3.1-8B", "8xH100", seq_len=16384, global_batch=8, time_limit=20,
+                     **{k: v for k, v in pins.items() if k != "precision"}, precision=("fp8",))
+    assert plan.launchers == ("torchtitan",) and len(set(plan.decisions.checkpoint)) == 1, plan.decisions.summary()
+
+
 def test_selective_recompute_is_never_planned_where_no_launcher_runs_it():
     # With eager attention selective recompute pays off, but DeepSpeed plans run under DeepSpeed/HF/accelerate,
     # which checkpoint whole layers only: the search used to pick "full 1/sel 10" here, which nothing runs.
