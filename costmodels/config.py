@@ -77,7 +77,7 @@ class Config:
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).")] = False
     optimizer_in_backward: Annotated[bool, Knob(
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
-        "no gradient accumulation or clipping).")] = False
+        "no gradient accumulation or clipping; auto: off unless --allow-savers).")] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
                                "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
                                "liger-kernel); a pin lists the allowed ones.",

@@ -62,7 +62,7 @@ def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
 # torchtune's savers anew in plain PyTorch, `launchers/torchrun_savers.py`).
 SAVER_PACKAGES = {"loss chunked": "the generated torchrun script", "loss fused-linear": "liger-kernel",
                   "activation offload": "the generated torchrun script",
-                  "optimizer in backward": "the generated torchrun script"}
+                  "optimizer in backward": "the generated torchrun script; no gradient clipping or accumulation"}
 
 
 def memory_savers(config: Config) -> list[str]:
@@ -78,8 +78,8 @@ def _savers(config: Config, allowed: bool) -> str:
     if not used and allowed:
         return "memory savers: none chosen (allowed; none makes this plan faster)"
     if not used:
-        return "memory savers: none (--allow-savers lets the search choose chunked/fused losses and activation " \
-               "offload)"
+        return "memory savers: none (--allow-savers lets the search choose optimizer-in-backward, chunked/fused " \
+               "losses and activation offload)"
     return "memory savers: " + ", ".join(f"{name} ({SAVER_PACKAGES[name]})" for name in used)
 
 

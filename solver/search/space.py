@@ -28,6 +28,8 @@ from solver.plan.capability import (
 )
 from solver.search.pins import KNOBS, Pins, gpu_defaults
 
+# The memory savers the search enumerates where the pins allow several values (`pin_rules.SAVER_CHOICES`).
+SAVER_KNOBS = ("optimizer_in_backward", "loss", "activation_offload")
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
 
@@ -297,11 +299,10 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     # which launchers run each outer (QLoRA/DoRA, graph.lora, narrow them further)
     runnable = _Runnable(graph, pins, modes, launchers=launchers,
                          pipeline_launchers=launchers if pipeline_launchers is None else pipeline_launchers)
-    # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (they
+    # Memory savers (optimizer-in-backward, loss computation, activation offload): only the allowed ones (they
     # need liger-kernel or the torchrun script), the default alone when unpinned; `Outer.runs` keeps offloading
-    # outers fully checkpointed.
-    savers = list(itertools.product(pins.allowed("loss") or (KNOBS["loss"].default,),
-                                    pins.allowed("activation_offload") or (KNOBS["activation_offload"].default,)))
+    # outers fully checkpointed, and `Config` refuses optimizer-in-backward with accumulation.
+    savers = list(itertools.product(*(pins.allowed(name) or (KNOBS[name].default,) for name in SAVER_KNOBS)))
     outers = []
     for engine, zero in engine_stages(pins, launchers):
         compiles = compiled and _compiles(engine, zero, pins)
@@ -316,13 +317,13 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(layout, engine, pins):
                                 for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
-                                    for loss, acts in savers:
+                                    for saver in savers:
                                         outers += runnable({**pinned, **layout, **dict(
                                             engine=engine, zero=zero, optimizer_offload=opt_off,
                                             param_offload=param_off, micro_batch=mb, grad_accum=ga,
                                             precision=prec, optimizer=optimizer, sequence_parallel=sp,
-                                            compile=compiles, pp_schedule=schedule, pp_virtual=v, loss=loss,
-                                            activation_offload=acts)})
+                                            compile=compiles, pp_schedule=schedule, pp_virtual=v,
+                                            **dict(zip(SAVER_KNOBS, saver, strict=True)))})
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
     return Space(tuple(o for o in outers if o.pp == 1), _launcher_modes(pins, modes), compile_auto=compile_pin is None,
