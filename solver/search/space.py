@@ -143,6 +143,16 @@ def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tu
             if pins.allows("optimizer_offload", o) and pins.allows("param_offload", p)]
 
 
+def zero_has_work(engine: Engine, zero: int, layout: dict[str, int], offload: tuple[Offload, Offload],
+                  pins: Pins) -> bool:
+    """Whether a DeepSpeed ZeRO stage above 0 does anything here: shard the states over several data-parallel
+    ranks, or offload them (ZeRO-Offload needs stage 1 or more). On one rank with nothing offloaded it runs stage
+    0's training with ZeRO's own buffers (issue 35 item 14), so the search leaves it out unless the stage is pinned."""
+    if engine is not Engine.DEEPSPEED or zero == 0 or pins.value("zero") is not None:
+        return True
+    return layout["dp"] * layout["cp"] > 1 or any(target is not Offload.NONE for target in offload)
+
+
 def _compiles(engine: Engine, zero: int, pins: Pins) -> bool:
     """Compile where it is credited, or where the user pinned it on (`compilation.compile_credited`)."""
     return pins.value("compile") is True or compile_credited(Config(engine=engine, zero=zero, compile=True))
@@ -310,6 +320,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             if layout["pp"] > 1 and zero not in RULES[engine].pipeline_stages:
                 continue  # `Config` refuses every such outer (this stage does not keep parameters for a pipeline)
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
+                if not zero_has_work(engine, zero, layout, (opt_off, param_off), pins):
+                    continue
                 for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
                     if mb >= layout["cp"] > 1:
                         continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)

@@ -96,6 +96,18 @@ def test_outer_only_one_policy_launchers_run_takes_one_mode_for_every_layer():
     assert plan.launchers == ("torchtitan",) and len(set(plan.decisions.checkpoint)) == 1, plan.decisions.summary()
 
 
+def test_deepspeed_zero_stages_are_searched_on_one_gpu_only_where_they_offload():
+    # Issue 35 item 14: on one GPU a ZeRO stage shards nothing; only its offload (ZeRO-Offload) can help there.
+    def deepspeed(gpus: str, **pins) -> list:
+        return [o for o in space_for("meta-llama/Llama-3.1-8B", gpus, **pins).outers if o.engine is Engine.DEEPSPEED]
+
+    one = deepspeed("1xH200")
+    assert any(o.zero == 0 for o in one) and any(o.zero > 0 for o in one)
+    assert all(Offload.CPU in (o.optimizer_offload, o.param_offload) for o in one if o.zero > 0)
+    assert any(o.zero == 2 and o.optimizer_offload is Offload.NONE for o in deepspeed("1xH200", zero=2))  # pinned
+    assert any(o.zero == 2 and o.optimizer_offload is Offload.NONE for o in deepspeed("8xH100"))  # it shards
+
+
 def test_selective_recompute_is_never_planned_where_no_launcher_runs_it():
     # With eager attention selective recompute pays off, but DeepSpeed plans run under DeepSpeed/HF/accelerate,
     # which checkpoint whole layers only: the search used to pick "full 1/sel 10" here, which nothing runs.
