@@ -56,7 +56,8 @@ class Config:
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.")] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
-                              "backward).", low=0, high=3)] = 0
+                              "backward; with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only).",
+                              low=0, high=3)] = 0
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
                                                flag="offload")] = Offload.NONE
     param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",

@@ -108,6 +108,27 @@ def test_deepspeed_zero_stages_are_searched_on_one_gpu_only_where_they_offload()
     assert any(o.zero == 2 and o.optimizer_offload is Offload.NONE for o in deepspeed("8xH100"))  # it shards
 
 
+def test_fsdp2_under_a_pipeline_runs_at_zero_2_as_help_and_plan_say():
+    # Issue 35 item 8: the rule (engines' pipeline_stages) was said by `estimate` alone.
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from solver.cli.app import app
+    from solver.plan.advice import _zero
+
+    with pytest.raises(ValueError, match="zero=2"):
+        Config(engine=Engine.FSDP2, zero=3, pp=2, dp=4, grad_accum=2)
+    shown = CliRunner().invoke(app, ["solve", "--help"], env={"COLUMNS": "400"})
+    flat = " ".join(shown.output.replace("│", " ").split())  # rich's panel borders and wrapping aside
+    assert "with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only" in flat
+    line = _zero(Config(engine=Engine.FSDP2, zero=2, pp=2, dp=4, grad_accum=2),
+                 SimpleNamespace(memory=SimpleNamespace(device_peak=0)))
+    assert "with pipeline parallelism fsdp2 runs at zero=2 only" in line
+    assert "pipeline" not in _zero(Config(engine=Engine.FSDP2, zero=3, dp=8), SimpleNamespace(
+        memory=SimpleNamespace(device_peak=0)))
+
+
 def test_selective_recompute_is_never_planned_where_no_launcher_runs_it():
     # With eager attention selective recompute pays off, but DeepSpeed plans run under DeepSpeed/HF/accelerate,
     # which checkpoint whole layers only: the search used to pick "full 1/sel 10" here, which nothing runs.
