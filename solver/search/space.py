@@ -8,13 +8,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
 from costmodels.config import ContextParallel
 from costmodels.engines import RULES
-from costmodels.estimator import model_refusals
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 from solver.plan.capability import (
@@ -22,66 +21,15 @@ from solver.plan.capability import (
     REGISTRY,
     engines_of,
     op_selective_runners,
-    runnable_by,
-    selective_runners,
-    whole_pipeline_groups,
 )
+from solver.search.outer import Outer
 from solver.search.pins import KNOBS, Pins, gpu_defaults
+from solver.search.runnable import Runnable
 
 # The memory savers the search enumerates where the pins allow several values (`pin_rules.SAVER_CHOICES`).
 SAVER_KNOBS = ("optimizer_in_backward", "loss", "activation_offload")
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Outer(Config):
-    """One outer configuration: a `Config` whose per-layer checkpoint modes the inner search decides."""
-
-    selective: bool = True
-    """Whether a launcher that runs this configuration can also run selective recompute on the layers the
-    search picks (`capability.selective_runners`); without one the search leaves SELECTIVE out."""
-    op_selective: bool = True
-    """The same for op-level selective checkpointing (`capability.op_selective_runners`, OP_SELECTIVE)."""
-    uniform: Checkpoint | None = None
-    """The one mode every layer takes where only launchers that apply one policy to every layer run this
-    configuration (torchtitan, axolotl: `Launcher.per_layer`); the space holds one outer per such mode. None: the
-    search decides per layer."""
-
-    def runs(self, mode: Checkpoint) -> bool:
-        """Whether a launcher that runs this configuration can put layers in checkpoint `mode` (`mode_runs`)."""
-        return mode_runs(mode, activation_offload=self.activation_offload, selective=self.selective,
-                         op_selective=self.op_selective, uniform=self.uniform)
-
-    def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
-        """The `Config` of these knobs with per-layer `checkpoint` modes (one validated instance per outer: the
-        search asks for it many times)."""
-        return _config(self, tuple(checkpoint))
-
-    @property
-    def family(self) -> tuple[object, ...]:
-        """What makes two configurations distinct alternatives: the parallel, sharding and offload strategy
-        (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
-        return (self.tp, self.cp, self.pp, self.ep, self.engine, self.zero, self.optimizer_offload,
-                self.param_offload)
-
-
-def mode_runs(mode: Checkpoint, *, activation_offload: bool, selective: bool, op_selective: bool,
-              uniform: Checkpoint | None = None) -> bool:
-    """Whether layers can take checkpoint `mode` where a launcher runs selective / op-level selective recompute
-    or not (activation offload runs only with every layer fully checkpointed: torchtune refuses it otherwise), and,
-    where only one-policy launchers run the configuration, whether `mode` is its `uniform` one (a mode that every
-    layer then takes: the searches give every layer a mode that runs)."""
-    if activation_offload:
-        return mode is Checkpoint.FULL and uniform in (None, Checkpoint.FULL)
-    if uniform is not None:
-        return mode is uniform
-    return {Checkpoint.SELECTIVE: selective, Checkpoint.OP_SELECTIVE: op_selective}.get(mode, True)
-
-
-@functools.lru_cache(maxsize=2**16)
-def _config(outer: Outer, checkpoint: tuple[Checkpoint, ...]) -> Config:
-    return Config(**{name: getattr(outer, name) for name in KNOBS if name != "checkpoint"}, checkpoint=checkpoint)
 
 
 DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32, Precision.FP32)
@@ -307,7 +255,7 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     # which launchers run each outer (QLoRA/DoRA, graph.lora, narrow them further)
-    runnable = _Runnable(graph, pins, modes, launchers=launchers,
+    runnable = Runnable(graph, pins, modes, launchers=launchers,
                          pipeline_launchers=launchers if pipeline_launchers is None else pipeline_launchers)
     # Memory savers (optimizer-in-backward, loss computation, activation offload): only the allowed ones (they
     # need liger-kernel or the torchrun script), the default alone when unpinned; `Outer.runs` keeps offloading
@@ -376,89 +324,6 @@ def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launcher
     if mode not in graph.checkpoint_modes():
         raise FitplanError(f"{graph.model} cannot be checkpointed in mode {mode} as lowered ({graph.runtime} code).",
                            f"Use one of: {', '.join(str(m) for m in graph.checkpoint_modes())}.")
-
-
-_CONFIG_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
-
-
-class _Runnable:
-    """Builds the outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each
-    marked with whether selective and op-level selective recompute stay runnable, and that `Config` and the model
-    accept (`estimate.model_refusals`: e.g. a fused loss it has no kernel for). Where only launchers that apply one
-    checkpoint policy to every layer run a configuration, it becomes one outer per mode they run, each `uniform`
-    (so the search never mixes modes no launcher runs mixed). Launcher rules do not depend on the micro-batch size,
-    and of the accumulation steps only on whether a pipeline's degree divides them
-    (`capability.whole_pipeline_groups`), so each is asked once per family, and a family no launcher runs builds
-    no more outers."""
-
-    _KEYS = tuple(name for name in KNOBS if name not in ("micro_batch", "grad_accum"))
-
-    def __init__(self, graph: LayerGraph, pins: Pins, modes: tuple[Checkpoint, ...], *, launchers: tuple[str, ...],
-                 pipeline_launchers: tuple[str, ...]) -> None:
-        self.graph = graph
-        self.allowed = (pins.launcher,) if pins.launcher else launchers
-        self.pipelined = tuple(name for name in self.allowed if name in pipeline_launchers)
-        self.modes, self.lora = modes, graph.lora
-        self.memo: dict[tuple[object, ...], tuple[Marks, ...]] = {}
-
-    def __call__(self, values: dict[str, object]) -> list[Outer]:
-        """The outers of `values`, marked, or none where no launcher runs it or `Config` or the model refuses it."""
-        known = {**_CONFIG_DEFAULTS, **values}
-        pp, grad_accum = known["pp"], known["grad_accum"]
-        key = (*(known[name] for name in self._KEYS), pp > 1 and whole_pipeline_groups(pp, grad_accum))
-        asked = key in self.memo
-        if asked and not self.memo[key]:
-            return []
-        try:
-            outer = Outer(**values, **(self.memo[key][0].fields() if asked else {}))
-        except ValueError:
-            return []
-        if not asked:
-            self.memo[key] = self._marks(outer)
-        outers = [replace(outer, **marks.fields()) for marks in self.memo[key]]
-        return [] if not outers or model_refusals(self.graph, outers[0], modes_decided=False) else outers
-
-    def _marks(self, outer: Outer) -> tuple[Marks, ...]:
-        """How the launchers that run `outer` checkpoint its layers: per layer (one `Marks`), one mode for every
-        layer (one `Marks` per mode they run), or not at all (none)."""
-        runners = runnable_by(outer, lora=self.lora, launchers=self.pipelined if outer.pp > 1 else self.allowed)
-        if not runners:
-            return ()
-        # a pinned mode is one mode for every layer already; a pipeline's assignments `pipeline_search` asks each
-        if any(REGISTRY[name].per_layer for name in runners) or len(self.modes) == 1 or outer.pp > 1:
-            pinned = self.modes[0] if len(self.modes) == 1 else None
-            marks = [Marks(selective=bool(selective_runners(runners, all_layers=pinned is Checkpoint.SELECTIVE)),
-                           op_selective=bool(op_selective_runners(runners,
-                                                                  all_layers=pinned is Checkpoint.OP_SELECTIVE)))]
-        else:
-            marks = [Marks(selective=mode is Checkpoint.SELECTIVE, op_selective=mode is Checkpoint.OP_SELECTIVE,
-                           uniform=mode) for mode in self.modes if _uniform_runs(runners, mode)]
-        return tuple(m for m in marks if any(m.runs(mode, outer.activation_offload) for mode in self.modes))
-
-
-@dataclass(frozen=True, slots=True)
-class Marks:
-    """What an outer's launchers run of the checkpoint modes (`Outer.selective`, `op_selective`, `uniform`)."""
-
-    selective: bool
-    op_selective: bool
-    uniform: Checkpoint | None = None
-
-    def fields(self) -> dict[str, object]:
-        return {"selective": self.selective, "op_selective": self.op_selective, "uniform": self.uniform}
-
-    def runs(self, mode: Checkpoint, activation_offload: bool) -> bool:
-        return mode_runs(mode, activation_offload=activation_offload, selective=self.selective,
-                         op_selective=self.op_selective, uniform=self.uniform)
-
-
-def _uniform_runs(runners: tuple[str, ...], mode: Checkpoint) -> bool:
-    """Whether one of `runners` runs `mode` on every layer (no recompute and full recompute all do)."""
-    if mode is Checkpoint.SELECTIVE:
-        return bool(selective_runners(runners, all_layers=True))
-    if mode is Checkpoint.OP_SELECTIVE:
-        return bool(op_selective_runners(runners, all_layers=True))
-    return True
 
 
 def _sequence_parallel(layout: dict[str, object], engine: Engine, pins: Pins) -> list[bool]:
