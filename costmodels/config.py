@@ -56,7 +56,8 @@ class Config:
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.")] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
-                              "backward).", low=0, high=3)] = 0
+                              "backward; with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only).",
+                              low=0, high=3)] = 0
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
                                                flag="offload")] = Offload.NONE
     param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",
@@ -77,7 +78,7 @@ class Config:
     compile: Annotated[bool, Knob("torch.compile the model (unpinned: where it saves enough).")] = False
     optimizer_in_backward: Annotated[bool, Knob(
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
-        "no gradient accumulation or clipping).")] = False
+        "no gradient accumulation or clipping; auto: off unless --allow-savers).")] = False
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
                                "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
                                "liger-kernel); a pin lists the allowed ones.",

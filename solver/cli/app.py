@@ -123,8 +123,9 @@ def solve_command(
     adapters: AdapterOptions = NO_ADAPTERS,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let the search choose the memory savers that keep the "
-                                               "training (--loss, --activation-offload) where not pinned (Liger's "
-                                               "loss needs liger-kernel).")] = False,
+                                               "training (--optimizer-in-backward: no gradient clipping; --loss, "
+                                               "--activation-offload) where not pinned (Liger's loss needs "
+                                               "liger-kernel).")] = False,
     headroom: Annotated[float, number(float, 0, 1, "Fraction of GPU memory kept free.", hi_open=True)] = 0.05,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit in seconds (lowering "
                                         "excluded); with --deterministic, each CP-SAT model's work budget in "
@@ -302,7 +303,8 @@ def choose_command(
     lora_rank: Annotated[int | None, number(int, 1, B.MAX_LORA_RANK, "Train LoRA adapters of this rank.")] = None,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA where full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let each solve choose the memory savers that keep the "
-                                               "training (--loss, --activation-offload).")] = False,
+                                               "training (--optimizer-in-backward, --loss, --activation-offload)."
+                                               )] = False,
     time_limit: Annotated[float, number(float, 0, B.MAX_TIME_LIMIT, "Solver time limit per cluster, seconds.",
                                         lo_open=True)] = 10.0,
     as_json: AsJson = False,

@@ -14,6 +14,7 @@ from costmodels.activations import evaluate
 from costmodels.alignment import padded, preferred_multiple
 from costmodels.compilation import COMPILE_MIN_SAVING, compile_credited, uncredited_reason
 from costmodels.context_parallel import local_seq_len
+from costmodels.engines import rules_of
 from costmodels.precision import matmul_dtype_on
 from costmodels.verdict import DEFAULT_HEADROOM
 from graphs import Checkpoint, LayerGraph
@@ -62,7 +63,7 @@ def advise(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Conf
 # torchtune's savers anew in plain PyTorch, `launchers/torchrun_savers.py`).
 SAVER_PACKAGES = {"loss chunked": "the generated torchrun script", "loss fused-linear": "liger-kernel",
                   "activation offload": "the generated torchrun script",
-                  "optimizer in backward": "the generated torchrun script"}
+                  "optimizer in backward": "the generated torchrun script; no gradient clipping or accumulation"}
 
 
 def memory_savers(config: Config) -> list[str]:
@@ -78,8 +79,8 @@ def _savers(config: Config, allowed: bool) -> str:
     if not used and allowed:
         return "memory savers: none chosen (allowed; none makes this plan faster)"
     if not used:
-        return "memory savers: none (--allow-savers lets the search choose chunked/fused losses and activation " \
-               "offload)"
+        return "memory savers: none (--allow-savers lets the search choose optimizer-in-backward, chunked/fused " \
+               "losses and activation offload)"
     return "memory savers: " + ", ".join(f"{name} ({SAVER_PACKAGES[name]})" for name in used)
 
 
@@ -170,7 +171,16 @@ def _optimizer(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
 def _zero(config: Config, chosen: Estimate) -> str:
     where = f"optimizer states {config.optimizer_offload}, parameters {config.param_offload}"
     return (f"DeepSpeed ZeRO / FSDP: {engine_setting(config.engine, config.zero)}, offload: {where}; device peak "
-            f"{chosen.memory.device_peak / GIB:.1f} GiB")
+            f"{chosen.memory.device_peak / GIB:.1f} GiB{_pipeline_stages(config)}")
+
+
+def _pipeline_stages(config: Config) -> str:
+    """Under a pipeline, the stages the engine runs at (FSDP2: 2 only), which the search was held to."""
+    stages = rules_of(config.engine).pipeline_stages
+    if config.pp == 1 or len(stages) == len(rules_of(config.engine).stages):
+        return ""
+    return (f"; with pipeline parallelism {config.engine} runs at zero={', '.join(map(str, stages))} only (a pipeline "
+            "keeps each micro-batch's parameters from its forward to its backward)")
 
 
 def _compile(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, chosen: Estimate,

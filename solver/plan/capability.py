@@ -446,7 +446,8 @@ _HF_STACKS = (*_TORCH, *_DEEPSPEED_STAGES)
 _MEGATRON = ((Engine.MEGATRON, 0), (Engine.MEGATRON, 1))  # its DDP, and its distributed optimizer
 REGISTRY: dict[str, Launcher] = {launcher.name: launcher for launcher in (
     Launcher("torchrun", "torch.distributed (torch 2.x: FSDP2 fully_shard, DTensor TP)", _TORCH, _torchrun,
-             "per-layer", ("your data in batches() of train_fitplan.py (it trains on random tokens as emitted)",),
+             "per-layer", ("your data: train_fitplan.py --data FILE.jsonl or a tokenized dataset folder (without it, "
+                           "random tokens: a smoke test)",),
              op_selective="per-layer"),
     Launcher("accelerate", "accelerate 1.x (FSDP2 or DeepSpeed 0.19 plugin)", _HF_STACKS, _hf_or_accelerate, "none",
              ("your training script, started by `accelerate launch` with the emitted config",)),

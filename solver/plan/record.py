@@ -19,7 +19,8 @@ from solver.plan.capability import engine_label
 SCHEMA_VERSION = "2.4"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
 # megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
 # search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator); 2.4:
-# solver.deterministic (--deterministic: a fixed work budget instead of the wall clock)
+# solver.deterministic (--deterministic: a fixed work budget instead of the wall clock) and the model's rope_scaling,
+# attention_dropout and hidden_dropout (what the Megatron and torchtitan files build)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -42,6 +43,22 @@ class ClusterInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE scaling as the model's config.json states it (`rope_scaling`, or `rope_parameters` in transformers 5)."""
+    __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
+    kind: str
+    """Its rope_type: llama3, linear, yarn, dynamic, ..."""
+    factor: float
+    """How much longer a context it stretches the positions to."""
+    low_freq_factor: float | None = None
+    """llama3: wavelengths beyond original_max_positions / low_freq_factor are divided by factor."""
+    high_freq_factor: float | None = None
+    """llama3: wavelengths below original_max_positions / high_freq_factor are kept."""
+    original_max_positions: int | None = None
+    """The context the model was pre-trained at before scaling (original_max_position_embeddings)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """The architecture a launcher that builds the model itself needs (Megatron-LM's model flags)."""
     __pydantic_config__: ClassVar[ConfigDict] = _CONFIG
@@ -61,6 +78,9 @@ class ModelShape:
     rope: bool
     """Rotary position embeddings (else learned absolute positions)."""
     rope_theta: float | None = None
+    """RoPE's base (config.json's rope_theta, else the config class's default)."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE scaling, if config.json states one (none: plain RoPE)."""
     tied_embeddings: bool
     """Output layer shares the input embedding's weights."""
     linear_bias: bool
@@ -78,6 +98,10 @@ class ModelShape:
     """Top-k weights from the softmax over all experts, not renormalised (Qwen3-MoE without `norm_topk_prob`)."""
     qk_norm: bool = False
     """A norm over each head's queries and keys before RoPE (Qwen3)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (config.json's, 0 when it states none)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the attention and MLP outputs (config.json's, 0 when it states none)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -139,10 +139,14 @@ def _ways_out(inputs: Inputs, pins: Pins, least: int, budget: int, *, lora: bool
     # Activation-side ways out only where the leanest configuration's activations (at its peak) are a material
     # share of a GPU: when model states are thousands of GiB, halving a few GiB of activations is noise.
     activations_matter = 4 * activations >= budget
-    savers = [way for name, way in (
-        ("loss", "--loss fused-linear (Liger's fused cross-entropy: no full logits; HF Trainer, axolotl, torchrun)"),
-        ("activation_offload", "--activation-offload on (saved activations to host memory; the torchrun script)"))
-        if pins.allowed(name) is None and activations_matter]
+    savers = [way for name, way, matters in (
+        ("optimizer_in_backward", "--optimizer-in-backward on (each gradient freed as soon as its parameter steps; "
+         "one micro-batch per step, no gradient clipping; the torchrun script)", not lora and sharding_helps),
+        ("loss", "--loss fused-linear (Liger's fused cross-entropy: no full logits; HF Trainer, axolotl, torchrun)",
+         activations_matter),
+        ("activation_offload", "--activation-offload on (saved activations to host memory; the torchrun script)",
+         activations_matter))
+        if pins.allowed(name) is None and matters]
     if savers:  # the same training, less memory: allowed by the user (liger-kernel, or the torchrun script only)
         ways.append("memory savers that keep the training (--allow-savers lets the search choose them): "
                     + ", ".join(savers))

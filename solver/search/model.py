@@ -158,6 +158,12 @@ def add_step_time(pm: PlanModel, k: int, table: Table) -> None:
         if not table.outer.runs(mode) and any(not isinstance(f, int) for f in pm.ckpt[mode]):
             # no launcher that runs this configuration expresses this mode
             pm.model.add(sum(pm.count[mode].values()) == 0).only_enforce_if(pm.use_config[k])
+    if not table.outer.runs(Checkpoint.NONE):  # activation offload, or one checkpointed mode for every layer
+        checkpointed = sum(flag for mode in CHECKPOINTED for flag in pm.ckpt[mode])
+        if isinstance(checkpointed, int):  # no checkpointed mode allowed at all: this configuration cannot run
+            pm.model.add(pm.use_config[k] == 0)
+        else:
+            pm.model.add(checkpointed == len(pm.kinds)).only_enforce_if(pm.use_config[k])
 
 
 def _kind_deltas(kinds: list[int], per_layer: tuple[tuple[tuple[Checkpoint, int], ...], ...]

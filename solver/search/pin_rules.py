@@ -14,8 +14,11 @@ from solver.plan import capability
 from solver.search.pins import KNOBS, Pins
 
 # What `allow_savers` opens where the user pinned nothing: the savers that keep the training (same math, other
-# kernels or memory placement), chosen by the search jointly with every other knob.
-SAVER_CHOICES: dict[str, tuple[Any, ...]] = {"loss": tuple(Loss), "activation_offload": (False, True)}
+# kernels or memory placement), chosen by the search jointly with every other knob. Optimizer-in-backward is the same
+# AdamW update for a step of one micro-batch per rank (`Config.in_backward_refusals`: no accumulation), without
+# gradient clipping (torchtune's optimizer_in_bwd refuses clipping; the plan says so where it is chosen).
+SAVER_CHOICES: dict[str, tuple[Any, ...]] = {"optimizer_in_backward": (False, True), "loss": tuple(Loss),
+                                             "activation_offload": (False, True)}
 # The knobs that save memory without changing the training (besides the optimizer): pinned, they can leave no
 # configuration for a reason of their own (the model, or no launcher), which is said instead of a pin search.
 SAVERS = ("optimizer_in_backward", "loss", "activation_offload")

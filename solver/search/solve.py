@@ -229,7 +229,7 @@ def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[
     decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),
                         compile=guide.compile, dataloader_num_workers=guide.workers)
     runners = runnable_by(decisions, prepared.inputs)  # a plan priced on torchtitan's code runs there only
-    if not runners:  # the space keeps only what some allowed launcher runs (`space._runnable`)
+    if not runners:  # the space keeps only what some allowed launcher runs (`runnable.Runnable`)
         raise FitplanError(f"No launcher runs the chosen configuration as emitted: {decisions.summary()}.",
                            "This is a fitplan bug; please report it with the command line.")
     alts = alternatives(searched.found, [layer.kind for layer in prepared.any_graph.decoder_layers()],

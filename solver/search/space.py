@@ -8,13 +8,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
 from costmodels.config import ContextParallel
 from costmodels.engines import RULES
-from costmodels.estimator import model_refusals
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 from solver.plan.capability import (
@@ -22,55 +21,15 @@ from solver.plan.capability import (
     REGISTRY,
     engines_of,
     op_selective_runners,
-    runnable_by,
-    selective_runners,
-    whole_pipeline_groups,
 )
+from solver.search.outer import Outer
 from solver.search.pins import KNOBS, Pins, gpu_defaults
+from solver.search.runnable import Runnable
 
+# The memory savers the search enumerates where the pins allow several values (`pin_rules.SAVER_CHOICES`).
+SAVER_KNOBS = ("optimizer_in_backward", "loss", "activation_offload")
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Outer(Config):
-    """One outer configuration: a `Config` whose per-layer checkpoint modes the inner search decides."""
-
-    selective: bool = True
-    """Whether a launcher that runs this configuration can also run selective recompute on the layers the
-    search picks (`capability.selective_runners`); without one the search leaves SELECTIVE out."""
-    op_selective: bool = True
-    """The same for op-level selective checkpointing (`capability.op_selective_runners`, OP_SELECTIVE)."""
-
-    def runs(self, mode: Checkpoint) -> bool:
-        """Whether a launcher that runs this configuration can put layers in checkpoint `mode` (`mode_runs`)."""
-        return mode_runs(mode, activation_offload=self.activation_offload, selective=self.selective,
-                         op_selective=self.op_selective)
-
-    def config(self, checkpoint: tuple[Checkpoint, ...] = ()) -> Config:
-        """The `Config` of these knobs with per-layer `checkpoint` modes (one validated instance per outer: the
-        search asks for it many times)."""
-        return _config(self, tuple(checkpoint))
-
-    @property
-    def family(self) -> tuple[object, ...]:
-        """What makes two configurations distinct alternatives: the parallel, sharding and offload strategy
-        (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
-        return (self.tp, self.cp, self.pp, self.ep, self.engine, self.zero, self.optimizer_offload,
-                self.param_offload)
-
-
-def mode_runs(mode: Checkpoint, *, activation_offload: bool, selective: bool, op_selective: bool) -> bool:
-    """Whether layers can take checkpoint `mode` where a launcher runs selective / op-level selective recompute
-    or not (activation offload runs only with every layer fully checkpointed: torchtune refuses it otherwise)."""
-    if activation_offload:
-        return mode is Checkpoint.FULL
-    return {Checkpoint.SELECTIVE: selective, Checkpoint.OP_SELECTIVE: op_selective}.get(mode, True)
-
-
-@functools.lru_cache(maxsize=2**16)
-def _config(outer: Outer, checkpoint: tuple[Checkpoint, ...]) -> Config:
-    return Config(**{name: getattr(outer, name) for name in KNOBS if name != "checkpoint"}, checkpoint=checkpoint)
 
 
 DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32, Precision.FP32)
@@ -130,6 +89,16 @@ def offloads(cluster: Cluster, engine: Engine, zero: int, pins: Pins) -> list[tu
             pairs.append((opt, param))
     return [(o, p) for o, p in pairs
             if pins.allows("optimizer_offload", o) and pins.allows("param_offload", p)]
+
+
+def zero_has_work(engine: Engine, zero: int, layout: dict[str, int], offload: tuple[Offload, Offload],
+                  pins: Pins) -> bool:
+    """Whether a DeepSpeed ZeRO stage above 0 does anything here: shard the states over several data-parallel
+    ranks, or offload them (ZeRO-Offload needs stage 1 or more). On one rank with nothing offloaded it runs stage
+    0's training with ZeRO's own buffers (issue 35 item 14), so the search leaves it out unless the stage is pinned."""
+    if engine is not Engine.DEEPSPEED or zero == 0 or pins.value("zero") is not None:
+        return True
+    return layout["dp"] * layout["cp"] > 1 or any(target is not Offload.NONE for target in offload)
 
 
 def _compiles(engine: Engine, zero: int, pins: Pins) -> bool:
@@ -286,13 +255,12 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
     pinned_mode = pins.value("checkpoint")
     modes = (pinned_mode,) if pinned_mode else graph.checkpoint_modes()
     # which launchers run each outer (QLoRA/DoRA, graph.lora, narrow them further)
-    runnable = _Runnable(graph, pins, modes, launchers=launchers,
+    runnable = Runnable(graph, pins, modes, launchers=launchers,
                          pipeline_launchers=launchers if pipeline_launchers is None else pipeline_launchers)
-    # Memory savers that keep the training (loss computation, activation offload): only the allowed ones (they
+    # Memory savers (optimizer-in-backward, loss computation, activation offload): only the allowed ones (they
     # need liger-kernel or the torchrun script), the default alone when unpinned; `Outer.runs` keeps offloading
-    # outers fully checkpointed.
-    savers = list(itertools.product(pins.allowed("loss") or (KNOBS["loss"].default,),
-                                    pins.allowed("activation_offload") or (KNOBS["activation_offload"].default,)))
+    # outers fully checkpointed, and `Config` refuses optimizer-in-backward with accumulation.
+    savers = list(itertools.product(*(pins.allowed(name) or (KNOBS[name].default,) for name in SAVER_KNOBS)))
     outers = []
     for engine, zero in engine_stages(pins, launchers):
         compiles = compiled and _compiles(engine, zero, pins)
@@ -300,6 +268,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             if layout["pp"] > 1 and zero not in RULES[engine].pipeline_stages:
                 continue  # `Config` refuses every such outer (this stage does not keep parameters for a pipeline)
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
+                if not zero_has_work(engine, zero, layout, (opt_off, param_off), pins):
+                    continue
                 for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
                     if mb >= layout["cp"] > 1:
                         continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
@@ -307,13 +277,13 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                         for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
                             for sp in _sequence_parallel(layout, engine, pins):
                                 for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
-                                    for loss, acts in savers:
+                                    for saver in savers:
                                         outers += runnable({**pinned, **layout, **dict(
                                             engine=engine, zero=zero, optimizer_offload=opt_off,
                                             param_offload=param_off, micro_batch=mb, grad_accum=ga,
                                             precision=prec, optimizer=optimizer, sequence_parallel=sp,
-                                            compile=compiles, pp_schedule=schedule, pp_virtual=v, loss=loss,
-                                            activation_offload=acts)})
+                                            compile=compiles, pp_schedule=schedule, pp_virtual=v,
+                                            **dict(zip(SAVER_KNOBS, saver, strict=True)))})
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
     return Space(tuple(o for o in outers if o.pp == 1), _launcher_modes(pins, modes), compile_auto=compile_pin is None,
@@ -354,57 +324,6 @@ def _check_pinned_mode(graph: LayerGraph, pins: Pins, mode: Checkpoint, launcher
     if mode not in graph.checkpoint_modes():
         raise FitplanError(f"{graph.model} cannot be checkpointed in mode {mode} as lowered ({graph.runtime} code).",
                            f"Use one of: {', '.join(str(m) for m in graph.checkpoint_modes())}.")
-
-
-_CONFIG_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
-
-
-class _Runnable:
-    """Builds the outers at least one allowed launcher runs as emitted (`--launcher` allows one, else any), each
-    marked with whether selective and op-level selective recompute stay runnable, and that `Config` and the model
-    accept (`estimate.model_refusals`: e.g. a fused loss it has no kernel for). Launcher rules do not depend on the
-    micro-batch size, and of the accumulation steps only on whether a pipeline's degree divides them
-    (`capability.whole_pipeline_groups`), so each is asked once per family, and a family no launcher runs builds
-    no more outers."""
-
-    _KEYS = tuple(name for name in KNOBS if name not in ("micro_batch", "grad_accum"))
-
-    def __init__(self, graph: LayerGraph, pins: Pins, modes: tuple[Checkpoint, ...], *, launchers: tuple[str, ...],
-                 pipeline_launchers: tuple[str, ...]) -> None:
-        self.graph = graph
-        self.allowed = (pins.launcher,) if pins.launcher else launchers
-        self.pipelined = tuple(name for name in self.allowed if name in pipeline_launchers)
-        self.modes, self.lora = modes, graph.lora
-        self.memo: dict[tuple[object, ...], tuple[bool, bool] | None] = {}
-
-    def __call__(self, values: dict[str, object]) -> list[Outer]:
-        """The outer of `values`, marked, or none where no launcher runs it or `Config` or the model refuses it."""
-        known = {**_CONFIG_DEFAULTS, **values}
-        pp, grad_accum = known["pp"], known["grad_accum"]
-        key = (*(known[name] for name in self._KEYS), pp > 1 and whole_pipeline_groups(pp, grad_accum))
-        asked = key in self.memo
-        marks = self.memo.get(key)
-        if asked and marks is None:
-            return []
-        try:
-            outer = Outer(**values, **({"selective": marks[0], "op_selective": marks[1]} if marks else {}))
-        except ValueError:
-            return []
-        if not asked:
-            marks = self.memo[key] = self._marks(outer)
-            if marks is None:
-                return []
-            if marks != (outer.selective, outer.op_selective):
-                outer = replace(outer, selective=marks[0], op_selective=marks[1])
-        return [] if model_refusals(self.graph, outer, modes_decided=False) else [outer]
-
-    def _marks(self, outer: Outer) -> tuple[bool, bool] | None:
-        runners = runnable_by(outer, lora=self.lora, launchers=self.pipelined if outer.pp > 1 else self.allowed)
-        marks = (bool(selective_runners(runners, all_layers=self.modes == (Checkpoint.SELECTIVE,))),
-                 bool(op_selective_runners(runners, all_layers=self.modes == (Checkpoint.OP_SELECTIVE,))))
-        runs = any(mode_runs(mode, activation_offload=outer.activation_offload, selective=marks[0],
-                             op_selective=marks[1]) for mode in self.modes)
-        return marks if runners and runs else None
 
 
 def _sequence_parallel(layout: dict[str, object], engine: Engine, pins: Pins) -> list[bool]:

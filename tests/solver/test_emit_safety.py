@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from solver.cli.app import app
 from solver.plan.capability import REGISTRY
 from solver.plan.launchers import emit
+from solver.plan.launchers.megatron import RUN_SETTINGS
 from solver.plan.record import Plan
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -41,6 +42,8 @@ ENVIRONMENT_FILE = "fitplan_env.sh"  # the HF launcher's variables, sourced befo
 # One node: NODE_RANK, MASTER_ADDR and MASTER_PORT unset take their one-node defaults.
 TORCHRUN_ONE_NODE = ["--nnodes", "1", "--nproc_per_node", "8", "--node_rank", "0", "--master_addr", "127.0.0.1",
                      "--master_port", "29500"]
+# What the user sets for a Megatron run (`megatron.RUN_SETTINGS`): the launch script stops without them.
+MEGATRON_RUN = {"DATA_PATH": "/data/my-corpus_text_document", "LR": "2e-05", "TRAIN_ITERS": "100", "SAVE_DIR": "/ckpt"}
 # The argv fitplan means each launch script to run, word for word; {model} is the plan's model path.
 EXPECTED_ARGV = {
     "deepspeed_launch.sh": ["deepspeed", "--num_nodes", "1", "--num_gpus", "8", "train.py", "--deepspeed",
@@ -88,18 +91,21 @@ def fake_programs(folder: Path) -> Path:
     return folder
 
 
-def run_script(script: Path, tmp_path: Path) -> tuple[list[list[str]], Path]:
-    """Run `script` with bash in a scratch folder holding the emitted files; the argv of each fake program call."""
+def run_script(script: Path, tmp_path: Path, *, settings: dict[str, str] = MEGATRON_RUN,
+               returncode: int = 0) -> tuple[list[list[str]], Path, str]:
+    """Run `script` with bash in a scratch folder holding the emitted files, with the user's `settings` in the
+    environment; the argv of each fake program call, the folder and what bash printed on stderr."""
     work, calls = tmp_path / "work", tmp_path / "calls"
     work.mkdir(parents=True)
     calls.mkdir()
     for file in script.parent.iterdir():
         (work / file.name).write_bytes(file.read_bytes())
-    env = {"PATH": f"{fake_programs(tmp_path / 'bin')}:/usr/bin:/bin", "ARGV_DIR": str(calls), "HOME": str(tmp_path)}
+    env = {"PATH": f"{fake_programs(tmp_path / 'bin')}:/usr/bin:/bin", "ARGV_DIR": str(calls), "HOME": str(tmp_path),
+           **settings}
     done = subprocess.run(["bash", script.name], cwd=work, env=env, capture_output=True, text=True, timeout=30,
                           check=False)
-    assert done.returncode == 0, done.stderr
-    return [call.read_bytes().decode().split("\0")[:-1] for call in sorted(calls.iterdir())], work
+    assert (done.returncode == 0) is (returncode == 0), done.stderr
+    return [call.read_bytes().decode().split("\0")[:-1] for call in sorted(calls.iterdir())], work, done.stderr
 
 
 def shell_files(folder: Path) -> list[Path]:
@@ -111,7 +117,7 @@ def check_scripts(folder: Path, model: str, tmp_path: Path) -> None:
     scripts = shell_files(folder)
     assert scripts, f"no launch script in {sorted(p.name for p in folder.iterdir())}"
     for index, script in enumerate(scripts):
-        calls, work = run_script(script, tmp_path / str(index))
+        calls, work, _ = run_script(script, tmp_path / str(index))
         assert not list(work.glob("PWNED*")) and not list(tmp_path.rglob("PWNED*")), script.read_text()
         if script.name == ENVIRONMENT_FILE:  # variables to source before the user's own command: it runs none
             assert calls == []
@@ -121,7 +127,8 @@ def check_scripts(folder: Path, model: str, tmp_path: Path) -> None:
         if script.name == "megatron_launch.sh":  # the launch line passes the args file's words unchanged
             # newline="": a "\r\n" in the file (a model name may hold one) stays as bash reads it
             flags = shlex.split((folder / "megatron_args.txt").open(newline="").read())
-            expected = ["torchrun", *TORCHRUN_ONE_NODE, "pretrain_gpt.py", *flags]
+            settings = [word for flag, name, _ in RUN_SETTINGS for word in (flag, MEGATRON_RUN[name])]
+            expected = ["torchrun", *TORCHRUN_ONE_NODE, "pretrain_gpt.py", *flags, *settings]
         assert calls[0] == expected
         if "{model}" in EXPECTED_ARGV.get(script.name, []):
             assert calls[0].count(model) == 1
@@ -148,6 +155,20 @@ def test_newline_in_model_or_cluster_starts_no_command(launcher, emitted, tmp_pa
     check_scripts(folder, model, tmp_path / "run")
 
 
+@pytest.mark.parametrize("missing", sorted(MEGATRON_RUN))
+def test_megatron_launch_stops_before_starting_when_a_run_setting_is_unset(missing, emitted, tmp_path):
+    """Data path, learning rate, length and checkpoint folder are the user's (issue 35 item 5): unset, the script
+    names the variable and starts nothing; set, each reaches pretrain_gpt.py as its flag's value."""
+    _, folder = emitted["megatron"]
+    settings = {name: value for name, value in MEGATRON_RUN.items() if name != missing}
+    calls, _, stderr = run_script(folder / "megatron_launch.sh", tmp_path / "unset", settings=settings, returncode=1)
+    assert calls == [] and f"set {missing}:" in stderr
+    (call,), _, _ = run_script(folder / "megatron_launch.sh", tmp_path / "set")
+    flags = {"--data-path": "DATA_PATH", "--lr": "LR", "--train-iters": "TRAIN_ITERS", "--save": "SAVE_DIR"}
+    assert {flag: call[call.index(flag) + 1] for flag in flags} == {f: MEGATRON_RUN[n] for f, n in flags.items()}
+    assert {name for _, name, _ in RUN_SETTINGS} == set(MEGATRON_RUN)
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_emitted_text_files_parse_and_comments_stay_comments(launcher, emitted):
     plan, folder = emitted[launcher]
@@ -166,6 +187,9 @@ def test_emitted_text_files_parse_and_comments_stay_comments(launcher, emitted):
             words = shlex.split(text, comments=True)  # a second parser: the payload's `touch` is never a word
             while words[:1] == ["export"]:  # the launch environment (`export NAME=value` lines) comes first
                 assert "=" in words[1]
+                words = words[2:]
+            while words[:1] == [":"]:  # then the checks of what the user must set (`: "${NAME:?...}"`)
+                assert words[1].startswith("${") and ":?" in words[1]
                 words = words[2:]
             assert (words[0] in PROGRAMS if path.name != ENVIRONMENT_FILE else words == []) and "touch" not in words
     assert json.loads((folder / "plan.json").read_text())["inputs"]["model"] == plan["inputs"]["model"]
@@ -205,7 +229,7 @@ def parsed_model(script: Path, argv: list[str]) -> str:
 
 def test_training_script_argparse_reads_the_launch_lines_model(emitted, tmp_path):
     plan, folder = emitted["torchrun"]
-    calls, _ = run_script(folder / "torchrun_launch.sh", tmp_path)
+    calls, _, _ = run_script(folder / "torchrun_launch.sh", tmp_path)
     script_argv = calls[0][calls[0].index("train_fitplan.py"):]
     assert parsed_model(folder / "train_fitplan.py", script_argv) == plan["inputs"]["model"]
     assert parsed_model(folder / "train_fitplan.py", ["train_fitplan.py"]) == plan["inputs"]["model"]  # default
@@ -222,7 +246,7 @@ def test_model_names_that_look_like_options_or_placeholders_stay_values(model, e
     for name, text in emit(plan, "torchrun").items():
         (folder / name).write_text(text)
     assert literal_assignments((folder / "train_fitplan.py").read_text())["MODEL"] == model
-    calls, work = run_script(folder / "torchrun_launch.sh", tmp_path / "run")
+    calls, work, _ = run_script(folder / "torchrun_launch.sh", tmp_path / "run")
     assert not list(work.glob("PWNED*"))
     script_argv = calls[0][calls[0].index("train_fitplan.py"):]
     assert parsed_model(folder / "train_fitplan.py", script_argv) == model
@@ -233,7 +257,7 @@ def test_fake_programs_record_what_an_unquoted_line_would_run(tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
     (folder / "launch.sh").write_text(f"torchrun train_fitplan.py --model {HOSTILE}\n")
-    calls, work = run_script(folder / "launch.sh", tmp_path / "run")
+    calls, work, _ = run_script(folder / "launch.sh", tmp_path / "run")
     assert list(work.glob("PWNED*"))
     assert calls and calls[0][-1] != HOSTILE
 

@@ -5,6 +5,7 @@ liger-kernel's own patch function) and refused, with the reason, where none does
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 
 import pytest
@@ -174,24 +175,25 @@ SAVER_CASE = {"model": MODEL, "gpus": "1xT4", "seq_len": 4096, "global_batch": 1
 
 @pytest.mark.slow
 def test_allowed_savers_give_the_best_plan_of_each_saver_setting_pinned_alone():
-    """An exact decomposition as the reference: the search over every loss and activation-offload setting
-    equals the fastest of the solves with each setting pinned (those some launcher runs), and beats the plan
-    without savers here (Liger's kernels and no full logits: a larger micro-batch)."""
+    """An exact decomposition as the reference: the search over every optimizer-in-backward, loss and
+    activation-offload setting equals the fastest of the solves with each setting pinned (those some launcher
+    runs), and beats the plan without savers here (Liger's kernels and no full logits: a larger micro-batch)."""
     chosen = solve(**SAVER_CASE, allow_savers=True)
     assert chosen.solver.status == "OPTIMAL"
     assert any("--allow-savers" in note for note in chosen.inputs.assumed)
     steps = {}
-    for loss in Loss:
-        for offload in (False, True):
-            try:
-                plan = solve(**SAVER_CASE, loss=loss.value, activation_offload=offload)
-            except FitplanError:  # nothing fits, or no launcher runs the setting
-                continue
-            assert plan.solver.status == "OPTIMAL"
-            steps[loss, offload] = plan.estimate.time.step_time
+    for in_backward, loss, offload in itertools.product((False, True), Loss, (False, True)):
+        try:
+            plan = solve(**SAVER_CASE, optimizer_in_backward=in_backward, loss=loss.value,
+                         activation_offload=offload)
+        except FitplanError:  # nothing fits, or no launcher runs the setting
+            continue
+        assert plan.solver.status == "OPTIMAL"
+        steps[in_backward, loss, offload] = plan.estimate.time.step_time
     assert chosen.estimate.time.step_time == pytest.approx(min(steps.values()), rel=1e-9)
-    assert (chosen.decisions.loss, chosen.decisions.activation_offload) in steps
-    assert chosen.estimate.time.step_time < steps[Loss.HF, False]
+    decided = chosen.decisions
+    assert (decided.optimizer_in_backward, decided.loss, decided.activation_offload) in steps
+    assert chosen.estimate.time.step_time < steps[False, Loss.HF, False]
     assert chosen.decisions.loss is Loss.FUSED_LINEAR  # chunked runs in one dtype: not under fp16-mixed
     assert "memory savers: loss fused-linear (liger-kernel)" in chosen.advice  # the guide line: what it runs on
 
@@ -220,3 +222,28 @@ def test_solve_cli_allow_savers_shows_the_chosen_savers():
     assert result.exit_code == 0, result.output
     shown = " ".join(result.stdout.split())
     assert "memory savers │ loss fused-linear" in shown
+
+
+# A recipe's own point (issue 35 item 1): Llama-3.1-8B full fine-tuning in pure bf16 with paged 8-bit AdamW on one
+# 24 GB RTX 4090, as torchtune's single-device recipe runs it (optimizer in backward, chunked loss, micro-batch 2).
+RTX4090_RECIPE = {"model": "meta-llama/Llama-3.1-8B", "gpus": "1xRTX4090", "seq_len": 2048, "global_batch": 2,
+                  "precision": ("bf16",), "optimizer": ("paged-adamw-8bit",), "time_limit": 30}
+
+
+def test_allowed_savers_search_optimizer_in_backward_and_reach_the_recipe_s_point():
+    from costmodels import fits
+    from solver.api import DEFAULT_HEADROOM, cluster_from
+
+    recipe = estimate(RTX4090_RECIPE["model"], RTX4090_RECIPE["gpus"],
+                      {"precision": "bf16", "optimizer": "paged-adamw-8bit", "optimizer_in_backward": True,
+                       "loss": "chunked", "micro_batch": 2, "checkpoint": "full", "compile": True},
+                      seq_len=2048, global_batch=2)
+    assert fits(recipe, cluster_from("1xRTX4090"), DEFAULT_HEADROOM).fits
+    plan = solve(**RTX4090_RECIPE, allow_savers=True)
+    assert plan.decisions.optimizer_in_backward and plan.decisions.grad_accum == 1
+    assert plan.estimate.time.step_time <= recipe.time.step_time * (1 + 1e-9)
+    assert any("no gradient clipping" in line for line in plan.advice), plan.advice
+    # without --allow-savers nothing fits, and the diagnosis names the saver that would
+    with pytest.raises(FitplanError) as refused:
+        solve(**RTX4090_RECIPE)
+    assert "--optimizer-in-backward on" in refused.value.hint

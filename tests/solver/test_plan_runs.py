@@ -77,6 +77,58 @@ def test_every_outer_in_the_space_has_a_launcher_that_runs_it():
                 assert "torchrun" in runnable_by(outer)
 
 
+def test_outer_only_one_policy_launchers_run_takes_one_mode_for_every_layer():
+    # fp8 with tp=2 runs under torchtitan alone (one activation-checkpoint policy for every layer): the search
+    # used to mix full and no recompute there, and the plan then had no launcher (issue 35 item 2, Llama-3.1-405B
+    # on 64x8 H100 with fp8: "No launcher runs the chosen configuration ... fitplan bug").
+    from solver.plan.capability import runnable_by
+
+    pins = {"tp": 2, "pp": 1, "cp": 1, "engine": Engine.FSDP2, "precision": (Precision.FP8,)}
+    outers = space_for("meta-llama/Llama-3.1-8B", "8xH100", **pins).outers
+    assert outers and all(o.uniform is not None for o in outers)
+    assert {o.uniform for o in outers} >= {Checkpoint.NONE, Checkpoint.FULL}
+    for outer in outers:
+        layers = 32
+        assert [m for m in Checkpoint if outer.runs(m)] == [outer.uniform]
+        assert runnable_by(outer.config((outer.uniform,) * layers), checkpoint=(outer.uniform,) * layers)
+    plan = api.solve("meta-llama/Llama-3.1-8B", "8xH100", seq_len=16384, global_batch=8, time_limit=20,
+                     **{k: v for k, v in pins.items() if k != "precision"}, precision=("fp8",))
+    assert plan.launchers == ("torchtitan",) and len(set(plan.decisions.checkpoint)) == 1, plan.decisions.summary()
+
+
+def test_deepspeed_zero_stages_are_searched_on_one_gpu_only_where_they_offload():
+    # Issue 35 item 14: on one GPU a ZeRO stage shards nothing; only its offload (ZeRO-Offload) can help there.
+    def deepspeed(gpus: str, **pins) -> list:
+        return [o for o in space_for("meta-llama/Llama-3.1-8B", gpus, **pins).outers if o.engine is Engine.DEEPSPEED]
+
+    one = deepspeed("1xH200")
+    assert any(o.zero == 0 for o in one) and any(o.zero > 0 for o in one)
+    assert all(Offload.CPU in (o.optimizer_offload, o.param_offload) for o in one if o.zero > 0)
+    assert any(o.zero == 2 and o.optimizer_offload is Offload.NONE for o in deepspeed("1xH200", zero=2))  # pinned
+    assert any(o.zero == 2 and o.optimizer_offload is Offload.NONE for o in deepspeed("8xH100"))  # it shards
+
+
+def test_fsdp2_under_a_pipeline_runs_at_zero_2_as_help_and_plan_say():
+    # Issue 35 item 8: the rule (engines' pipeline_stages) was said by `estimate` alone.
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from solver.cli.app import app
+    from solver.plan.advice import _zero
+
+    with pytest.raises(ValueError, match="zero=2"):
+        Config(engine=Engine.FSDP2, zero=3, pp=2, dp=4, grad_accum=2)
+    shown = CliRunner().invoke(app, ["solve", "--help"], env={"COLUMNS": "400"})
+    flat = " ".join(shown.output.replace("│", " ").split())  # rich's panel borders and wrapping aside
+    assert "with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only" in flat
+    line = _zero(Config(engine=Engine.FSDP2, zero=2, pp=2, dp=4, grad_accum=2),
+                 SimpleNamespace(memory=SimpleNamespace(device_peak=0)))
+    assert "with pipeline parallelism fsdp2 runs at zero=2 only" in line
+    assert "pipeline" not in _zero(Config(engine=Engine.FSDP2, zero=3, dp=8), SimpleNamespace(
+        memory=SimpleNamespace(device_peak=0)))
+
+
 def test_selective_recompute_is_never_planned_where_no_launcher_runs_it():
     # With eager attention selective recompute pays off, but DeepSpeed plans run under DeepSpeed/HF/accelerate,
     # which checkpoint whole layers only: the search used to pick "full 1/sel 10" here, which nothing runs.

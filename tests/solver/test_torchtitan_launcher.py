@@ -29,7 +29,7 @@ from solver import solve
 from solver.plan.capability import unsupported
 from solver.plan.launchers import torchtitan
 from solver.plan.launchers.common import BETAS, EPS, LEARNING_RATE, MAX_GRAD_NORM, WEIGHT_DECAY
-from solver.plan.record import ClusterInfo, Inputs, LoraDecision, ModelShape, Plan
+from solver.plan.record import ClusterInfo, Inputs, LoraDecision, ModelShape, Plan, RopeScaling
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("triton")
@@ -261,11 +261,17 @@ def catalog_inputs(name: str, cluster: ClusterInfo) -> Inputs:
     """Inputs carrying a catalog model's shape as its config.json states it (the reference for the match)."""
     values = json.loads((CATALOG / f"{name.replace('/', '--')}.json").read_text())
     heads = values["num_attention_heads"]
+    scaling = values.get("rope_scaling") or {}
+    rope_scaling = RopeScaling(kind=scaling["rope_type"], factor=scaling["factor"],
+                               low_freq_factor=scaling["low_freq_factor"], high_freq_factor=scaling["high_freq_factor"],
+                               original_max_positions=scaling["original_max_position_embeddings"]) \
+        if scaling.get("rope_type") == "llama3" else None
     shape = ModelShape(heads=heads, kv_heads=values.get("num_key_value_heads") or heads,
                        head_dim=values.get("head_dim") or values["hidden_size"] // heads,
                        ffn_hidden=values["intermediate_size"], vocab=values["vocab_size"],
                        max_positions=values["max_position_embeddings"], normalization="RMSNorm", gated_silu=True,
                        rope=True, rope_theta=float(values.get("rope_theta", 10000.0)),  # LlamaConfig default
+                       rope_scaling=rope_scaling,
                        tied_embeddings=bool(values.get("tie_word_embeddings")), linear_bias=False,
                        experts=values.get("num_local_experts") or values.get("num_experts") or 0,
                        top_k=values.get("num_experts_per_tok") or 0,
@@ -307,6 +313,29 @@ def test_moe_flavour_job_builds_the_planned_qwen3_moe_model(base, parse, tmp_pat
                                                                inputs.shape.vocab)
     assert all(block.moe.num_experts == inputs.shape.experts for block in model.layers)
     assert config.parallelism.expert_parallel_degree == 1
+
+
+@pytest.mark.parametrize(("model", "flavor"), [("meta-llama/Meta-Llama-3-8B", "8B"),
+                                               ("meta-llama/Llama-3.2-1B", "1B"), ("meta-llama/Llama-3.1-8B", "8B")])
+def test_job_builds_the_rope_frequencies_transformers_builds(model, flavor, base, parse, tmp_path):
+    """Issue 35 item 6: torchtitan's llama3 flavours all scale RoPE by Llama 3.1's factor 8; the job sets the model's
+    own scaling (none for Meta-Llama-3, factor 32 for Llama-3.2), so the rotary frequencies are transformers'."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from graphs import resolve
+
+    inputs = catalog_inputs(model, base.inputs.cluster)
+    plan = dataclasses.replace(vary(base, **{**BASE, "checkpoint": NONE[:1] * inputs.num_layers}), inputs=inputs)
+    config = parse(emitted(plan, tmp_path))
+    assert config.model_spec.flavor == flavor
+    ropes = {id(layer.attention.rope): layer.attention.rope for layer in config.model_spec.model.layers}
+    values = resolve(model).as_dict()
+    expected = LlamaRotaryEmbedding(AutoConfig.for_model(values.pop("model_type"), **values)).inv_freq
+    for rope in ropes.values():
+        cache = dataclasses.replace(rope, max_seq_len=2).build().cache  # exp(i * position * frequency)
+        torch.testing.assert_close(torch.angle(cache[1]).double(), expected.double(), rtol=1e-5, atol=1e-7)
 
 
 def test_solved_plan_maps_to_llama3_1b(base):

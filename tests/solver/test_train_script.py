@@ -97,9 +97,11 @@ def test_ddp_syncs_gradients_only_on_the_last_micro_batch(model_dir, tmp_path, m
         dist.destroy_process_group()
 
 
-def peak_rss_growth(model_dir: Path, folder: Path, engine: str, baseline: int | None = None) -> tuple[int, object]:
+def peak_rss_growth(model_dir: Path, folder: Path, engine: str, baseline: int | None = None,
+                    **pins) -> tuple[int, object]:
     """Peak resident bytes of the largest rank after building and sharding (no step), less `baseline`."""
-    plan, script = emitted_script(model_dir, folder, engine=engine, tp=1, pp=1, precision=("fp32",))  # DDP: whole model
+    pins = {"precision": ("fp32",), **pins}
+    plan, script = emitted_script(model_dir, folder, engine=engine, tp=1, pp=1, **pins)  # DDP: whole model
     report = folder / "report"
     reports, _ = run_steps(script, model_dir, report, 0)
     return max(r["peak_rss_bytes"] for r in reports) - (baseline or 0), plan
@@ -144,3 +146,81 @@ def test_lora_plan_runs_as_emitted_and_holds_the_priced_parameters(engine, model
     reports, losses = run(script, model_dir, tmp_path / "r")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert reports[0]["param_bytes"] == plan.estimate.memory.parameters
+
+
+BIG = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8, "vocab_size": 32000, "head_dim": 64,
+       "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+@pytest.mark.distributed
+def test_fsdp2_lora_script_builds_on_meta_and_never_holds_the_unsharded_base(model_dir, tmp_path):
+    """Issue 35 item 10: an FSDP2 LoRA plan builds base and adapters on the meta device, shards, then fills its
+    shards, as full fine-tuning does: each rank grows by about half the base on two ranks (the whole of it before)."""
+    from graphs import LoraSpec
+
+    lora = {"lora": LoraSpec(rank=8, alpha=16), "precision": ("bf16-mixed",)}
+    big = write_config(tmp_path / "big", {**tiny_values("llama"), **BIG})
+    baseline, _ = peak_rss_growth(model_dir, tmp_path / "tiny", "fsdp2", **lora)
+    sharded, plan = peak_rss_growth(big, tmp_path / "fsdp2", "fsdp2", baseline, **lora)
+    whole = plan.estimate.memory.parameters * RANKS  # the 16-bit base (and the adapters) of the unsharded model
+    assert whole > 75 * 2**20
+    replicated, _ = peak_rss_growth(big, tmp_path / "ddp", "ddp", baseline, **lora)
+    assert replicated >= 0.9 * whole, (replicated, whole)  # the control: holding the model shows in the measure
+    assert sharded < 0.75 * whole, (sharded, whole)
+
+
+def saved_model(folder: Path) -> Path:
+    """The tiny Llama with seeded random weights saved as a checkpoint (what --model loads without --from-config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = tiny_values("llama")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).save_pretrained(folder)
+    return folder
+
+
+def token_file(path: Path, vocab: int, documents: int = 40) -> Path:
+    """JSON Lines of token ids: documents of different lengths, which the script packs into rows."""
+    generator = torch.Generator().manual_seed(7)
+    lines = [json.dumps({"input_ids": torch.randint(0, vocab, (9 + 5 * (i % 4),), generator=generator).tolist()})
+             for i in range(documents)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.distributed
+def test_fsdp2_lora_loads_the_checkpoint_into_its_shards_as_ddp_holds_it(tmp_path):
+    """The FSDP2 LoRA script loads base and adapters after sharding: on the same --data rows its first loss is the
+    one DDP computes from the whole loaded model (the adapters' B = 0: the base's loss, whatever A's init)."""
+    from graphs import LoraSpec
+
+    model = saved_model(tmp_path / "model")
+    data = token_file(tmp_path / "tokens.jsonl", tiny_values("llama")["vocab_size"])
+    first = {}
+    for engine in ("ddp", "fsdp2"):
+        _, script = emitted_script(model, tmp_path / engine, engine=engine, precision=("fp32",),
+                                   lora=LoraSpec(rank=8, alpha=16), micro_batch=1, grad_accum=2)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+                   str(script), "--model", str(model), "--data", str(data), "--steps", "1"]
+        done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        assert "random tokens" not in done.stdout
+        first[engine] = float(re.findall(r"loss (\S+)", done.stdout)[0])
+    assert first["fsdp2"] == pytest.approx(first["ddp"], rel=1e-4)  # fp32: only the reduction order differs
+
+
+@pytest.mark.distributed
+def test_without_data_the_script_says_it_runs_a_smoke_test_and_a_bad_record_stops_it(model_dir, tmp_path):
+    """Issue 35 item 9: random tokens are a smoke test, said as the run starts; --data's records are checked."""
+    _, script = emitted_script(model_dir, tmp_path / "out", engine="ddp")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+               str(script), "--model", str(model_dir), "--from-config", "--steps", "1"]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0 and "smoke test" in done.stdout, (done.stdout + done.stderr)[-4000:]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"tokens": [4]}\n')
+    done = subprocess.run([*command, "--data", str(bad)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0 and "bad.jsonl:2: a record needs input_ids or text" in done.stdout + done.stderr

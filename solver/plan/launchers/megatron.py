@@ -8,8 +8,8 @@ from graphs import Checkpoint, FitplanError
 from solver.plan.capability import MEGATRON_CP_COMM, block_recompute_layers
 from solver.plan.launchers.common import about, launch_environment
 from solver.plan.launchers.nodes import nodes_note, torchrun_argv
-from solver.plan.launchers.shell import command_line, comment, launch_script, option
-from solver.plan.record import Decisions, Plan
+from solver.plan.launchers.shell import Env, command_line, comment, env, launch_script, option
+from solver.plan.record import Decisions, Inputs, ModelShape, Plan, RopeScaling
 
 # Every flag fitplan may emit, as Megatron-LM defines it (HEAD d98e8a6, 2026-08; shared notes §2.7). The tests
 # fail on any emitted flag outside this list.
@@ -32,7 +32,21 @@ KNOWN_FLAGS = frozenset({
     "--moe-router-pre-softmax", "--qk-layernorm",
     # the precision-aware optimizer (_add_training_args; core_v0.16.1)
     "--use-precision-aware-optimizer", "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    # RoPE scaling and dropout (_add_network_size_args, _add_regularization_args; core_v0.16.1)
+    "--use-rope-scaling", "--rope-scaling-factor", "--rotary-seq-len-interpolation-factor", "--attention-dropout",
+    "--hidden-dropout",
+    # the run's own settings (_add_data_args, _add_learning_rate_args, _add_training_args, _add_checkpointing_args)
+    "--data-path", "--train-iters", "--save",
 })
+# What a run needs that fitplan does not decide: the launch script passes each from an environment variable and
+# stops before starting when one is unset (pretrain_gpt.py would train on nothing, or save nowhere).
+RUN_SETTINGS = (("--data-path", "DATA_PATH", "the data prefix Megatron-LM tools/preprocess_data.py wrote"),
+                ("--lr", "LR", "the peak learning rate, e.g. 2e-05"),
+                ("--train-iters", "TRAIN_ITERS", "the optimizer steps to run"),
+                ("--save", "SAVE_DIR", "the folder Megatron saves checkpoints to"))
+# megatron-core 0.16.1 RotaryEmbedding._apply_scaling: Llama 3.x scaling with its factor from --rope-scaling-factor
+# and the other three parameters fixed at these values (models/common/embeddings/rotary_pos_embedding.py).
+MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positions": 8192}
 # validate_args (core_v0.16.1) asserts this variable is 1 under tensor or context parallelism before Blackwell, as
 # Megatron-LM's example scripts export it: one CUDA work queue keeps its communication kernels in issue order.
 MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS=1"
@@ -58,9 +72,9 @@ def shape_arguments(plan: Plan) -> list[str]:
         args += ["--norm-epsilon", repr(shape.norm_epsilon)]
     if shape.gated_silu:
         args.append("--swiglu")
-    args += ["--position-embedding-type", "rope" if shape.rope else "learned_absolute"]
-    if shape.rope and shape.rope_theta is not None:
-        args += ["--rotary-base", str(int(shape.rope_theta))]  # an int in Megatron's parser
+    args += position_arguments(shape)
+    # Megatron's defaults are 0.1 each (arguments.py _add_regularization_args): the model's own, 0 where it has none
+    args += ["--attention-dropout", repr(shape.attention_dropout), "--hidden-dropout", repr(shape.hidden_dropout)]
     if not shape.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if not shape.linear_bias:
@@ -70,6 +84,50 @@ def shape_arguments(plan: Plan) -> list[str]:
     if shape.qk_norm:
         args.append("--qk-layernorm")  # per head, in --normalization's norm
     return args
+
+
+def position_arguments(shape: ModelShape) -> list[str]:
+    """Rotary positions with the model's base and its config.json's scaling, or a learned position table."""
+    if not shape.rope:
+        return ["--position-embedding-type", "learned_absolute"]
+    args = ["--position-embedding-type", "rope"]
+    if shape.rope_theta is not None:
+        args += ["--rotary-base", str(int(shape.rope_theta))]  # an int in Megatron's parser
+    scaling = shape.rope_scaling
+    if scaling is None:
+        return args
+    problem = rope_scaling_problem(scaling)
+    if problem:
+        raise FitplanError(f"Megatron cannot build this model: {problem}.", "Choose another launcher.")
+    if scaling.kind == "llama3":
+        return [*args, "--use-rope-scaling", "--rope-scaling-factor", repr(scaling.factor)]
+    return [*args, "--rotary-seq-len-interpolation-factor", str(int(scaling.factor))]  # linear: positions / factor
+
+
+def rope_scaling_problem(scaling: RopeScaling) -> str | None:
+    """What Megatron's RoPE cannot express of the model's scaling (None: it runs it): Llama 3.x scaling with
+    megatron-core's fixed frequency bounds, and linear interpolation by a whole factor (an int in its parser)."""
+    if scaling.kind == "llama3":
+        given = {key: getattr(scaling, key) for key in MEGATRON_LLAMA3_SCALING}
+        if all(value is None or value == MEGATRON_LLAMA3_SCALING[key] for key, value in given.items()):
+            return None
+        return (f"llama3 RoPE scaling with {given} (megatron-core 0.16 fixes {MEGATRON_LLAMA3_SCALING}; only the "
+                "factor is an argument)")
+    if scaling.kind == "linear" and float(scaling.factor).is_integer():
+        return None
+    return f"RoPE scaling {scaling.kind} with factor {scaling.factor} (fitplan emits llama3 and whole linear factors)"
+
+
+def model_problems(inputs: Inputs) -> list[str]:
+    """What Megatron cannot build of the plan's model from its flags (empty: it can)."""
+    scaling = inputs.shape.rope_scaling if inputs.shape is not None and inputs.shape.rope else None
+    problem = None if scaling is None else rope_scaling_problem(scaling)
+    return [problem] if problem else []
+
+
+def run_arguments() -> list[str | Env]:
+    """The run's settings fitplan does not decide, each from its environment variable (`RUN_SETTINGS`)."""
+    return [word for flag, name, _ in RUN_SETTINGS for word in (flag, env(name))]
 
 
 def pipeline_arguments(d: Decisions, layers: int) -> list[str]:
@@ -165,8 +223,14 @@ def emit(plan: Plan) -> dict[str, str]:
     flags = arguments(plan)
     d = plan.decisions
     connections = ["env", MAX_CONNECTIONS] if d.tp > 1 or d.cp > 1 else []
-    argv = [*connections, *torchrun_argv(plan), "pretrain_gpt.py", *flags]
+    argv = [*connections, *torchrun_argv(plan), "pretrain_gpt.py", *flags, *run_arguments()]
+    required = {name: what for _, name, what in RUN_SETTINGS}
     return {"megatron_args.txt": command_line(flags) + "\n",
             "megatron_launch.sh": launch_script(argv, about=about(plan), environment=launch_environment(plan),
-                                                forward=True, notes=nodes_note(plan)),
-            "megatron_note.txt": comment(about(plan)) + "# Megatron needs its own checkpoint format of the model.\n"}
+                                                forward=True, notes=nodes_note(plan), required=required),
+            "megatron_note.txt": comment(about(plan)) + comment(
+                "Megatron needs its own checkpoint format of the model: pass --load <converted checkpoint> "
+                "--finetune to megatron_launch.sh to start from its weights. megatron_args.txt holds the plan's "
+                "flags; the launch script adds "
+                + ", ".join(f"{flag} from ${name} ({what})" for flag, name, what in RUN_SETTINGS)
+                + ", and stops if one is unset.")}

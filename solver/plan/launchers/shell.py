@@ -65,12 +65,27 @@ def comment(text: str) -> str:
 
 
 def launch_script(argv: Sequence[str | Env], *, about: str, environment: Mapping[str, str], forward: bool = False,
-                  notes: str = "") -> str:
+                  notes: str = "", required: Mapping[str, str] | None = None) -> str:
     """A bash script that sets `environment`, runs `argv` and says which plan it belongs to; with `forward`, the
-    script's own arguments are passed on to the training script ("$@")."""
+    script's own arguments are passed on to the training script ("$@"); `required` names the variables the user
+    must set (name: what it holds), checked before anything starts."""
     line = command_line(argv) + (' "$@"' if forward else "")
     return "#!/usr/bin/env bash\n" + comment(about) + (comment(notes) if notes else "") + exports(environment) + \
-        line + "\n"
+        "".join(require(name, what) for name, what in (required or {}).items()) + line + "\n"
+
+
+# A `required` description is fitplan's own text, but it sits inside `${NAME:?...}`, where bash expands it: only
+# characters with no meaning there.
+_MESSAGE = re.compile(r"[A-Za-z0-9 ._,:/()+=-]*")
+
+
+def require(name: str, what: str) -> str:
+    """A line that stops the script, naming the variable and what it holds, when `$NAME` is unset or empty."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not an environment variable name (A-Z, 0-9, _)")
+    if not _MESSAGE.fullmatch(what):
+        raise ValueError(f"the description of ${name} must be letters, digits, spaces or ._,:/()+=-: {what!r}")
+    return f': "${{{name}:?set {name}: {what}}}"\n'
 
 
 def exports(environment: Mapping[str, str]) -> str:

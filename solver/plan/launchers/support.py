@@ -7,7 +7,7 @@ from __future__ import annotations
 from solver.plan.capability import LAUNCHERS
 from solver.plan.capability import runnable_by as _runnable_by
 from solver.plan.capability import unsupported as _unsupported
-from solver.plan.launchers import torchtitan
+from solver.plan.launchers import megatron, torchtitan
 from solver.plan.launchers.parallelism import parallelism_problems, pipeline_problems
 from solver.plan.record import Decisions, Inputs
 
@@ -23,6 +23,8 @@ def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
     """What `launcher` cannot run of the plan's model (empty for launchers that load any transformers model)."""
     if launcher == "torchtitan":
         return torchtitan.model_problems(inputs, attention)
+    if launcher == "megatron" and attention != TITAN_PRICED:
+        return megatron.model_problems(inputs)
     if attention == TITAN_PRICED:
         return ["a plan priced on torchtitan's model code (made with --launcher torchtitan), whose memory and time "
                 "the HF modeling code does not have"]

@@ -18,7 +18,7 @@ from solver.plan.record import Plan
 
 # The emitted train_fitplan.py: these template parts (solver/plan/launchers/templates/), joined in this order into one
 # module, as torchrun runs it.
-SCRIPT_PARTS = ("train_fitplan.py", "memory_savers.py", "pipeline_stages.py", "train_main.py")
+SCRIPT_PARTS = ("train_fitplan.py", "training_data.py", "memory_savers.py", "pipeline_stages.py", "train_main.py")
 
 
 def script(plan: Plan) -> str:

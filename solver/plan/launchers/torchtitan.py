@@ -113,7 +113,24 @@ def model_problems(inputs: Inputs, attention: str = "sdpa") -> list[str]:
     if attention == "eager":
         problems.append(f"eager attention ({_V}'s language models attend with FlexAttention or varlen kernels only: "
                         "models/common/config_utils.py get_attention_config)")
+    scaling = inputs.shape.rope_scaling if inputs.shape is not None else None
+    if scaling is not None and scaling.kind != "llama3":
+        problems.append(f"RoPE scaling {scaling.kind} ({_V}'s llama3 and qwen3 flavours are built here with no or "
+                        "Llama 3.x scaling)")
     return problems
+
+
+def rope_settings(inputs: Inputs) -> dict[str, Any]:
+    """The model's RoPE scaling as its config.json states it, in torchtitan's RoPE.Config fields
+    (models/common/rope.py), which the config module sets on every layer: the llama3 flavours all scale by Llama
+    3.1's factor 8, which Meta-Llama-3 (no scaling) and Llama-3.2 (factor 32) do not."""
+    scaling = inputs.shape.rope_scaling if inputs.shape is not None else None
+    if scaling is None:
+        return {"scaling": "none"}
+    given = {"scaling_factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+             "high_freq_factor": scaling.high_freq_factor,
+             "original_max_position_embeddings": scaling.original_max_positions}
+    return {"scaling": "llama", **{key: value for key, value in given.items() if value is not None}}
 
 
 # --- the job ----------------------------------------------------------------------------------------------------
@@ -176,7 +193,7 @@ def job(plan: Plan) -> dict[str, Any]:
     fsdp, fp8 = d.engine is Engine.FSDP2, d.precision is Precision.FP8
     return {
         "hf_assets_path": _assets(inputs),
-        "model": {"name": flavor["module"], "flavor": flavor["flavor"],
+        "model": {"name": flavor["module"], "flavor": flavor["flavor"], "rope": rope_settings(inputs),
                   "converters": ["float8"] if fp8 else [],
                   # the LM head stays bf16, as fitplan prices it (torchtitan's llama3_405b filters it the same way);
                   # 0.3.0's Float8LinearConverter offers the rowwise recipes only
@@ -261,7 +278,9 @@ def config_module() -> str:
 
 def _notes(plan: Plan) -> str:
     flavor = flavor_of(plan.inputs) or {}
-    rope = f" with RoPE scaling {flavor['rope_scaling']}" if flavor.get("rope_scaling") else ""
+    scaling = plan.inputs.shape.rope_scaling if plan.inputs.shape is not None else None
+    rope = f" with the model's RoPE scaling ({scaling.kind}, factor {scaling.factor:g})" if scaling else \
+        " without RoPE scaling, as the model's config.json"
     return (f"{nodes_note(plan)}\nRun from the folder holding {JOB_FILE} and {MODULE}.py (torchtitan {TORCHTITAN}; "
             f"torchao for fp8). torchtitan builds its own {flavor.get('module')} {flavor.get('flavor')} model"
             f"{rope}; the tokenizer comes from hf_assets_path ({_assets(plan.inputs)}; for a Hub model: python "

@@ -12,6 +12,7 @@ Run: torchrun ... -m torchtitan.train --module fitplan_torchtitan --config fitpl
 torchtitan's ConfigManager imports this module, calls fitplan(), then applies command-line overrides on top.
 """
 
+import dataclasses
 import importlib
 import tomllib
 from pathlib import Path
@@ -38,12 +39,18 @@ def load(path=JOB_FILE):
 
 
 def model_spec(model, compile_config):
-    """The flavour from torchtitan's own model registry, with the named converters (float8) applied."""
+    """The flavour from torchtitan's own model registry, with the named converters (float8) applied and the
+    model's own RoPE scaling on every layer."""
     registry = importlib.import_module(f"torchtitan.models.{model['name']}").model_registry
     compiled = compile_config.enable and "model" in compile_config.components
     converters = [CONVERTERS[name].Config(model_compile_enabled=compiled, **model.get(name, {}))
                   for name in model["converters"]]
-    return registry(model["flavor"], converters=converters or None)
+    spec = registry(model["flavor"], converters=converters or None)
+    for layer in spec.model.layers:  # as torchtitan's own Decoder.Config.update_from_config sets max_seq_len
+        attention = getattr(layer, "attention", None)
+        if attention is not None and model.get("rope"):
+            attention.rope = dataclasses.replace(attention.rope, **model["rope"])
+    return spec
 
 
 def optimizer(section):

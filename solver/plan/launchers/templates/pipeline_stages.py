@@ -22,6 +22,7 @@ from .train_fitplan import (
     local_bytes,
     model_kwargs,
 )
+from .training_data import token_batches
 
 # fitplan: end template only
 
@@ -157,13 +158,11 @@ def pipeline_mesh(device):
 
 
 def pipeline_batches(vocab, args, device, dp_rank):
-    """Random tokens, the same on every pipeline rank of one data-parallel replica: replace with your data (the
-    step's micro_batch x grad_accum sequences, split by the schedule into grad_accum micro-batches)."""
+    """One data-parallel replica's batches, the same on each of its pipeline ranks: the step's micro_batch x
+    grad_accum sequences, split by the schedule into grad_accum micro-batches (`token_batches`)."""
     d = PLAN["decisions"]
-    generator = torch.Generator(device="cpu").manual_seed(1000 + dp_rank)
-    while True:
-        ids = torch.randint(0, vocab, (d["micro_batch"] * d["grad_accum"], args.seq_len), generator=generator)
-        yield ids.to(device), ids.to(device)
+    return token_batches(vocab, args, device, size=d["micro_batch"] * d["grad_accum"], replica=dp_rank,
+                         replicas=d["dp"])
 
 
 class HeldBytes:

@@ -6,8 +6,10 @@
 # fitplan: end template only
 """Training script emitted by fitplan for: __SUMMARY__
 
-Run: torchrun --nproc_per_node N train_fitplan.py [--model PATH_OR_ID] [--from-config] [--steps S]
-Replace `batches()` with your data loader; everything else follows the plan.
+Run: torchrun --nproc_per_node N train_fitplan.py [--model PATH_OR_ID] [--data PATH] [--from-config] [--steps S]
+Without --data it trains on random tokens for 2 steps: a smoke test of the plan (memory, speed), not training. For a
+real run give --data: a JSON Lines file (one {"text": ...} or {"input_ids": [...]} per line) or a folder of a
+tokenized dataset (datasets' save_to_disk with an input_ids column), and --steps, --lr.
 """
 
 import argparse
@@ -30,8 +32,9 @@ __MODEL__ = ""
 __LR__ = 0.0
 __MAX_GRAD_NORM__ = 0.0
 __LIGER__ = {}
-# memory_savers.py's, defined after this part in the emitted script (one module there).
+# memory_savers.py's and training_data.py's, defined after this part in the emitted script (one module there).
 DEVICE_WATCHERS = []
+token_batches = None
 # Imported here for the later parts (pipeline_stages.py, train_main.py), in the emitted module.
 _USED_BY_LATER_PARTS = (resource, time)
 # fitplan: end template only
@@ -42,8 +45,10 @@ MODEL = __MODEL__  # the model the plan is for
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=MODEL, help="local folder / config.json, or a Hub id (default: the plan's)")
+    p.add_argument("--data", default=None, help="JSON Lines ({\"text\": ...} or {\"input_ids\": [...]} per line) "
+                   "or a tokenized dataset folder (save_to_disk, input_ids); without it: random tokens, a smoke test")
     p.add_argument("--from-config", action="store_true", help="random weights from the config (smoke tests)")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2: a smoke test)")
     p.add_argument("--seq-len", type=int, default=PLAN["seq_len"])
     p.add_argument("--report", default=None, help="folder for a per-rank JSON report of bytes, peaks and step times")
     p.add_argument("--lr", type=float, default=__LR__, help="peak learning rate")
@@ -55,10 +60,9 @@ def parse():
 
 def on_meta():
     """FSDP2 plans build the model on the meta device and allocate only each rank's shard (FSDP2's documented
-    pattern: fully_shard, then to_empty, then initialise or load), so no rank ever holds the whole model. LoRA
-    adapters are created by peft on the base weights' device, so LoRA plans build as before."""
-    d = PLAN["decisions"]
-    return d["engine"] == "fsdp2" and not d["lora"]
+    pattern: fully_shard, then to_empty, then initialise or load), so no rank ever holds the whole model; a LoRA
+    plan attaches its adapters on the meta device too, before sharding, then loads base and adapters together."""
+    return PLAN["decisions"]["engine"] == "fsdp2"
 
 
 # The 16-bit dtype each mixed precision computes in (autocast's under DDP, FSDP2's param_dtype).
@@ -78,27 +82,32 @@ def model_kwargs():
 def build(args, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    d = PLAN["decisions"]
     kwargs = model_kwargs()
     path = args.model if not args.model.endswith(".json") else os.path.dirname(args.model) or "."
     if on_meta():
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
+            return with_adapters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs))
     if args.from_config:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
-    if d["lora"]:
-        from peft import LoraConfig, get_peft_model
+    return with_adapters(model).to(device)
 
-        lora = d["lora"]
-        targets = "all-linear" if lora["targets"] == ["all-linear"] else lora["targets"]
-        # fp32 adapters under mixed precision (PEFT's default upcast), whose fp32 masters autocast or FSDP2 cast per
-        # use; pure bf16 trains them in bf16, as it does every other weight.
-        model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
-                                                 lora_dropout=lora["dropout"], task_type="CAUSAL_LM"),
-                               autocast_adapter_dtype=d["precision"] in MIXED)
-    return model.to(device)
+
+def with_adapters(model):
+    """The model with the plan's LoRA adapters attached by PEFT (the model itself without LoRA)."""
+    d = PLAN["decisions"]
+    if not d["lora"]:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = d["lora"]
+    targets = "all-linear" if lora["targets"] == ["all-linear"] else lora["targets"]
+    # fp32 adapters under mixed precision (PEFT's default upcast), whose fp32 masters autocast or FSDP2 cast per
+    # use; pure bf16 trains them in bf16, as it does every other weight.
+    return get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets,
+                                            lora_dropout=lora["dropout"], task_type="CAUSAL_LM"),
+                          autocast_adapter_dtype=d["precision"] in MIXED)
 
 
 # Liger's patch as the plan prices it (its fused linear cross-entropy, and the RMSNorm, SwiGLU and RoPE kernels the
@@ -123,11 +132,16 @@ def materialize(model, args, device):
     with torch.no_grad():
         if args.from_config:
             model.initialize_weights()  # transformers' per-module init, on each rank's DTensor shards
+            for module in model.modules():  # LoRA's own init (B = 0: the adapted model starts as the base)
+                for adapter in getattr(module, "active_adapters", ()) if hasattr(module, "lora_A") else ():
+                    module.reset_lora_parameters(adapter, True)
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
             from transformers import AutoModelForCausalLM
 
-            full = AutoModelForCausalLM.from_pretrained(args.model, **model_kwargs()).state_dict() \
+            # rank 0 reads the checkpoint on the host, with the same adapters attached (their state dict names are
+            # the sharded model's), and scatters it
+            full = with_adapters(AutoModelForCausalLM.from_pretrained(args.model, **model_kwargs())).state_dict() \
                 if dist.get_rank() == 0 else {}
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                        broadcast_from_rank0=True))
@@ -406,10 +420,11 @@ def sync_gradients(model, last):
 
 
 def batches(vocab, args, device):
-    """Random tokens: replace with your data (micro-batches of input ids and labels)."""
-    while True:
-        ids = torch.randint(0, vocab, (PLAN["decisions"]["micro_batch"], args.seq_len), device=device)
-        yield ids, ids
+    """This rank's micro-batches (input ids, labels): its data-parallel replica's (`token_batches`); tensor-parallel
+    ranks of one replica get the same ones."""
+    d = PLAN["decisions"]
+    return token_batches(vocab, args, device, size=d["micro_batch"], replica=dist.get_rank() // d["tp"],
+                         replicas=d["dp"])
 
 
 def local_bytes(tensor):
