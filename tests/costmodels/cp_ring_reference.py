@@ -194,6 +194,12 @@ def run_ulysses_rank(rank: int, cp: int) -> dict[str, object]:
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (`build_shm_op`, ~6 min of C++ on 2 cores;
+    # a run killed meanwhile leaves a lock every later build waits on forever). The all-to-alls counted here go
+    # through torch.distributed either way: the op is left out.
+    # (`deepspeed.comm.torch` as an attribute is torch itself, star-exported by deepspeed.comm: the module is read
+    # from sys.modules.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cp))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # wraps the gloo group
     sent, phase = [0, 0], [0]

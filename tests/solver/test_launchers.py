@@ -309,8 +309,10 @@ def test_accelerate_config_loads_with_accelerate_and_matches_plan(name, plans, t
     expected_type = {Engine.DEEPSPEED: "DEEPSPEED", Engine.FSDP2: "FSDP"}.get(d.engine, "MULTI_GPU")
     assert loaded.distributed_type.value == expected_type
     precision = ACCELERATE_PRECISION.get(d.precision.value, "no")
-    # Under DeepSpeed the JSON's precision block rules; accelerate refuses a second source that disagrees.
-    assert loaded.mixed_precision == (None if d.engine is Engine.DEEPSPEED else precision)
+    # Under DeepSpeed the JSON's precision block rules; accelerate refuses a second source that disagrees (fp32:
+    # "no" agrees with the JSON's disabled fp16/bf16 blocks, and stays).
+    dropped = d.engine is Engine.DEEPSPEED and precision != "no"
+    assert loaded.mixed_precision == (None if dropped else precision)
     if d.engine is Engine.FSDP2:
         fsdp = loaded.fsdp_config
         assert fsdp["fsdp_version"] == 2

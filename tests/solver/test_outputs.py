@@ -72,7 +72,10 @@ def test_force_overwrites_output_emit_dir_and_plot(tmp_path):
         path.write_text(HAND_EDITED)
     args = [*SOLVE, "--engine", "deepspeed", "--json", "--emit", "deepspeed", "--emit-dir", folder, "-o", plan_path,
             "--plot", png]
-    assert_refused_overwrite(invoke(args), [folder / "ds_config.json", plan_path, png])
+    # refused before solving, on the outputs known then (the launcher's files are known once the plan is: the test
+    # above refuses ds_config.json alone); nothing is touched
+    assert_refused_overwrite(invoke(args), [plan_path, png])
+    assert all(path.read_text() == HAND_EDITED for path in (folder / "ds_config.json", plan_path, png))
     result = invoke([*args, "--force"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
