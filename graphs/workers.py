@@ -23,10 +23,12 @@ def spawn_context() -> BaseContext | None:
 
 def main_is_guarded() -> bool:
     """Whether re-importing `__main__` in a worker runs nothing: no script (an interpreter prompt, `python -c`, a
-    notebook), or a script whose work sits under an `if __name__ == "__main__":` guard (console scripts such as
-    `fitplan` are)."""
+    notebook), a package run with `python -m` (multiprocessing skips its `__main__`), or a script whose work sits
+    under an `if __name__ == "__main__":` guard (console scripts such as `fitplan` are)."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.endswith(".__main__"):  # `python -m package`: spawn never re-runs it
+        return True
     path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
     if path is None:
         return True
