@@ -47,7 +47,10 @@ def test_time_limit_is_honoured_and_a_plan_still_comes_back():
     solve(MODEL, "64xH100", seq_len=2048, global_batch=512)  # lowering (outside the limit) is cached first
     start = time.perf_counter()
     plan = solve(MODEL, "64xH100", seq_len=2048, global_batch=512, time_limit=0.3)
-    assert time.perf_counter() - start < 0.3 + 2.0  # the limit plus building the final estimate and report
+    # the search is what the limit bounds (its own clock, lowering and reading the cache apart); the whole call adds
+    # the cache read and the final estimate, given room for a loaded 2-core machine
+    assert plan.solver.wall_seconds < 0.3 + 1.5
+    assert time.perf_counter() - start < 0.3 + 6.0
     assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
 
 
