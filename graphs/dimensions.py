@@ -20,8 +20,9 @@ POSITIVE_FIELDS = (
     # The longest sequence: positions.py reads the first one given, so a non-positive one must not hide.
     "max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
 )
-_HIDDEN = ("hidden_size", "n_embd", "d_model", "hidden_dim")
-_HEADS = ("num_attention_heads", "n_head", "num_heads")
+# The names config.json files give the hidden size and the attention heads (graphs.sources requires one of each).
+HIDDEN_ALIASES = ("hidden_size", "n_embd", "d_model", "hidden_dim")
+HEADS_ALIASES = ("num_attention_heads", "n_head", "num_heads")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -43,7 +44,7 @@ def _first(values: dict[str, Any], aliases: tuple[str, ...]) -> Any:
 
 def _check_heads(values: dict[str, Any], location: str) -> None:
     """Heads split the hidden size (unless head_dim is given) and key-value heads divide the query heads."""
-    hidden, heads = _first(values, _HIDDEN), _first(values, _HEADS)
+    hidden, heads = _first(values, HIDDEN_ALIASES), _first(values, HEADS_ALIASES)
     if hidden is None or heads is None:
         return
     if heads > hidden:

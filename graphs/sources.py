@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import closest_ids, load_entry
-from .dimensions import check_dimensions
+from .dimensions import HEADS_ALIASES, HIDDEN_ALIASES, check_dimensions
 from .errors import MalformedConfig, UnknownModel, UnsupportedModel
 from .files import parse_json, read_text
 
 # Fields every decoder-only config needs (under any of their transformers names), with their meaning.
 _REQUIRED = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model", "hidden_dim"),
+    "hidden_size": HIDDEN_ALIASES,
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_attention_heads": HEADS_ALIASES,
     "vocab_size": ("vocab_size",),
 }
 # Upper bounds on the dimensions that set lowering and planning work, far above every published model (the
