@@ -87,9 +87,13 @@ def landed_grads(graph: LayerGraph, config: Config, terms: MemoryTerms) -> Memor
                                                   dp=shard_ranks(config), engine=config.engine, sharded=True,
                                                   ep=config.ep)
     keys = [layer.kind if layer.role is Role.DECODER else layer.name for layer in graph.nodes()]
-    nodes = tuple(tuple((mode, replace(node, grads=shards[key], bwd_peak_fresh=node.bwd_peak))
-                        for mode, node in options) for key, options in zip(keys, terms.nodes, strict=True))
-    return replace(terms, nodes=nodes)
+    landed: dict[tuple[object, int], tuple[tuple[Checkpoint, NodeMemory], ...]] = {}  # layers of one kind share
+    for key, options in zip(keys, terms.nodes, strict=True):
+        if (key, id(options)) not in landed:
+            landed[key, id(options)] = tuple((mode, replace(node, grads=shards[key], bwd_peak_fresh=node.bwd_peak))
+                                             for mode, node in options)
+    return replace(terms, nodes=tuple(landed[key, id(options)] for key, options in zip(keys, terms.nodes,
+                                                                                         strict=True)))
 
 
 def allocated_peak(terms: MemoryTerms, modes: tuple[Checkpoint, ...]) -> tuple[int, Peak, int]:

@@ -256,23 +256,36 @@ def op_seconds(op: Op, times: StageTimes) -> float:
 def pipeline_time(schedule: Schedule, pp: int, m: int, *, v: int = 1, times: StageTimes) -> PipelineTime:
     """Simulate one step: each rank runs its actions in torch's order, each as soon as its input has arrived
     (a forward after the previous stage's forward, a backward after the next stage's, plus the p2p hop between
-    ranks), so uneven stages give their real bubble instead of a flat (pp - 1) / m."""
-    ranks = stage_ranks(schedule, pp, v)
-    if len(times.forward) != len(ranks):
-        raise ValueError(f"times cover {len(times.forward)} stages; {schedule} with pp={pp}, v={v} has {len(ranks)}")
-    orders = schedule_order(schedule, pp, m, v)
-    done: dict[tuple[str, int, int], float] = {}
+    ranks), so uneven stages give their real bubble instead of a flat (pp - 1) / m. Cached: a search simulates the
+    same stage times again (a configuration's fastest modes, then its chosen ones)."""
+    if len(times.forward) != len(stage_ranks(schedule, pp, v)):
+        raise ValueError(f"times cover {len(times.forward)} stages; {schedule} with pp={pp}, v={v} has "
+                         f"{len(stage_ranks(schedule, pp, v))}")
+    return _simulated(schedule, pp, m, v, times)
+
+
+@lru_cache(maxsize=4096)
+def _simulated(schedule: Schedule, pp: int, m: int, v: int, times: StageTimes) -> PipelineTime:
+    orders, outputs = _step_program(schedule, pp, m, v)
+    seconds = {kind: tuple(op_seconds(Op(kind, stage, 0), times) for stage in range(len(times.forward)))
+               for kind in "FBIW"}
+    done: list[float | None] = [None] * outputs
     clock, busy, next_op = [0.0] * pp, [0.0] * pp, [0] * pp
     remaining = sum(len(ops) for ops in orders)
     while remaining:
         progressed = False
         for rank, ops in enumerate(orders):
-            while next_op[rank] < len(ops) and (ready := _ready_at(ops[next_op[rank]], done, ranks, times)) is not None:
-                op = ops[next_op[rank]]
-                seconds = op_seconds(op, times)
-                clock[rank] = max(clock[rank], ready) + seconds
-                busy[rank] += seconds
-                done["G" if op.kind in "BI" else op.kind, op.stage, op.micro_batch] = clock[rank]
+            while next_op[rank] < len(ops):
+                output, kind, stage, source, hop = ops[next_op[rank]]
+                ready = 0.0 if source < 0 else done[source]
+                if ready is None:
+                    break
+                if hop >= 0 and times.p2p:
+                    ready += times.p2p[hop]
+                took = seconds[kind][stage]
+                clock[rank] = max(clock[rank], ready) + took
+                busy[rank] += took
+                done[output] = clock[rank]
                 next_op[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -281,26 +294,45 @@ def pipeline_time(schedule: Schedule, pp: int, m: int, *, v: int = 1, times: Sta
     return PipelineTime(step=max(clock), busy=tuple(busy))
 
 
-def _ready_at(op: Op, done: dict[tuple[str, int, int], float], ranks: tuple[int, ...],
-              times: StageTimes) -> float | None:
-    """When `op`'s input is on its rank (None while its producer has not run): F needs the previous stage's F,
-    B or I the next stage's input gradient (the last stage its own F), W its own I."""
+Action = tuple[int, str, int, int, int]
+"""(its output's index, kind, stage, the index of the output it waits for or -1, the boundary its input crosses
+between ranks or -1)."""
+
+
+@lru_cache(maxsize=256)
+def _step_program(schedule: Schedule, pp: int, m: int, v: int) -> tuple[tuple[tuple[Action, ...], ...], int]:
+    """Each rank's actions in torch's order with their dependencies resolved to indices (`_input_of`), and how many
+    outputs there are: what `pipeline_time` simulates for any stage times."""
+    ranks = stage_ranks(schedule, pp, v)
+    index: dict[tuple[str, int, int], int] = {}
+    orders = []
+    for ops in schedule_order(schedule, pp, m, v):
+        actions = []
+        for op in ops:
+            output = index.setdefault(("G" if op.kind in "BI" else op.kind, op.stage, op.micro_batch), len(index))
+            source, hop = _input_of(op, len(ranks))
+            crossing = hop is not None and ranks[hop] != ranks[hop + 1]
+            actions.append((output, op.kind, op.stage, -1 if source is None else
+                            index.setdefault(source, len(index)), hop if crossing else -1))
+        orders.append(tuple(actions))
+    return tuple(orders), len(index)
+
+
+def _input_of(op: Op, stages: int) -> tuple[tuple[str, int, int] | None, int | None]:
+    """What `op` waits for and the boundary it crosses: F needs the previous stage's F, B or I the next stage's
+    input gradient (the last stage its own F), W its own I; the first stage's F waits for nothing."""
     s, j = op.stage, op.micro_batch
     match op.kind:
         case "F" if s == 0:
-            return 0.0
+            return None, None
         case "F":
-            source, hop = ("F", s - 1, j), s - 1
+            return ("F", s - 1, j), s - 1
         case "W":
-            source, hop = ("G", s, j), None
-        case _ if s == len(ranks) - 1:
-            source, hop = ("F", s, j), None
+            return ("G", s, j), None
+        case _ if s == stages - 1:
+            return ("F", s, j), None
         case _:
-            source, hop = ("G", s + 1, j), s
-    if source not in done:
-        return None
-    crossing = hop is not None and times.p2p and ranks[hop] != ranks[hop + 1]
-    return done[source] + (times.p2p[hop] if crossing else 0.0)
+            return ("G", s + 1, j), s
 
 
 def step_lower_bound(schedule: Schedule, pp: int, m: int, *, v: int = 1, times: StageTimes) -> float:

@@ -62,10 +62,19 @@ class RankSlice:
     norm, head and loss where the last stage is."""
     stage_graphs: tuple[LayerGraph, ...]
     """Per local stage, its own nodes (the same nodes as `graph`, split by stage)."""
-    moments: tuple[Moment, ...]
-    """The points of its schedule that can hold its peak (`pipeline.rank_moments`; empty without a pipeline)."""
     buffers: int
     """Receive buffers the runtime allocates for the step: stage inputs and output gradients."""
+    timeline: tuple[Schedule, int, int, int] | None = None
+    """(schedule, pp, micro-batches, stages per rank) of its pipeline; None without one."""
+
+    @property
+    def moments(self) -> tuple[Moment, ...]:
+        """The points of its schedule that can hold its peak (`pipeline.rank_moments`; empty without a pipeline):
+        walked when its memory is asked for (a search drops most slices on their states or time first)."""
+        if self.timeline is None:
+            return ()
+        schedule, pp, m, v = self.timeline
+        return rank_moments(schedule, pp, m, v=v)[self.rank]
 
     @property
     def in_flight(self) -> int:
@@ -131,13 +140,12 @@ def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[objec
     sizes = stage_layers(graph, workload, config)
     if pp == 1:
         return (RankSlice(rank=0, stages=(0,), layers=tuple(range(sum(sizes))), graph=graph, stage_graphs=(graph,),
-                          moments=(), buffers=0),)
+                          buffers=0),)
     ranks = stage_ranks(schedule, pp, v)  # type: ignore[arg-type]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     hidden = boundary_bytes(graph, workload, config)
     stage_bytes = [StageActivations(saved=0, output=hidden if s < len(sizes) - 1 else 0) for s in range(len(sizes))]
     buffers = receive_buffer_bytes(schedule, pp, m, v=v, stages=stage_bytes)  # type: ignore[arg-type]
-    moments = rank_moments(schedule, pp, m, v=v)  # type: ignore[arg-type]
     slices = []
     for rank in range(pp):
         stages = tuple(s for s, r in enumerate(ranks) if r == rank)
@@ -146,7 +154,7 @@ def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[objec
         layers = tuple(i for s in stages for i in range(bounds[s], bounds[s + 1]))
         whole = sub_graph(graph, layers, first=0 in stages, last=len(sizes) - 1 in stages)
         slices.append(RankSlice(rank=rank, stages=stages, layers=layers, graph=whole, stage_graphs=stage_graphs,
-                                moments=moments[rank], buffers=buffers[rank]))
+                                buffers=buffers[rank], timeline=(schedule, pp, m, v)))  # type: ignore[arg-type]
     return tuple(slices)
 
 

@@ -186,7 +186,7 @@ def column_gemm_seconds(layer: Layer, tp: int, speed: KernelSpeed, *, tokens: in
 
 def clear_caches() -> None:
     """Empty the memos of node times, kernel speeds and layer GEMMs (tests compare warm against cold)."""
-    for memo in (_NODE_TIMES, _SPEEDS, _GEMMS):
+    for memo in (_NODE_TIMES, _SPEEDS, _GEMMS, _NODE_TERMS):
         memo.clear()
 
 
@@ -215,7 +215,9 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     b, s, ga = config.micro_batch, workload.seq_len, config.grad_accum
     speed = speed_for(graph, cluster, config, b=b, s=s)
     memory_speedup = memory_bound_speedup(config)
-    layers, fixed, nodes = _node_terms(graph, cluster, config, speed, b=b, s=s, memory_speedup=memory_speedup)
+    layers, fixed, nodes = _NODE_TERMS.get(
+        (graph, cluster), (b, s, memory_speedup, *(getattr(config, name) for name in NODE_TERMS_FIELDS)),
+        lambda: _node_terms(graph, cluster, config, speed, b=b, s=s, memory_speedup=memory_speedup))
     fwd, bwd = sum(f for f, _ in nodes), sum(b for _, b in nodes)
     group = dp_group(cluster, config.tp, shard_ranks(config))
     fetched = zero3_fetch_seconds(graph, cluster, config, group, nodes)
@@ -243,9 +245,16 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
         layers=tuple(layers), forward=fwd, outside=ga * dp_mb + dp_step + offload + optimizer)
 
 
+# The configuration fields `_node_terms` reads (a test checks it): its node times', its kernel speeds', the loss that
+# prices the head and the micro-batch it is timed on. Cached on them: the solver times the same layers under many
+# configurations that differ only in sharding, offload or optimizer.
+NODE_TERMS_FIELDS = tuple(dict.fromkeys((*NODE_TIME_FIELDS, *SPEED_FIELDS, "micro_batch")))
+NodeTerms = tuple[tuple[tuple[tuple[Checkpoint, NodeTime], ...], ...], NodeTime, tuple[tuple[float, float], ...]]
+_NODE_TERMS: IdentityMemo[NodeTerms] = IdentityMemo(limit=2**12)
+
+
 def _node_terms(graph: LayerGraph, cluster: Cluster, config: Config, speed: KernelSpeed, *, b: int, s: int,
-                memory_speedup: float) -> tuple[list[tuple[tuple[Checkpoint, NodeTime], ...]], NodeTime,
-                                               list[tuple[float, float]]]:
+                memory_speedup: float) -> NodeTerms:
     """Each decoder layer's times in its modes, the non-decoder nodes' summed time, and every node's (forward,
     backward) seconds of one micro-batch without recompute (what data-parallel collectives overlap)."""
     head_speed = speed_for(graph, cluster, config, b=b, s=s, head=True)
@@ -275,7 +284,7 @@ def _node_terms(graph: LayerGraph, cluster: Cluster, config: Config, speed: Kern
             t = cached_node_time(graph, cluster, config, layer, Checkpoint.NONE, node_speed, b=b, s=s,
                                  memory_speedup=memory_speedup)
             fixed = NodeTime(fixed.compute + t.compute, fixed.recompute + t.recompute, fixed.tp + t.tp)
-    return layers, fixed, nodes
+    return tuple(layers), fixed, tuple(nodes)
 
 
 def zero3_fetch_seconds(graph: LayerGraph, cluster: Cluster, config: Config, group: Group,

@@ -249,33 +249,30 @@ def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_
 def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, table: dict[str, GpuPrice],
                 spot: bool, progress: Callable[[Point], None] | None, workers: int | None,
                 **solve_options: Any) -> list[Point]:
-    """Every cluster's point, in sweep order: the first cluster of each GPU type here (its lowerings land in the
-    disk cache), the others in `workers` processes that read them."""
-    def point(gpu: GPU, count: int) -> Point:
-        return plan_point(model, gpu, count, tokens=tokens, price=table[gpu.id], spot=spot, **solve_options)
-
+    """Every cluster's point, in sweep order: the first cluster of each GPU type first (its lowerings land in the
+    disk cache), then the others, which read them; in `workers` processes where the caller allows them."""
     first = {gpu.id: (gpu, count) for gpu, count in reversed(sweep)}  # the smallest count of each type
-    found: dict[tuple[str, int], Point] = {}
-    for gpu, count in first.values():
-        found[gpu.id, count] = point(gpu, count)
-        if progress is not None:
-            progress(found[gpu.id, count])
-    rest = [(gpu, count) for gpu, count in sweep if (gpu.id, count) not in found]
-    workers = min(len(rest), workers or os.cpu_count() or 1)
+    rest = [(gpu, count) for gpu, count in sweep if first[gpu.id] != (gpu, count)]
+    workers = min(max(len(first), len(rest)), workers or os.cpu_count() or 1)
     context = spawn_context()
+    found: dict[tuple[str, int], Point] = {}
+
+    def record(gpu_id: str, count: int, point: Point) -> None:
+        found[gpu_id, count] = point
+        if progress is not None:
+            progress(point)
+
+    options = dict(tokens=tokens, spot=spot, **solve_options)
     if workers <= 1 or context is None:
-        for gpu, count in rest:
-            found[gpu.id, count] = point(gpu, count)
-            if progress is not None:
-                progress(found[gpu.id, count])
+        for gpu, count in [*first.values(), *rest]:
+            record(gpu.id, count, plan_point(model, gpu, count, price=table[gpu.id], **options))
     else:
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            futures = {pool.submit(plan_point, model, gpu, count, tokens=tokens, price=table[gpu.id], spot=spot,
-                                   **solve_options): (gpu.id, count) for gpu, count in rest}
-            for future in concurrent.futures.as_completed(futures):
-                found[futures[future]] = future.result()
-                if progress is not None:
-                    progress(found[futures[future]])
+            for batch in (list(first.values()), rest):
+                futures = {pool.submit(plan_point, model, gpu, count, price=table[gpu.id], **options):
+                           (gpu.id, count) for gpu, count in batch}
+                for future in concurrent.futures.as_completed(futures):
+                    record(*futures[future], future.result())
     return [found[gpu.id, count] for gpu, count in sweep]
 
 

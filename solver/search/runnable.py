@@ -49,7 +49,11 @@ class Runnable:
             return []
         if not asked:
             self.memo[key] = self._marks(outer)
-        outers = [replace(outer, **marks.fields()) for marks in self.memo[key]]
+            if not self.memo[key]:
+                return []
+            outer = replace(outer, **self.memo[key][0].fields())
+        # the first marks are built in already (a rebuilt frozen record re-runs `Config`'s checks)
+        outers = [outer, *(replace(outer, **marks.fields()) for marks in self.memo[key][1:])]
         return [] if not outers or model_refusals(self.graph, outers[0], modes_decided=False) else outers
 
     def _marks(self, outer: Outer) -> tuple[Marks, ...]:

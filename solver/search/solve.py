@@ -13,7 +13,7 @@ from costmodels.estimator import estimate
 from costmodels.lowering import shared_lowering
 from costmodels.pipeline_stages import stage_layers
 from graphs import Checkpoint, FitplanError, LayerGraph
-from graphs.variant import lower_all
+from graphs.variant import Variant, lower_all
 from solver.plan import capability
 from solver.plan.advice import advise
 from solver.plan.launchers.support import model_launchers, model_problems, pipeline_launchers, runnable_by
@@ -128,16 +128,24 @@ def lower_needed(prepared: Prepared) -> None:
     """Lower every variant the space's configurations are priced on, before the time limit starts (a compiled
     configuration's table may keep it eager, `tables.build_table`, so its eager variant too)."""
     space, lowerings = prepared.space, prepared.lowerings
-    outers = [needed for outer in (*space.outers, *space.pipelines)
-              for needed in ((outer, replace(outer, compile=False)) if space.compile_auto and outer.compile
-                             else (outer,))]
-    needed = [lowerings.variant(outer.config()) for outer in outers]
-    fresh = [v for v in dict.fromkeys(needed) if v not in lowerings.graphs]
+    megatron = lowerings.megatron
+    first: dict[Variant, Outer] = {}  # one configuration per variant lowers it for all
+    for outer in (*space.outers, *space.pipelines):
+        first.setdefault(lowerings.variant(outer.config()), outer)
+    if space.compile_auto:
+        # a compiled variant's eager twin differs from it in `compiled` alone, so one configuration's twin stands
+        # for every configuration of that variant
+        for outer in [o for o in first.values() if o.compile]:
+            eager = replace(outer, compile=False)
+            first.setdefault(lowerings.variant(eager.config()), eager)
+    fresh = [v for v in first if v not in lowerings.graphs]
     if len(fresh) > 1:
         prepared.request.progress(f"Lowering {prepared.inputs.model}: {len(fresh)} variants")
         lower_all(prepared.request.resolved, fresh)
-    for outer in outers:
+    for outer in first.values():
         lowerings(outer)
+    if lowerings.megatron != megatron:  # megatron-core refused the model: the HF code prices those configurations
+        lower_needed(prepared)
 
 
 def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:

@@ -7,7 +7,7 @@ The CP-SAT model and the enumeration both read these tables, so comparing them i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Workload, check
 from costmodels.compilation import COMPILE_MIN_SAVING
@@ -52,6 +52,8 @@ class Table:
     _memory: MemoryTerms | None = None
     buffers: int = 0
     """Bytes allocated through the whole step outside the timeline (a pipeline rank's receive buffers)."""
+    _peaks: dict[tuple[Checkpoint, ...], int] = field(init=False, default_factory=dict)
+    """Peaks already walked, by modes: a pipeline rank's table is asked again for each split and block."""
 
     @property
     def memory(self) -> MemoryTerms:
@@ -68,7 +70,10 @@ class Table:
         return self.fixed_ticks + sum(dict(options)[m] for options, m in zip(self.layer_ticks, modes, strict=True))
 
     def peak_of(self, modes: tuple[Checkpoint, ...]) -> int:
-        return allocated_peak(self.memory, modes)[0]
+        key = tuple(modes)
+        if key not in self._peaks:
+            self._peaks[key] = allocated_peak(self.memory, key)[0]
+        return self._peaks[key]
 
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,

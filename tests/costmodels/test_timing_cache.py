@@ -76,6 +76,18 @@ def test_speed_for_reads_only_the_fields_its_cache_keys_on(tmp_path_factory, mon
     assert read and read <= set(timing.SPEED_FIELDS)
 
 
+def test_node_terms_read_only_the_fields_their_cache_keys_on(tmp_path_factory, monkeypatch):
+    read: set[str] = set()
+    original = timing._node_terms
+    monkeypatch.setattr(timing, "_node_terms", lambda graph, cluster, config, *args, **kwargs: original(
+        graph, cluster, _Recorder(config, read), *args, **kwargs))
+    timing.clear_caches()
+    for graph, config in _cases(tmp_path_factory):
+        timing.time_terms(graph, parse_cluster("2x8xH100"), WORKLOAD, config)
+    timing.clear_caches()
+    assert read and read <= set(timing.NODE_TERMS_FIELDS)
+
+
 @pytest.mark.parametrize("order", [0, 1])
 def test_time_terms_with_a_warm_cache_equal_those_with_an_empty_one(tmp_path_factory, order):
     cluster = parse_cluster("2x8xH100")
