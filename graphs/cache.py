@@ -64,10 +64,40 @@ def _digest(graph: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(graph).encode()).hexdigest()
 
 
+# Graphs this process has read, by key and the user entry's file identity: a session or a sweep asks for the same
+# lowerings again (`lower_all` checks them, then the search reads them), and the same graph object lets the cost
+# models' identity memos hit across solves. Bounded: a sweep holds a few models' variants.
+_LOADED: dict[tuple[str, tuple[int, ...] | None], LayerGraph] = {}
+_LOADED_LIMIT = 32
+
+
 def load_cached(key: str) -> LayerGraph | None:
     """The entry `store_cached` wrote under `key`, else None. The entry carries the SHA-256 of its graph's JSON, so
     an edited, truncated or foreign file (even one that parses, with a wrong inner type or a changed number) is a
-    miss, for the price of one C-speed `json.dumps` rather than a graph serialisation compared field by field."""
+    miss, for the price of one C-speed `json.dumps` rather than a graph serialisation compared field by field. A
+    graph read before is returned again while the user's entry is the same file (or still absent)."""
+    remembered = (key, _file_identity(cache_dir() / "lower" / f"{key}.json"))
+    if remembered in _LOADED:
+        return _LOADED[remembered]
+    graph = _read_entry(key)
+    if graph is not None:
+        if len(_LOADED) >= _LOADED_LIMIT:
+            _LOADED.clear()
+        _LOADED[remembered] = graph
+    return graph
+
+
+def _file_identity(path: Path) -> tuple[int, ...] | None:
+    """What changes when the file at `path` is replaced or rewritten (None: no such file)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def _read_entry(key: str) -> LayerGraph | None:
+    """`load_cached` from the files: the user's entry, then the shipped one."""
     from .graph import LayerGraph
 
     for text in (_user_entry(key), _shipped_entry(key)):

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from graphs import resolve
-from graphs.cache import load_cached, shipped_dir
+from graphs.cache import load_cached, shipped_dir, store_cached
+from graphs.graph import LayerGraph
 from graphs.lowering import lower_resolved
 from graphs.lowering_keys import hf_key
 
@@ -45,3 +46,27 @@ def test_a_shipped_lowering_equals_a_fresh_one(tmp_path, monkeypatch):
     lower_resolved.cache_clear()
     fresh = lower_resolved(resolved, use_cache=False, **options)
     assert fresh.to_json() == shipped.to_json()
+
+
+def test_a_lowering_read_again_is_the_same_graph_until_its_entry_changes(tmp_path, monkeypatch):
+    """The process keeps what it read (a sweep asks again, and identity memos key on the graph), but a rewritten
+    or removed user entry is read afresh, and a damaged one is still a miss."""
+    import graphs.cache as cache
+
+    monkeypatch.setenv("FITPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "_LOADED", {})
+    resolved = resolve(MODEL)
+    key = hf_key(resolved, dtype="bfloat16", autocast=None, attention=None, lora=None, op_selective=True,
+                 compiled=False, liger=False)
+    shipped = load_cached(key)
+    assert shipped is not None and load_cached(key) is shipped
+    data = shipped.to_json()
+    edited = {**data, "dims": {**data["dims"], "hidden": data["dims"]["hidden"] + 2}}
+    store_cached(key, LayerGraph.from_json(edited))  # the user's entry now shadows the shipped one
+    mine = load_cached(key)
+    assert mine is not shipped and mine.dims.hidden == shipped.dims.hidden + 2 and load_cached(key) is mine
+    entry = tmp_path / "lower" / f"{key}.json"
+    entry.write_text(entry.read_text()[:100])  # damaged: a miss, so the shipped entry answers
+    assert load_cached(key).dims.hidden == shipped.dims.hidden
+    entry.unlink()
+    assert load_cached(key) is shipped
