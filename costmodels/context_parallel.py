@@ -75,14 +75,13 @@ def rank_graph(graph: LayerGraph, cp: int) -> LayerGraph:
         return graph
     key = f"context_parallel:{cp}"
     if key not in graph._memo:
-        digraph = graph.graph.copy()
         by_kind: dict[int, tuple[tuple[Checkpoint, ModeCost], ...]] = {}  # layers of one kind share their costs
-        for name in digraph.nodes:
-            layer: Layer = digraph.nodes[name]["layer"]
+        layers = []
+        for layer in graph.nodes():
             if id(layer.modes) not in by_kind:
                 by_kind[id(layer.modes)] = tuple((mode, _balanced_cost(cost, cp)) for mode, cost in layer.modes)
-            digraph.nodes[name]["layer"] = replace(layer, modes=by_kind[id(layer.modes)])
-        graph._memo[key] = replace(graph, graph=digraph, _memo={})
+            layers.append(replace(layer, modes=by_kind[id(layer.modes)]))
+        graph._memo[key] = replace(graph, layers=tuple(layers), _memo={})
     return graph._memo[key]
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
-from graphs.graph import chain_graph
 from graphs.poly import ZERO
 
 from . import context_parallel, precision
@@ -172,7 +171,7 @@ def sub_graph(graph: LayerGraph, layers: tuple[int, ...], *, first: bool, last: 
         keep = keep + [_with_tied_head(nodes) if not first and layer.role is Role.HEAD else layer
                        for layer in nodes[decoders[-1] + 1:]]
     inputs = graph.inputs if (first or last) else ZERO
-    return replace(graph, graph=chain_graph(keep), inputs=inputs, _memo={})  # dims stay the whole model's
+    return replace(graph, layers=tuple(keep), inputs=inputs, _memo={})  # dims stay the whole model's
 
 
 def _with_tied_head(nodes: list[Layer]) -> Layer:

@@ -9,7 +9,7 @@ import copy
 from typing import Any
 
 from .adapters import LoraSpec
-from .graph import LayerGraph, ModelDims, chain_graph
+from .graph import LayerGraph, ModelDims
 from .layer import Checkpoint, Layer, ModeCost, ParamTensor, Role
 from .poly import Poly
 from .sources import ResolvedModel
@@ -61,7 +61,7 @@ def assemble(resolved: ResolvedModel, study: Any, *, dtype: str, autocast: str |
         checkpoint_shared=study.model_wide["checkpoint_shared"], forward_shared=study.model_wide["forward_shared"],
         tp_splits_activations=study.widened,
         tp_degrees=study.tp_degrees, published_params=_published(resolved), versions=study.versions,
-        graph=chain_graph(nodes))
+        layers=tuple(nodes))
 
 
 def _published(resolved: ResolvedModel) -> int | None:

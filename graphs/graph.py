@@ -76,16 +76,21 @@ class LayerGraph:
     versions: tuple[tuple[str, str], ...] = ()
     runtime: str = "hf"
     """The code path traced: "hf" (transformers modeling code) or "torchtitan" (`graphs/titan.py`)."""
-    graph: nx.DiGraph = field(default_factory=lambda: chain_graph([]))
+    layers: tuple[Layer, ...] = ()
+    """Every node in execution order: each feeds the next (the data flow `graph` draws)."""
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The data flow as a networkx DiGraph, one node per layer (its `Layer` under "layer"): built when asked,
+        since the cost models walk `nodes()` and a cached solve need not import networkx."""
+        if "graph" not in self._memo:
+            self._memo["graph"] = chain_graph(list(self.layers))
+        return self._memo["graph"]
 
     def nodes(self) -> list[Layer]:
         """All nodes in execution order."""
-        if "nodes" not in self._memo:
-            import networkx as nx
-
-            self._memo["nodes"] = [self.graph.nodes[name]["layer"] for name in nx.topological_sort(self.graph)]
-        return list(self._memo["nodes"])
+        return list(self.layers)
 
     @property
     def liger(self) -> bool:
@@ -93,7 +98,9 @@ class LayerGraph:
         return any(package == "liger-kernel" for package, _ in self.versions)
 
     def node(self, name: str) -> Layer:
-        return self.graph.nodes[name]["layer"]
+        if "by_name" not in self._memo:
+            self._memo["by_name"] = {layer.name: layer for layer in self.layers}
+        return self._memo["by_name"][name]
 
     def decoder_layers(self) -> list[Layer]:
         if "decoders" not in self._memo:  # the search asks for them per configuration
@@ -159,7 +166,7 @@ class LayerGraph:
             forward_shared=Poly.from_json(data["forward_shared"]),
             tp_splits_activations=data["tp_splits_activations"], tp_degrees=tuple(data["tp_degrees"]),
             published_params=data["published_params"], versions=tuple(sorted(data["versions"].items())),
-            runtime=data.get("runtime", "hf"), graph=chain_graph(layers))
+            runtime=data.get("runtime", "hf"), layers=tuple(layers))
 
 
 def group_tensors(tensors: Iterable[ParamTensor]) -> tuple[tuple[ParamTensor, int], ...]:

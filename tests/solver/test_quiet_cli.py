@@ -1,5 +1,5 @@
 """The command line in fresh processes, as a user runs it: `--help` and a solve whose lowerings are cached import no
-heavy library (torch, transformers, megatron-core, torchtitan, peft, bitsandbytes), and no command prints what
+heavy library (torch, transformers, megatron-core, torchtitan, peft, bitsandbytes, networkx), and no command prints what
 libraries print (warnings, logs) unless asked with --verbose."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("torch", "transformers", "megatron", "torchtitan", "peft", "bitsandbytes", "torchao")
+# networkx too: LayerGraph draws its DiGraph only when asked (a few hundred ms of import a cached solve does not need)
+HEAVY = ("torch", "transformers", "megatron", "torchtitan", "peft", "bitsandbytes", "torchao", "networkx")
 # Run a command in-process after `python -c`, then report which heavy modules it imported.
 PROBE = """
 import json, sys
