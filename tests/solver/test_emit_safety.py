@@ -132,6 +132,8 @@ def check_scripts(folder: Path, model: str, tmp_path: Path) -> None:
         if script.name == "deepspeed_launch.sh" and (folder / "fitplan_deepspeed.py").exists():
             # what ds_config.json cannot say (torch.compile, MoE leaves) runs the user's train.py through it
             expected.insert(expected.index("train.py"), "fitplan_deepspeed.py")
+        if script.name == "accelerate_launch.sh" and (folder / "fitplan_checkpointing.py").exists():
+            expected.insert(expected.index("train.py"), "fitplan_checkpointing.py")  # the planned layers, applied
         assert calls[0] == expected
         if "{model}" in EXPECTED_ARGV.get(script.name, []):
             assert calls[0].count(model) == 1
