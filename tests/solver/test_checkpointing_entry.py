@@ -15,7 +15,10 @@ import pytest
 
 from graphs import Checkpoint
 from solver.plan.launchers import emit
-from tests.solver.test_launchers import isolated_accelerate, plans, tiny_model, with_checkpoint, write  # noqa: F401
+from tests.solver import test_launchers
+from tests.solver.test_launchers import tiny_model, with_checkpoint, write
+
+plans, isolated_accelerate = test_launchers.plans, test_launchers.isolated_accelerate  # their fixtures, shared
 
 MODES = (Checkpoint.FULL, Checkpoint.NONE, Checkpoint.FULL)
 TRAINER = ("from transformers import Trainer, TrainingArguments\n"
@@ -37,7 +40,8 @@ def run_through_entry(files: dict[str, str], body: str, folder: Path, monkeypatc
                            ARGV=None)
     monkeypatch.setitem(sys.modules, "fitplan_test_hook", hook)
     write(files, folder)
-    (folder / "train.py").write_text("import sys\nimport fitplan_test_hook as hook\nhook.ARGV = list(sys.argv)\n" + body)
+    script = "import sys\nimport fitplan_test_hook as hook\nhook.ARGV = list(sys.argv)\n"
+    (folder / "train.py").write_text(script + body)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     from accelerate import Accelerator
     from transformers import Trainer
@@ -74,4 +78,4 @@ def test_the_entry_gives_the_users_model_the_planned_layers(body, plans, tmp_pat
     files = emit(with_checkpoint(plans["ddp-full-ckpt"], MODES), "hf")
     hook = run_through_entry(files, body, tmp_path, monkeypatch)
     assert flags(hook.MODEL) == [True, False, True]
-    assert hook.ARGV == [str(tmp_path / "train.py"), "--epochs", "1"]  # the script sees its own argv
+    assert hook.ARGV[1:] == ["--epochs", "1"] and hook.ARGV[0] == str(tmp_path / "train.py")  # its own argv
