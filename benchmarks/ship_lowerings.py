@@ -1,5 +1,6 @@
 """Write the lowerings fitplan ships (graphs/shipped/): every variant the default searches of the catalog's most used
-models lower, under the library versions installed here (their cache keys hold those versions).
+models lower, and those the published recipes of examples/recipes/ lower, under the library versions installed here
+(their cache keys hold those versions).
 
 Run from the repository root: `python benchmarks/ship_lowerings.py` (several minutes: each variant is traced on fake
 tensors). The searches run against an empty cache, so what they lower is exactly what they need; each entry is
@@ -40,6 +41,17 @@ def main() -> int:
                     solve(model, gpus, lora=lora, time_limit=30)
                 print(f"{model} on {gpus}{' LoRA' if lora else ''}: {time.perf_counter() - started:.0f} s",
                       file=sys.stderr)
+        # The published recipes' jobs (examples/recipes/, tests/solver/test_recipes.py): their variants too, so that
+        # their test reads shipped lowerings.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
+        from benchmarks.recipes import plan, recipe_estimate, recipes
+
+        for recipe in recipes():
+            started = time.perf_counter()
+            with contextlib.suppress(Infeasible):
+                plan(recipe)
+                recipe_estimate(recipe)
+            print(f"recipe {recipe.name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         written = 0
         for entry in sorted(Path(folder, "lower").glob("*.json")):
             graph = load_cached(entry.stem)

@@ -6,6 +6,7 @@ import functools
 import json
 from importlib import resources
 
+from . import precision
 from .cluster import Cluster
 from .config import Config, Offload, Optimizer
 from .engines import rules_of
@@ -13,9 +14,11 @@ from .engines import rules_of
 # Measured host-to-device copies reach 88% of PCIe Gen5 x16 (55.4 of 63 GB/s on 8xH200, nvbandwidth;
 # stas00/ml-engineering, shared notes §1.2). Applied to every host link.
 PCIE_EFFICIENCY = 0.88
-# The CPU Adam step streams fp32 param, grad, m, v in and param, m, v out: 28 bytes per parameter
-# (ZeRO-Offload, Ren et al. 2021, §4.1: the CPU step is memory-bandwidth bound).
-CPU_ADAM_BYTES_PER_PARAM = 28
+# The CPU Adam step streams param, grad, m, v in and param, m, v out: seven tensors per parameter, 28 bytes in fp32
+# (ZeRO-Offload, Ren et al. 2021, §4.1: the CPU step is memory-bandwidth bound). DeepSpeed's CPUAdam always steps
+# fp32 masters; torch's AdamW on FSDP2's host shards steps them in their own dtype (bf16 under pure bf16, with bf16
+# moments: torch.optim.AdamW keeps exp_avg/exp_avg_sq in the parameter's dtype).
+CPU_ADAM_TENSORS_PER_PARAM = 7
 
 
 @functools.cache
@@ -61,7 +64,10 @@ def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params:
     pcie = _host_link(cluster)
     seconds = 0.0
     if config.optimizer_offload is not Offload.NONE:
-        moved = 2 * partition * _moved_itemsize(config, grad_bytes)  # grads down, params up
+        # DeepSpeed: gradients down, updated parameters up. FSDP2's CPUOffloadPolicy keeps the parameters on the
+        # host, so only the gradients come down here: the parameters go up in the fetch below, before each use.
+        crossings = 1 if _params_live_on_host(config) else 2
+        moved = crossings * partition * _moved_itemsize(config, grad_bytes)
         seconds += moved / pcie
         seconds += _cpu_step_seconds(cluster, config, partition * ranks)
         if config.optimizer_offload is Offload.NVME:
@@ -92,13 +98,22 @@ def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
         measured = cluster.profile.rate(rules.host_optimizer)
         if measured:
             return params / measured
-    step = params * CPU_ADAM_BYTES_PER_PARAM / host_memory_bandwidth(cluster.gpu.id)
     # DeepSpeed runs its own CPUAdam whatever was asked for; torch's host step runs the asked optimizer.
     own = rules.offload_runs_own_optimizer
+    itemsize = 4 if own else precision.state_itemsize(config.precision)
+    step = params * CPU_ADAM_TENSORS_PER_PARAM * itemsize / host_memory_bandwidth(cluster.gpu.id)
     return step * (1.0 if own else cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)])
 
 
+def _params_live_on_host(config: Config) -> bool:
+    """FSDP2's CPUOffloadPolicy: the sharded parameters (and the optimizer stepping them) stay on the host."""
+    return rules_of(config.engine).offload_moves_all_states and config.param_offload is not Offload.NONE
+
+
 def _moved_itemsize(config: Config, grad_bytes: int) -> int:
-    """Bytes per element crossing PCIe: FSDP2's CPUOffloadPolicy moves its fp32 shards, DeepSpeed the 16-bit
-    gradients and parameters (`grad_bytes`)."""
-    return 4 if rules_of(config.engine).offload_moves_all_states else grad_bytes
+    """Bytes per element crossing PCIe: FSDP2's CPUOffloadPolicy moves its sharded parameters and gradients in
+    their own dtype (fp32 under mixed precision, bf16 under pure bf16), DeepSpeed the 16-bit gradients and
+    parameters (`grad_bytes`)."""
+    if rules_of(config.engine).offload_moves_all_states:
+        return precision.weight_itemsize(config.precision, config.engine, trainable=True)
+    return grad_bytes

@@ -57,6 +57,18 @@ class Verdict:
         return self.device_peak <= self.usable
 
     @property
+    def left(self) -> float:
+        """Fraction of the GPU's memory free at the device peak (negative past the card): the plan's "fits with X%
+        left"."""
+        return (self.capacity - self.device_peak) / self.capacity if self.capacity else 0.0
+
+    @property
+    def inside_headroom(self) -> bool:
+        """It does not fit the usable memory but does fit the card: the headroom, kept for the estimate's error,
+        is what refuses it (a risk the user may take with a smaller --headroom, issue 35 item 3)."""
+        return not self.device_fits and self.device_peak <= self.capacity
+
+    @property
     def at_risk(self) -> bool:
         """It fits, but the classic allocator's worst replayed fragmentation would not."""
         return self.fits and self.risk_peak > self.usable
@@ -66,9 +78,13 @@ class Verdict:
         """The rule with its numbers, e.g. "fits: device peak 20.10 GiB <= 21.37 GiB usable (22.49 GiB less 5%
         headroom)"."""
         sign = "<=" if self.device_fits else ">"
-        text = (f"{'fits' if self.fits else 'does NOT fit'}: device peak {self.device_peak / GIB:.2f} GiB {sign} "
+        verdict = f"fits with {self.left:.1%} left" if self.fits else "does NOT fit"
+        text = (f"{verdict}: device peak {self.device_peak / GIB:.2f} GiB {sign} "
                 f"{self.usable / GIB:.2f} GiB usable ({self.capacity / GIB:.2f} GiB less {self.headroom * 100:g}% "
                 "headroom)")
+        if self.inside_headroom:
+            text += (f"; it fits the card with {self.left:.1%} left, inside the {self.headroom * 100:g}% headroom "
+                     f"kept for the estimate's error: at risk (--headroom {headroom_to_fit(self.left):g} accepts it)")
         if self.host_available is not None and self.host_needed > self.host_available:
             text += (f"; offloaded states need {self.host_needed / GIB:.1f} GiB host RAM per node, "
                      f"{self.host_available / GIB:.1f} GiB available")
@@ -78,6 +94,12 @@ class Verdict:
             text += (f"; at risk: with the classic allocator's worst replayed fragmentation the device peak would be "
                      f"{self.risk_peak / GIB:.2f} GiB (expandable segments remove that risk)")
         return text
+
+
+def headroom_to_fit(left: float) -> float:
+    """The largest headroom, in whole tenths of a percent, under which a device peak leaving `left` of the card
+    free fits (0 when it leaves less than a tenth)."""
+    return max(0.0, math.floor(left * 1000) / 1000)
 
 
 def check_headroom(headroom: float) -> float:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from graphs import Checkpoint, LoraSpec
 from solver.plan import capability
 from solver.plan.record import Plan
+from solver.search import risk
 from solver.search.diagnose import Infeasible
 from solver.search.pin_rules import pinned
 from solver.search.pins import Pins
@@ -17,13 +18,17 @@ from solver.search.solve import solve_request
 
 def plan(request: Request, pins: Pins, *, allow_lora: bool) -> Plan:
     """The fastest plan: full fine-tuning (or the caller's adapters), else, where allowed, the faster of LoRA and
-    QLoRA."""
+    QLoRA; with the memory risk it takes stated (`risk`): a safer plan within a small time cost where its margin
+    is below the estimate's error, and a faster one the headroom alone refuses."""
     try:
-        return searched(request, pins)
-    except Infeasible:
+        found = searched(request, pins)
+    except Infeasible as refused:
         if not allow_lora or request.lora is not None:
-            raise
-    return fastest_adapters(request, pins)
+            raise risk.refusal_inside_headroom(request, pins, refused, searched) from None
+        found = fastest_adapters(request, pins)
+    if found.decisions.lora is not None and request.lora is None:  # the adapters fitplan chose, searched again
+        request = replace(request, lora=found.decisions.lora.spec())
+    return risk.inside_headroom(request, pins, risk.with_margin(request, pins, found, searched), searched)
 
 
 def searched(request: Request, pins: Pins) -> Plan:

@@ -129,6 +129,11 @@ def check_scripts(folder: Path, model: str, tmp_path: Path) -> None:
             flags = shlex.split((folder / "megatron_args.txt").open(newline="").read())
             settings = [word for flag, name, _ in RUN_SETTINGS for word in (flag, MEGATRON_RUN[name])]
             expected = ["torchrun", *TORCHRUN_ONE_NODE, "pretrain_gpt.py", *flags, *settings]
+        if script.name == "deepspeed_launch.sh" and (folder / "fitplan_deepspeed.py").exists():
+            # what ds_config.json cannot say (torch.compile, MoE leaves) runs the user's train.py through it
+            expected.insert(expected.index("train.py"), "fitplan_deepspeed.py")
+        if script.name == "accelerate_launch.sh" and (folder / "fitplan_checkpointing.py").exists():
+            expected.insert(expected.index("train.py"), "fitplan_checkpointing.py")  # the planned layers, applied
         assert calls[0] == expected
         if "{model}" in EXPECTED_ARGV.get(script.name, []):
             assert calls[0].count(model) == 1

@@ -89,7 +89,8 @@ def test_estimate_cli_prints_the_rule_and_exits_3_when_it_does_not_fit():
     args = ["estimate", "--model", "facebook/opt-125m", "--gpus", "1xA10G", "--seq-len", str(SEQ_LEN)]
     small = runner.invoke(app, [*args, "--micro-batch", "1"])
     assert small.exit_code == 0, small.output
-    assert "Fits: device peak" in small.output and "usable" in small.output and "less 5% headroom" in small.output
+    assert "Fits with" in small.output and "left: device peak" in small.output and "usable" in small.output
+    assert "less 5% headroom" in small.output
     tight = runner.invoke(app, [*args, "--micro-batch", "1", "--headroom", "0.99"])
     assert tight.exit_code == 3, tight.output
     assert "Does NOT fit: device peak" in tight.output and "less 99% headroom" in tight.output
@@ -104,7 +105,7 @@ def test_estimate_json_carries_the_verdict_and_its_numbers():
     assert verdict["usable_bytes"] == int(23_028 * 2**20 * 0.9)  # the A10G's driver figure less 10%
     assert verdict["margin_bytes"] == verdict["usable_bytes"] - data["memory"]["device_peak"]
     assert data["fits"] is (verdict["margin_bytes"] >= 0)
-    assert verdict["sentence"].startswith("fits: device peak")
+    assert verdict["sentence"].startswith("fits with ") and "left: device peak" in verdict["sentence"]
 
 
 @pytest.mark.parametrize("bad", ["1", "-0.1", "nan"])
@@ -128,7 +129,8 @@ def test_solve_renders_the_same_rule_for_its_plan():
     result = CliRunner().invoke(app, ["solve", "--model", "facebook/opt-125m", "--gpus", "1xA10G", "--seq-len",
                                       str(SEQ_LEN), "--global-batch", "8", "--time-limit", "5"])
     assert result.exit_code == 0, result.output
-    assert "Fits: device peak" in result.output and "less 5% headroom" in result.output
+    assert "Fits with" in result.output and "left: device peak" in result.output
+    assert "less 5% headroom" in result.output
 
 
 def test_default_headroom_is_the_one_solve_uses():
@@ -159,3 +161,20 @@ def test_guide_advice_judges_other_micro_batches_by_the_same_rule():
     assert "micro-batch 4 needs" not in batch_line(0.0)
     assert "micro-batch 4 needs" in batch_line(tight) and "(does not fit)" in batch_line(tight)
     assert not fits(doubled, cluster, tight).fits and fits(doubled, cluster, 0.0).fits
+
+
+def test_a_peak_inside_the_headroom_is_refused_with_the_risk_it_would_take():
+    """Issue 35 item 3: axolotl's single-GPU full fine-tune of Llama-3-8B (examples/recipes) peaks at ~47.3 GiB on a
+    48 GiB card: the 5% headroom refuses it, and the verdict says it fits the card, with how much left and the
+    headroom that accepts it (the rule stays the one solve fits its plans to)."""
+    capacity = parse_cluster("1xRTX-A6000").gpu.memory_bytes
+    peak = capacity - int(0.0153 * capacity)
+    memory = SimpleNamespace(device_peak=peak, fragmentation_risk=0)
+    verdict = fits(memory, capacity)
+    assert not verdict.fits and verdict.inside_headroom
+    assert verdict.left == pytest.approx(0.0153, abs=1e-6)
+    assert "fits the card with 1.5% left" in verdict.sentence and "--headroom 0.015 accepts it" in verdict.sentence
+    assert fits(memory, capacity, 0.015).fits  # the headroom it names accepts it
+    assert not fits(memory, capacity, 0.016).fits
+    over = fits(SimpleNamespace(device_peak=capacity + 1, fragmentation_risk=0), capacity)
+    assert not over.inside_headroom and "card" not in over.sentence  # past the card is no risk to take

@@ -57,7 +57,8 @@ def test_every_template_is_package_data():
 
 
 def test_the_script_parts_are_every_torchrun_template():
-    assert set(torchrun.SCRIPT_PARTS) == set(NAMES) - {"fitplan_torchtitan.py", "fitplan_checkpointing.py"}
+    assert set(torchrun.SCRIPT_PARTS) == set(NAMES) - {"fitplan_torchtitan.py", "fitplan_checkpointing.py",
+                                                      "fitplan_deepspeed.py"}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -69,7 +69,10 @@ def test_deepspeed_two_node_launch_reads_the_emitted_hostfile(deepspeed_two_node
     assert dict(fetch_hostfile(str(folder / "hostfile"))) == {"node0": 8, "node1": 8}
     args = parse_args(script_words(folder / "deepspeed_launch.sh", {"MASTER_ADDR": "10.0.0.1"}))
     assert (args.hostfile, args.num_nodes, args.num_gpus, args.master_addr) == ("hostfile", 2, 8, "10.0.0.1")
-    assert args.user_script == "train.py"
+    # the user's train.py, through fitplan's entry where the plan needs what ds_config.json cannot say
+    entry = (folder / "fitplan_deepspeed.py").exists()
+    assert (args.user_script, args.user_args[:1]) == (("fitplan_deepspeed.py", ["train.py"]) if entry else
+                                                      ("train.py", ["--deepspeed"]))
 
 
 def test_deepspeeds_runner_starts_every_node_with_the_allocator_setting(deepspeed_two_nodes, monkeypatch):

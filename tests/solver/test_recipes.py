@@ -23,6 +23,7 @@ from graphs.catalog import catalog_ids
 from solver.plan.capability import LAUNCHERS
 from solver.plan.launchers import emit
 from solver.plan.record import Plan
+from solver.search.risk import RISK_WORTH
 from solver.search.tables import TICK_SECONDS
 from tests.solver import test_launcher_matrix as matrix
 from tests.solver.test_launchers import write
@@ -85,9 +86,11 @@ def test_plan_is_at_least_as_fast_as_the_recipe_under_the_same_cost_model(name, 
     # the recipe's configuration is a point of the plan's space (its dp, its global batch), priced the same way
     config = recipe_config(recipe)
     assert config["micro_batch"] * config["grad_accum"] * config["dp"] == recipe.global_batch
-    # the search's integer ticks round each layer's time: the fresh estimate may differ by a tick per layer
+    # the search's integer ticks round each layer's time: the fresh estimate may differ by a tick per layer; a plan
+    # that traded speed for the estimate's error (solver/search/risk.py) may be up to RISK_WORTH slower
     slack = TICK_SECONDS * (len(d.checkpoint) + 2)
-    assert found.estimate.time.step_time <= own.time.step_time + slack, (
+    traded = any(n.startswith("memory risk:") and "keeps that error free" in n for n in found.inputs.assumed)
+    assert found.estimate.time.step_time <= own.time.step_time * (1 + RISK_WORTH * traded) + slack, (
         f"{name}: plan {found.estimate.time.step_time:.4f} s ({d.summary()}) slower than the recipe's "
         f"{own.time.step_time:.4f} s")
 

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 from graphs import FitplanError
 from solver.plan.launchers import accelerate, axolotl, deepspeed, hf, megatron, torchrun, torchtitan, trl
-from solver.plan.launchers.common import checkpointed_layers
 from solver.plan.launchers.support import unsupported
 from solver.plan.record import Plan
 
@@ -24,7 +23,7 @@ def _hf(plan: Plan) -> dict[str, str]:
 
 def _accelerate(plan: Plan) -> dict[str, str]:
     files = accelerate.emit(plan)
-    if checkpointed_layers(plan) and not accelerate.expresses_checkpointing(plan):
+    if accelerate.checkpointing_entry(plan):
         # accelerate's config has no checkpointing key outside FSDP: the training script applies the plan's layers.
         files["fitplan_checkpointing.py"] = hf.checkpoint_snippet(plan)
     if plan.decisions.engine.value == "deepspeed":

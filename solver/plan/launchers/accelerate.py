@@ -64,12 +64,18 @@ def expresses_checkpointing(plan: Plan) -> bool:
     return plan.decisions.engine is Engine.FSDP2 and bool(checkpointed_layers(plan)) and all_checkpointed(plan)
 
 
+def checkpointing_entry(plan: Plan) -> list[str]:
+    """The program in front of train.py that applies the plan's layers (fitplan_checkpointing.py, written beside the
+    config) where the config cannot express them; none otherwise."""
+    return ["fitplan_checkpointing.py"] if checkpointed_layers(plan) and not expresses_checkpointing(plan) else []
+
+
 def emit(plan: Plan) -> dict[str, str]:
     # The YAML holds what is the same on every node; this node's rank and the rendezvous come from the
     # environment (accelerate launch flags override the config file).
     argv = ["accelerate", "launch", "--config_file", "accelerate_config.yaml", "--num_machines",
             str(plan.inputs.cluster.nodes), "--machine_rank", NODE_RANK, "--main_process_ip", MASTER_ADDR,
-            "--main_process_port", MASTER_PORT, "train.py"]
+            "--main_process_port", MASTER_PORT, *checkpointing_entry(plan), "train.py"]
     launch = launch_script(argv, about=about(plan), environment=launch_environment(plan), forward=True,
                            notes=nodes_note(plan))
     files = {"accelerate_config.yaml": yaml.safe_dump(config(plan), sort_keys=False), "accelerate_launch.sh": launch}

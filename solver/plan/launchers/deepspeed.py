@@ -18,6 +18,7 @@ from solver.plan.launchers.common import (
 )
 from solver.plan.launchers.nodes import MASTER_PORT, hostfile
 from solver.plan.launchers.shell import Env, env, launch_script
+from solver.plan.launchers.templating import python_file
 from solver.plan.record import Plan
 
 NVME_PATH = "/local_nvme"
@@ -100,6 +101,21 @@ def _nodes_note(nodes: int) -> str:
             "over ssh); MASTER_ADDR defaults to node0.")
 
 
+def moe_leaves(plan: Plan) -> bool:
+    """ZeRO-3 on an MoE model: DeepSpeed needs each MoE block marked a ZeRO-3 leaf (`set_z3_leaf_modules`)."""
+    shape = plan.inputs.shape
+    return plan.decisions.zero == 3 and shape is not None and shape.experts > 0
+
+
+def entry_point(plan: Plan) -> str | None:
+    """fitplan_deepspeed.py, which runs the user's script with what ds_config.json cannot say (torch.compile, MoE
+    leaves under ZeRO-3), or None when the config says it all."""
+    if not (plan.decisions.compile or moe_leaves(plan)):
+        return None
+    values = {"COMPILE": repr(bool(plan.decisions.compile)), "MOE_LEAVES": repr(moe_leaves(plan))}
+    return python_file(("fitplan_deepspeed.py",), values, name="fitplan_deepspeed.py")
+
+
 def emit(plan: Plan, *, hidden: int) -> dict[str, str]:
     if plan.decisions.engine is not Engine.DEEPSPEED:
         return {}
@@ -108,11 +124,15 @@ def emit(plan: Plan, *, hidden: int) -> dict[str, str]:
     # runs locally without one ("Num nodes is >1 but no extra nodes available via hostfile" otherwise).
     hosts: list[str | Env] = ["--hostfile", "hostfile", "--master_addr", env("MASTER_ADDR", "node0"),
                               "--master_port", MASTER_PORT] if cluster.nodes > 1 else []
+    entry = entry_point(plan)
+    program = ["fitplan_deepspeed.py"] if entry else []
     argv = ["deepspeed", *hosts, "--num_nodes", str(cluster.nodes), "--num_gpus", str(cluster.gpus_per_node),
-            "train.py", "--deepspeed", "ds_config.json"]
+            *program, "train.py", "--deepspeed", "ds_config.json"]
     files = {"ds_config.json": json.dumps(config(plan, hidden=hidden), indent=2) + "\n",
              "deepspeed_launch.sh": launch_script(argv, about=about(plan), environment=launch_environment(plan),
                                                   notes=_nodes_note(cluster.nodes))}
+    if entry:
+        files["fitplan_deepspeed.py"] = entry
     if cluster.nodes > 1:
         files["hostfile"] = hostfile(plan)
         environment = launch_environment(plan)
