@@ -79,7 +79,8 @@ class Config:
     optimizer_in_backward: Annotated[bool, Knob(
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
         "no gradient accumulation or clipping; auto: off unless --allow-savers).")] = False
-    loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
+    loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune's; "
+                               "torchtitan's ChunkedLossWrapper under --launcher torchtitan) "
                                "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
                                "liger-kernel); a pin lists the allowed ones.",
                                pin="set")] = Loss.HF
