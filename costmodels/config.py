@@ -54,7 +54,11 @@ class Config:
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
                             high=1024)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
-    engine: Annotated[Engine, Knob("Which runtime shards and moves the model states.")] = Engine.DDP
+    # FSDP1 (FullyShardedDataParallel's FlatParameter: accelerate's fsdp_version 1, LitGPT's Fabric) is no engine
+    # here: a LoRA unit mixes frozen and trainable weights, which it refuses without use_orig_params and with it
+    # keeps gradients for the frozen ones too (torch 2.13 fsdp/_wrap_utils.py `_validate_frozen_params`).
+    engine: Annotated[Engine, Knob("Which runtime shards and moves the model states (fsdp2: torch's fully_shard; "
+                                   "FSDP1's flat parameters are not priced).")] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
                               "backward; with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only).",
                               low=0, high=3)] = 0
@@ -79,7 +83,8 @@ class Config:
     optimizer_in_backward: Annotated[bool, Knob(
         "Step each parameter's optimizer in backward and free its gradient at once (torchtune's optimizer_in_bwd; "
         "no gradient accumulation or clipping; auto: off unless --allow-savers).")] = False
-    loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune) "
+    loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune's; "
+                               "torchtitan's ChunkedLossWrapper under --launcher torchtitan) "
                                "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
                                "liger-kernel); a pin lists the allowed ones.",
                                pin="set")] = Loss.HF

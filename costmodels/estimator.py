@@ -184,11 +184,12 @@ def _notes(graph: LayerGraph, config: Config) -> tuple[str, ...]:
             "; so does the momentary peak inside one expert (megatron-core's experts split the tokens between "
             "them: graphs/megatron_moe.py)" if graph.runtime == "megatron" else ""))
     notes.append(allocator_note(config.expandable_segments))
-    return tuple(notes) + context_parallel.notes(config) + expert_notes(config) + _saver_notes(config)
+    return (tuple(notes) + context_parallel.notes(config) + expert_notes(config)
+            + _saver_notes(config, titan=graph.runtime == "torchtitan"))
 
 
-def _saver_notes(config: Config) -> tuple[str, ...]:
-    """What the memory-saving knobs assume, in words."""
+def _saver_notes(config: Config, *, titan: bool) -> tuple[str, ...]:
+    """What the memory-saving knobs assume, in words (`titan`: priced on torchtitan's code, its own loss)."""
     notes = []
     if config.optimizer in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT):
         notes.append("paged optimizer: its states of tensors >= 1e5 elements are counted in host RAM, one tensor's "
@@ -197,7 +198,12 @@ def _saver_notes(config: Config) -> tuple[str, ...]:
     if config.optimizer_in_backward:
         notes.append("optimizer in backward: each parameter steps and frees its gradient in its "
                      "post-accumulate-grad hook (torchtune); no accumulation and no gradient clipping")
-    if config.loss is not Loss.HF:
+    if titan:
+        notes.append("loss: torchtitan's " + ("ChunkedLossWrapper, traced on its own code (the head and "
+                     "cross-entropy per sequence chunk, each chunk's backward inside the loss call)"
+                     if config.loss is Loss.CHUNKED else "plain CrossEntropyLoss over full fp32 logits, traced on "
+                     "its own code"))
+    elif config.loss is not Loss.HF:
         notes.append(f"{config.loss} loss: the head and cross-entropy allocate as "
                      f"{'torchtune' if config.loss is Loss.CHUNKED else 'liger-kernel'}'s code does; its time is "
                      + ("the lowered ops on each chunk" if config.loss is Loss.CHUNKED else

@@ -231,6 +231,8 @@ def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
     """Why `loss` cannot be priced (or run) for `config` (empty when it can)."""
     if loss is Loss.HF:
         return []
+    if graph.runtime == "torchtitan":  # its lowering traced torchtitan's own loss (plain or ChunkedLossWrapper)
+        return [] if loss is Loss.CHUNKED else [f"{loss} loss under torchtitan (it has no fused linear cross-entropy)"]
     reasons = []
     if config.tp > 1:
         reasons.append(f"{loss} loss with tp={config.tp}: the vocabulary-parallel head is not modelled (both run "
@@ -263,6 +265,8 @@ def loss_terms(graph: LayerGraph, config: Config, terms: MemoryTerms, loss: Loss
     """`memory_terms(graph, workload, config)` with the lowered head and loss nodes replaced by `loss`'s."""
     if loss is Loss.HF or not any(layer.role is Role.HEAD for layer in graph.nodes()):
         return terms  # a pipeline stage without the head computes no loss
+    if graph.runtime == "torchtitan":
+        return terms  # torchtitan's own loss, traced with the model (graphs/titan.py: plain or chunked)
     x = head_shape(graph, config, b=config.micro_batch, s=seq_len)
     return replace_head_nodes(terms, *loss_nodes(loss_memory(loss, x, chunks=chunks), x))
 

@@ -27,6 +27,7 @@ from .zero import (
     prefetch_bucket_elements,
     reduce_bucket_elements,
     shard_ranks,
+    syncs_once_pipelined,
 )
 
 
@@ -79,13 +80,16 @@ def landed_grads(graph: LayerGraph, config: Config, terms: MemoryTerms) -> Memor
     if not rules_of(config.engine).grads_land_sharded:
         return terms
     reduce = precision.reduce_itemsize(config.precision, config.engine, config.optimizer)
+    # under torch's pipelining FSDP2 keeps each unit's gradients unsharded, upcast to the reduce dtype
+    # (FSDPParam.to_accumulated_grad_if_needed), until the step's one reduce-scatter: they land whole
+    whole = syncs_once_pipelined(config)
     shards: dict[object, int] = {}  # layers of one kind hold the same shard
     for layer in graph.nodes():
         key = layer.kind if layer.role is Role.DECODER else layer.name
         if key not in shards:
             shards[key] = reduce * local_elements([t for t in layer.params if t.trainable], tp=config.tp,
-                                                  dp=shard_ranks(config), engine=config.engine, sharded=True,
-                                                  ep=config.ep)
+                                                  dp=1 if whole else shard_ranks(config), engine=config.engine,
+                                                  sharded=not whole, ep=config.ep)
     keys = [layer.kind if layer.role is Role.DECODER else layer.name for layer in graph.nodes()]
     landed: dict[tuple[object, int], tuple[tuple[Checkpoint, NodeMemory], ...]] = {}  # layers of one kind share
     for key, options in zip(keys, terms.nodes, strict=True):
@@ -227,9 +231,23 @@ def engine_buffers(graph: LayerGraph, config: Config) -> list[tuple[int, int, in
                 per_kind[key] = (_gathered(graph, config, layer), _unsharded_grads(config, layer))
         gathered = [per_kind[key][0] for key in keys]
         grads = [per_kind[key][1] for key in keys]
+    if syncs_once_pipelined(config):  # gathered for the whole step (`pipelined_gathered`); backward's unsharded
+        # gradients in the compute dtype, added into the accumulated ones `landed_grads` holds, then freed
+        itemsize = precision.compute_itemsize(config.precision)
+        return [(0, 0, itemsize * local_elements([t for t in layer.params if t.trainable], tp=config.tp, dp=1,
+                                                 engine=config.engine, sharded=False, ep=config.ep))
+                for layer in layers]
     prefetch = precision.compute_itemsize(config.precision) * prefetch_bucket_elements(graph.dims.hidden)
     return rules.buffers(config.zero, UnitBytes(gathered=gathered, grads=grads, bucket=_bucket_bytes(graph, config),
                                                 prefetch=prefetch))
+
+
+def pipelined_gathered(graph: LayerGraph, config: Config) -> int:
+    """Parameters a pipeline rank keeps gathered from its first forward until the step's reduce-scatter, where its
+    engine syncs once per step (FSDP2 under torch's pipelining: `set_reshard_after_backward(False)`), else 0."""
+    if not syncs_once_pipelined(config):
+        return 0
+    return sum(_gathered(graph, config, layer) for layer in graph.nodes())
 
 
 def _bucket_bytes(graph: LayerGraph, config: Config) -> int:

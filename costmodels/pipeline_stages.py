@@ -25,7 +25,7 @@ from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
 from .cluster import Cluster
 from .config import Config, Workload
-from .memory import memory_breakdown, memory_terms, model_wide_bytes
+from .memory import memory_breakdown, memory_terms, model_wide_bytes, pipelined_gathered
 from .pipeline import (
     Moment,
     PipelineTime,
@@ -208,7 +208,8 @@ def rank_memory_terms(slice_: RankSlice, workload: Workload, config: Config) -> 
         if first != len(terms.nodes):
             raise ValueError(f"{slice_.rank=}'s stages have {first} nodes, its slice {len(terms.nodes)}")
         terms = replace(terms, spans=tuple(spans))
-    return replace(terms, moments=slice_.moments, buffers=slice_.buffers)
+    # receive buffers, and the parameters an engine that syncs once per step keeps gathered all step (FSDP2)
+    return replace(terms, moments=slice_.moments, buffers=slice_.buffers + pipelined_gathered(slice_.graph, own))
 
 
 def rank_config(config: Config, slice_: RankSlice, *, stage: int | None = None) -> Config:

@@ -14,7 +14,7 @@ from .engines import GradientSizes, rules_of
 from .expert_parallel import state_ranks
 from .identity_memo import IdentityMemo
 from .terms import ModelStates
-from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding
+from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding, syncs_once_pipelined
 
 Group = tuple[ParamTensor, int]
 """Identical parameter tensors and how many there are (`LayerGraph.tensor_groups`)."""
@@ -28,7 +28,7 @@ def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
 # The configuration fields the model states read (a test checks it): they are cached on these, with the graph by
 # identity, since the solver asks for one rank's states under many configurations that differ elsewhere.
 STATE_FIELDS = ("cp", "dp", "engine", "ep", "grad_accum", "optimizer", "optimizer_in_backward", "optimizer_offload",
-                "param_offload", "precision", "tp", "zero")
+                "param_offload", "pp", "precision", "tp", "zero")
 _STATES: IdentityMemo[ModelStates] = IdentityMemo()
 
 
@@ -71,6 +71,8 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     sharded_params, persistent_params = _param_bytes(graph, config, trainable, frozen)
     grads, accumulating = _grad_bytes(config, count(trainable, False), count(trainable, True),
                                       precision.grad_itemsize(prec, engine))
+    if syncs_once_pipelined(config):  # unsharded, upcast to the reduce dtype, until the step's one reduce-scatter
+        accumulating = count(trainable, False) * precision.reduce_itemsize(prec, engine, config.optimizer)
     master = count(trainable, shard.optimizer > 1) * precision.master_itemsize(prec, engine, config.optimizer)
     opt = _optimizer_bytes(config, trainable)
     fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))

@@ -26,6 +26,13 @@ class Sharding:
     optimizer: int
 
 
+def syncs_once_pipelined(config: Config) -> bool:
+    """Its sharded parameters stay gathered and its gradients accumulate unsharded for the whole step, reduced
+    once after the last backward (FSDP2 under torch's pipelining: `EngineRules.syncs_once_when_pipelined`)."""
+    rules = rules_of(config.engine)
+    return config.pp > 1 and rules.syncs_once_when_pipelined and rules.sharded(config.zero)[0]
+
+
 def shard_ranks(config: Config) -> int:
     """`Config.shard_ranks`: the ranks the ZeRO stages shard over."""
     return config.shard_ranks

@@ -31,7 +31,7 @@ from solver.search.request import (
     with_batching,
     workload_for,
 )
-from solver.search.route import MEGATRON_PRICED, TITAN_PRICED, Lowerings, Route
+from solver.search.route import MEGATRON_PRICED, TITAN_LOSSES, TITAN_PRICED, Lowerings, Route
 
 __all__ = ["DEFAULT_HEADROOM", "DEFAULT_TIME_LIMIT", "cluster_from", "config_from", "estimate", "solve"]
 
@@ -102,6 +102,9 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
         raise FitplanError(f"attention={MEGATRON_PRICED} is Transformer Engine's attention on megatron-core's layers, "
                            "which only Megatron's engine runs.", "Pass --engine megatron, or leave --attention out.")
     titan = launcher == "torchtitan" or attention == TITAN_PRICED
+    if titan and unsized.loss not in TITAN_LOSSES:
+        raise FitplanError(f"loss={unsized.loss} does not run under torchtitan (it has no fused linear "
+                           "cross-entropy).", f"Pass --loss {' or '.join(map(str, TITAN_LOSSES))}.")
     route = Route(resolved=resolved, lora=None if titan else lora, attention=None if titan else attention,
                   titan=titan, op_selective=not titan and (Checkpoint.OP_SELECTIVE in unsized.checkpoint
                                                            or str(mode) == Checkpoint.OP_SELECTIVE.value))

@@ -315,6 +315,9 @@ _IN_BACKWARD_RUNNERS = ("torchrun",)
 # stages compute transformers' loss on the last one and run no offloading hooks. The hooks copy plain tensors, so
 # not under tensor parallelism (its saved tensors are DTensors); the chunked loss's tp > 1 is refused by its pricing.
 _TORCHTUNE_RUNNERS = ("torchrun",)
+# torchtitan 0.3.0 runs a chunked loss of its own (`ChunkedLossWrapper`, with or without a pipeline: the last stage
+# holds the head), which its lowering traces (solver.search.route.TITAN_LOSSES).
+_TITAN_CHUNKED = ("torchtitan",)
 
 
 def _memory_savers(launcher: str, d: Config) -> list[str]:
@@ -327,9 +330,10 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
     if d.optimizer_in_backward and launcher not in _IN_BACKWARD_RUNNERS:
         problems.append("optimizer-in-backward (torchtune's optimizer_in_bwd: steps one optimizer after backward; "
                         f"launchers that run it: {', '.join(_IN_BACKWARD_RUNNERS)})")
-    if d.loss is Loss.CHUNKED and (launcher not in _TORCHTUNE_RUNNERS or d.pp > 1):
-        problems.append("torchtune's chunked cross-entropy (launchers that run it: "
-                        f"{', '.join(_TORCHTUNE_RUNNERS)}, without pipeline parallelism)")
+    if d.loss is Loss.CHUNKED and launcher not in _TITAN_CHUNKED and (launcher not in _TORCHTUNE_RUNNERS or d.pp > 1):
+        problems.append("a chunked cross-entropy (launchers that run one: "
+                        f"{', '.join(_TORCHTUNE_RUNNERS)} (torchtune's, without pipeline parallelism), "
+                        f"{', '.join(_TITAN_CHUNKED)} (its own))")
     elif d.loss is Loss.FUSED_LINEAR and launcher not in _FUSED_LOSS_RUNNERS:
         problems.append("Liger's fused linear cross-entropy (TrainingArguments' use_liger_kernel; launchers that "
                         f"run it: {', '.join(_FUSED_LOSS_RUNNERS)})")

@@ -41,6 +41,7 @@ def prepared(pins: Pins, *, allow_savers: bool, lora: LoraSpec | None) -> tuple[
     notes: list[str] = []
     if allow_savers:
         pins, notes = with_savers(pins, notes)
+    pins, notes = titan_losses(pins, notes)
     pins, notes = installed_losses(pins, notes)
     if lora is not None and (lora.quantization or lora.use_dora or lora.use_rslora or lora.modules_to_save) and \
             pins.launcher not in (None, *capability.PEFT_VARIANT_RUNNERS):
@@ -67,6 +68,17 @@ def with_savers(pins: Pins, notes: list[str]) -> tuple[Pins, list[str]]:
             f"{KNOBS[name].option} {','.join(shown(v) for v in SAVER_CHOICES[name])}" for name in opened)
             + " (the guide line says what each chosen one runs on)"]
     return pins, notes
+
+
+def titan_losses(pins: Pins, notes: list[str]) -> tuple[Pins, list[str]]:
+    """Under the torchtitan launcher an unpinned loss is either loss torchtitan 0.3.0 runs: its ChunkedLossWrapper
+    (its own llama3 jobs) or its plain cross-entropy (full logits; the only one priced with tp > 1), each traced on
+    its own code; the search chooses, the emitted job runs the chosen one, and --loss pins one."""
+    if pins.launcher != "torchtitan" or pins.allowed("loss") is not None:
+        return pins, notes
+    return pinned_set(pins, "loss", (Loss.CHUNKED, Loss.HF)), [
+        *notes, "loss: torchtitan's ChunkedLossWrapper or its plain cross-entropy, as the search chooses "
+        "(--loss chunked or --loss hf pins one)"]
 
 
 def installed_losses(pins: Pins, notes: list[str]) -> tuple[Pins, list[str]]:

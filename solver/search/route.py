@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodels.compilation import compile_credited
-from costmodels.config import Config, Engine
+from costmodels.config import Config, Engine, Loss
 from costmodels.lowering import liger_lowering, shared_lowering
 from graphs import LayerGraph, LoraSpec, UnsupportedModel
 from graphs.architectures import megatron_kind
@@ -22,7 +22,7 @@ from graphs.sources import ResolvedModel
 from graphs.variant import Variant, lower_variant
 from solver.plan.launchers.support import MEGATRON_PRICED, TITAN_PRICED
 
-__all__ = ["MEGATRON_PRICED", "TITAN_PRICED", "Lowerings", "Route", "variant_for"]
+__all__ = ["MEGATRON_PRICED", "TITAN_LOSSES", "TITAN_PRICED", "Lowerings", "Route", "titan_loss", "variant_for"]
 
 
 
@@ -49,13 +49,27 @@ class Route:
                 and importlib.util.find_spec("megatron") is not None)
 
 
+# The loss knob as torchtitan 0.3.0 runs it (torchtitan/components/loss.py), traced on its own code: hf, its plain
+# `CrossEntropyLoss` over full fp32 logits (Trainer.Config's loss before ChunkedLossWrapper came, and what older
+# torchtitan releases ran); chunked, its `ChunkedLossWrapper` (the head and cross-entropy per sequence chunk, what
+# 0.3.0's own llama3 jobs configure). torchtitan has no fused linear cross-entropy.
+TITAN_LOSSES = {Loss.HF: "plain", Loss.CHUNKED: "chunked"}
+
+
+def titan_loss(loss: Loss) -> str:
+    """The loss torchtitan's lowering traces for the loss knob; ValueError for one torchtitan does not run."""
+    if loss not in TITAN_LOSSES:
+        raise ValueError(f"loss={loss} does not run under torchtitan (it runs {', '.join(map(str, TITAN_LOSSES))})")
+    return TITAN_LOSSES[loss]
+
+
 def variant_for(config: Config, route: Route, *, megatron: bool) -> Variant:
     """The lowering that prices `config` on `route` (`megatron`: megatron-core's layers price Megatron's engine)."""
     dtype, autocast = shared_lowering(config, lora=route.lora is not None)
     if route.titan:  # FSDP2 casts the parameters itself (the torchtitan rule keeps autocast out); the loss is the
-        # ChunkedLossWrapper torchtitan 0.3.0's jobs run and the emitted job configures (the loss knob prices the
-        # HF-code runtimes: torchtitan's plain cross-entropy is not emitted)
-        return Variant(runtime="torchtitan", dtype=dtype, compiled=compile_credited(config), loss="chunked")
+        # one the emitted job configures (`TITAN_LOSSES`)
+        return Variant(runtime="torchtitan", dtype=dtype, compiled=compile_credited(config),
+                       loss=titan_loss(config.loss))
     if config.engine is Engine.MEGATRON and megatron:
         return Variant(runtime="megatron", dtype=dtype)
     attention = None if route.attention == MEGATRON_PRICED else route.attention

@@ -25,7 +25,7 @@ from solver.search.pin_rules import check_memory_savers
 from solver.search.pins import Pins
 from solver.search.pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
 from solver.search.request import Request, plan_inputs
-from solver.search.route import Lowerings, Route
+from solver.search.route import TITAN_LOSSES, Lowerings, Route
 from solver.search.schedules import schedule_options
 from solver.search.space import Outer, Space, outer_space
 from solver.search.table_search import SearchResult, build_tables, search
@@ -114,14 +114,20 @@ def runtime_route(request: Request, pins: Pins, launchers: tuple[str, ...]) -> R
 
 def titan_priced(space: Space, *, lora: bool) -> Space:
     """The configurations torchtitan's lowering prices: without FSDP2, torchtitan runs mixed precision under
-    torch.autocast (train.py maybe_enable_amp), which its trace (parameters in the compute dtype) does not run."""
+    torch.autocast (train.py maybe_enable_amp), which its trace (parameters in the compute dtype) does not run; and
+    only the losses torchtitan has (`route.TITAN_LOSSES`: no fused linear cross-entropy)."""
     def priced(outers: tuple[Outer, ...]) -> tuple[Outer, ...]:
+        return tuple(o for o in outers if o.config().loss in TITAN_LOSSES)
+
+    def cast(outers: tuple[Outer, ...]) -> tuple[Outer, ...]:
         return tuple(o for o in outers if shared_lowering(o.config(), lora=lora)[1] is None)
 
-    kept, pipelines = priced(space.outers), priced(space.pipelines)
+    outers, pipelines = priced(space.outers), priced(space.pipelines)
+    kept, kept_pipelines = cast(outers), cast(pipelines)
     note = "DDP with mixed precision left out (torchtitan autocasts it; its lowering traces FSDP2's casting)"
-    dropped = len(kept) < len(space.outers) or len(pipelines) < len(space.pipelines)
-    return replace(space, outers=kept, pipelines=pipelines, notes=(*space.notes, note) if dropped else space.notes)
+    dropped = len(kept) < len(outers) or len(kept_pipelines) < len(pipelines)
+    return replace(space, outers=kept, pipelines=kept_pipelines,
+                   notes=(*space.notes, note) if dropped else space.notes)
 
 
 def lower_needed(prepared: Prepared) -> None:

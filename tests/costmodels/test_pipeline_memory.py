@@ -12,7 +12,7 @@ import pytest
 
 from costmodels import Config, Engine, Precision, Workload
 from costmodels.activations import walk_phases
-from costmodels.memory import allocated_peak, held_by_stage, memory_terms
+from costmodels.memory import allocated_peak, held_by_stage, memory_terms, pipelined_gathered
 from costmodels.pipeline import Moment
 from costmodels.pipeline_schedule import Schedule, schedule_order
 from costmodels.pipeline_stages import rank_config, rank_memory_terms, rank_slices
@@ -35,6 +35,8 @@ def reference_peaks(graph, config: Config) -> list[int]:
                            schedule_order(config.pp_schedule, config.pp, config.grad_accum, config.pp_virtual),
                            strict=True):
         whole = memory_terms(slice_.graph, WORKLOAD, rank_config(config, slice_))
+        # receive buffers, and what an engine that syncs once per step keeps gathered all step (FSDP2)
+        buffers = slice_.buffers + pipelined_gathered(slice_.graph, rank_config(config, slice_))
         per_stage = {}
         for local, (stage, sub) in enumerate(zip(slice_.stages, slice_.stage_graphs, strict=True)):
             own = rank_config(config, slice_, stage=local)
@@ -50,7 +52,7 @@ def reference_peaks(graph, config: Config) -> list[int]:
                                         extra=terms.extra, names=terms.names) for fresh, _ in whole.walks}
             others = whole.states.accumulating_grads - terms.states.accumulating_grads
             per_stage[stage] = (full, after, walks, others)
-        best = whole.states.step_temp + slice_.buffers + whole.states.accumulating_grads  # the optimizer step
+        best = whole.states.step_temp + buffers + whole.states.accumulating_grads  # the optimizer step
         for fresh, before in whole.walks:
             live: dict[tuple[int, int], int] = {}
             for op in ops:
@@ -58,7 +60,7 @@ def reference_peaks(graph, config: Config) -> list[int]:
                 full, after, walks, other_grads = per_stage[op.stage]
                 held = sum(v for k, v in live.items() if k != key)
                 own = walks[fresh][0 if op.kind == "F" else 1].bytes
-                best = max(best, before + held + own + slice_.buffers + (other_grads if fresh else 0))
+                best = max(best, before + held + own + buffers + (other_grads if fresh else 0))
                 if op.kind == "F":
                     live[key] = full
                 elif op.kind == "I":

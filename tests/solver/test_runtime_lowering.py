@@ -48,14 +48,17 @@ def test_torchtitan_plan_is_priced_on_torchtitans_own_model(titan_plan):
     # The plan's estimate equals a fresh estimate over the torchtitan lowering, and differs from the HF one.
     from graphs.titan import lower_titan_resolved
     from solver.api import config_from
+    from solver.search.route import TITAN_LOSSES
 
     d = titan_plan["decisions"]
     knobs = {k: d[k] for k in ("tp", "dp", "engine", "zero", "micro_batch", "grad_accum", "precision", "optimizer",
-                               "optimizer_offload", "param_offload", "compile", "sequence_parallel")}
+                               "optimizer_offload", "param_offload", "compile", "sequence_parallel", "loss")}
     config = config_from({**knobs, "checkpoint": "op_selective"}, layers=32)
     cluster, workload = parse_cluster("8xH100"), Workload(seq_len=8192, global_batch=16)
     resolved = resolve("meta-llama/Llama-3.1-8B")
-    titan = estimate_config(lower_titan_resolved(resolved, dtype="bfloat16"), cluster, workload, config)
+    # the loss the plan chose among torchtitan's two (issue 37: its ChunkedLossWrapper or plain cross-entropy)
+    titan = estimate_config(lower_titan_resolved(resolved, dtype="bfloat16", loss=TITAN_LOSSES[config.loss]), cluster,
+                            workload, config)
     hf = estimate_config(lower_resolved(resolved, dtype="bfloat16", op_selective=True), cluster, workload, config)
     assert titan.memory.allocated_peak == titan_plan["estimate"]["memory"]["allocated_peak"]
     assert hf.memory.allocated_peak != titan.memory.allocated_peak

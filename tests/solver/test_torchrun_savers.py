@@ -243,7 +243,8 @@ def test_only_torchrun_runs_torchtune_savers_and_not_in_a_pipeline(model_dir, tm
         if launcher == "torchrun":
             continue
         problems = unsupported(launcher, plan.decisions, plan.inputs)
-        assert any("chunked cross-entropy" in p for p in problems), launcher
+        # torchtitan runs a chunked loss of its own (ChunkedLossWrapper, issue 37), not torchtune's offloading
+        assert any("chunked cross-entropy" in p for p in problems) is (launcher != "torchtitan"), launcher
         assert any(p.startswith("activation offloading") for p in problems), launcher
     staged = dataclasses.replace(plan.decisions, pp=2, dp=1, grad_accum=2, pp_split=(2, 1))
     problems = unsupported("torchrun", staged, plan.inputs)

@@ -24,6 +24,7 @@ import pytest
 import tomllib
 
 from costmodels import Engine, Offload, Optimizer, Precision
+from costmodels.config import Loss
 from graphs import Checkpoint, FitplanError
 from solver import solve
 from solver.plan.capability import unsupported
@@ -79,6 +80,8 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "cpu-offload": {"optimizer_offload": Offload.CPU, "param_offload": Offload.CPU},
     "two-nodes": {"nodes": 2, "dp": 16, "grad_accum": 2, "checkpoint": FULL},
     "op-sac": {"checkpoint": (Checkpoint.OP_SELECTIVE,) * LAYERS},
+    "chunked-loss": {"loss": Loss.CHUNKED},
+    "plain-loss": {"loss": Loss.HF},
 }
 LORA = LoraDecision(rank=8, alpha=16, targets=("all-linear",), dropout=0.0)
 # Every knob value torchtitan cannot run, one change from BASE at a time, and a word its reason must contain.
@@ -177,6 +180,9 @@ def check_expressed(config: Any, plan: Plan) -> None:
         assert type(config.activation_checkpoint) is SelectiveAC.Config
     else:
         assert config.activation_checkpoint is None
+    # the loss fitplan priced on torchtitan's code: its ChunkedLossWrapper, or the plain cross-entropy (issue 37)
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    assert type(config.loss) is (ChunkedLossWrapper.Config if d.loss is Loss.CHUNKED else CrossEntropyLoss.Config)
     assert config.compile.enable is d.compile
     if d.compile:
         assert "model" in config.compile.components

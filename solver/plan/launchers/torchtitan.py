@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any
 
 from costmodels import Engine, Offload, Optimizer, Precision
+from costmodels.config import Loss
 from costmodels.pipeline_schedule import TORCH_CLASS
 from graphs import Checkpoint, FitplanError
 from solver.plan.capability import unsupported
@@ -213,6 +214,8 @@ def job(plan: Plan) -> dict[str, Any]:
                         **pipeline_settings(d), "context_parallel_degree": d.cp,
                         "expert_parallel_degree": d.ep},
         "activation_checkpoint": {"mode": _activation_checkpoint(d.checkpoint)},
+        # the loss fitplan priced on torchtitan's code (solver.search.route.TITAN_LOSSES)
+        "loss": {"name": "chunked" if d.loss is Loss.CHUNKED else "cross_entropy"},
         "compile": {"enable": d.compile, "components": ["model", "loss"]},
         "optimizer": {"name": "AdamW", "implementation": "fused" if d.optimizer is Optimizer.ADAMW_FUSED else "foreach",
                       "lr": LEARNING_RATE, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},

@@ -61,6 +61,13 @@ def optimizer(section):
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name=section["name"], optimizer_kwargs=kwargs)])
 
 
+def loss(section, spec):
+    """The planned loss: "chunked" is ChunkedLossWrapper over the LM head (torchtitan's own llama3/qwen3 jobs),
+    "cross_entropy" the plain CrossEntropyLoss over full logits."""
+    plain = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
+    return ChunkedLossWrapper.Config(loss_fn=plain) if section["name"] == "chunked" else plain
+
+
 def fitplan():
     job = load()
     compile_config = CompileConfig(**job["compile"])
@@ -69,8 +76,7 @@ def fitplan():
     return Trainer.Config(
         model_spec=spec,
         hf_assets_path=job["hf_assets_path"],
-        # torchtitan's own llama3/qwen3 jobs compute the loss this way (chunked cross-entropy over the LM head)
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
+        loss=loss(job["loss"], spec),
         optimizer=optimizer(job["optimizer"]),
         lr_scheduler=LRSchedulersContainer.Config(**job["lr_scheduler"]),
         training=TrainingConfig(**job["training"]),
