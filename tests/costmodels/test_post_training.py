@@ -85,3 +85,25 @@ def test_fused_head_on_gpu_scores_only_completion_rows(tmp_path):
     row = values["hidden_size"] * x.itemsize + 8 + 4  # hidden row, int64 target, fp32 log-prob
     assert full.saved - half.saved == 8 * (511 - 256) * row
     assert cpu.saved == 8 * 511 * row
+
+
+def test_reference_strategies_differ_by_the_copy_and_the_reference_forward(tmp_path):
+    """A copy is a whole-step buffer; LoRA's adapter-disabled reference runs the same forward without it;
+    precomputed log-probs run neither."""
+    from costmodels.memory import memory_terms
+
+    values = tiny_values("llama")
+    graph = _graph(tmp_path / "m", values)
+    config = Config(engine=Engine.DDP, precision=Precision.FP32, optimizer=Optimizer.ADAMW, micro_batch=4)
+
+    def terms(reference):
+        post = PostTraining(task=Task.DPO, reference=reference, prompt_len=PROMPT, triton=False)
+        return memory_terms(graph, Workload(seq_len=64, global_batch=4, post=post), config)
+
+    copy, adapter, pre = terms(Reference.COPY), terms(Reference.ADAPTER), terms(Reference.PRECOMPUTED)
+    assert copy.buffers - adapter.buffers == reference_weight_bytes(graph, config, PostTraining(
+        task=Task.DPO, reference=Reference.COPY))
+    assert adapter.buffers == pre.buffers
+    head = copy.names.index("head")
+    assert copy.nodes[head] == adapter.nodes[head]  # the same reference forward
+    assert adapter.nodes[head][0][1].fwd_peak > pre.nodes[head][0][1].fwd_peak

@@ -111,3 +111,21 @@ def test_bad_post_training_input_exits_2_with_a_hint(args, message):
     result = CliRunner().invoke(app, ["solve", "--model", "Qwen/Qwen2.5-0.5B", "--gpus", "1xA100", *args])
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+def test_server_mode_trains_on_the_other_gpus_and_emits_the_vllm_serve_line(tmp_path):
+    plan = solve("Qwen/Qwen2.5-7B", "8xH100", global_batch=64, time_limit=10,
+                 post_training=PostRequest(task=Task.GRPO, completion_len=1024, vllm_mode="server", vllm_tp=2))
+    engine = plan.post_training.generation
+    assert engine.vllm_mode == "server" and engine.vllm_tensor_parallel_size == 2
+    assert engine.training_gpus + engine.generation_gpus == 8
+    assert plan.decisions.world_size == engine.training_gpus  # the training step runs on the rest
+    assert engine.resident_bytes_during_training == 0
+    files = emit(plan, "hf")
+    serve = files["vllm_serve.sh"].split()
+    devices = next(word for word in serve if word.startswith("CUDA_VISIBLE_DEVICES="))
+    assert devices == "CUDA_VISIBLE_DEVICES=" + ",".join(str(i) for i in range(engine.training_gpus, 8))
+    assert serve[serve.index("--tensor-parallel-size") + 1] == "2"
+    assert int(serve[serve.index("--data-parallel-size") + 1]) * 2 == engine.generation_gpus
+    _, config = _read_back(trl.GRPOConfig, files, "grpo_config.json", tmp_path)
+    assert config.vllm_mode == "server"
