@@ -160,7 +160,7 @@ def solve_post_training(request: Request, post: PostRequest, solve: Solver) -> P
         found = trained[key]
         if isinstance(found, Infeasible):
             failure = found
-            considered.append(f"{cand.label()}: training does not fit")
+            considered.append(f"{cand.label()}: no training plan ({found.message.split('. ')[0][:120]})")
             continue
         record = price(found, request, post, cand)
         if record is None:
