@@ -71,14 +71,9 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
                            "none pads each micro-batch; wrapped and bfd pack sequences into rows (TRL).")
     resolved = resolve(model)
     cluster = cluster_from(gpus, **(cluster_options or {}))
-    if post_training is not None:
-        post.check(post_training)
-        seq_len = post.sequence_length(post_training, seq_len)
+    seq_len = post.sequence_length(post_training, seq_len, dataset_lengths=dataset_lengths)  # checks the task
     workload, assumed = workload_for(resolved, cluster, seq_len, global_batch, tokens_per_step)
-    if post_training is not None:
-        if dataset_lengths is not None:
-            raise FitplanError("--dataset-lengths is not planned with --task yet.", "Leave it out.")
-        workload = post.post_workload(post_training, workload, assumed)
+    workload = post.post_workload(post_training, workload, assumed)
     cap = workload.seq_len
     if dataset_lengths is not None:
         workload = longest_batch(workload, dataset_lengths, packing)

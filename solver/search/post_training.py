@@ -292,9 +292,12 @@ def _notes(post: PostRequest, cand: Candidate) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def post_workload(post: PostRequest, workload: Workload, assumed: list[str]) -> Workload:
+def post_workload(post: PostRequest | None, workload: Workload, assumed: list[str]) -> Workload:
     """The workload of a post-training request: `workload.global_batch` counts examples (pairs, or GRPO's
-    completions, rounded up to whole groups of num_generations); sequences are prompt + completion tokens."""
+    completions, rounded up to whole groups of num_generations); sequences are prompt + completion tokens. Without
+    a request, `workload` unchanged."""
+    if post is None:
+        return workload
     seq_len = workload.seq_len
     prompt = post.prompt_len if post.prompt_len is not None else (
         DEFAULT_PROMPT if post.task in GENERATION_TASKS else seq_len // 2)
@@ -309,8 +312,14 @@ def post_workload(post: PostRequest, workload: Workload, assumed: list[str]) -> 
     return Workload(seq_len=seq_len, global_batch=examples * spec.sequences_per_example, post=spec)
 
 
-def sequence_length(post: PostRequest, seq_len: int | None) -> int | None:
-    """The sequence length a post-training request implies: prompt + completion when the completion is given."""
+def sequence_length(post: PostRequest | None, seq_len: int | None, *, dataset_lengths: object = None) -> int | None:
+    """The sequence length a post-training request implies (prompt + completion when the completion is given), after
+    checking the request; `seq_len` unchanged without one."""
+    if post is None:
+        return seq_len
+    check(post)
+    if dataset_lengths is not None:
+        raise FitplanError("--dataset-lengths is not planned with --task yet.", "Leave it out.")
     if post.completion_len is None:
         return seq_len
     prompt = post.prompt_len if post.prompt_len is not None else DEFAULT_PROMPT
