@@ -24,6 +24,7 @@ from .choices import (
 from .engines import rules_of
 from .knobs import Knob
 from .pipeline_schedule import Schedule, schedule_problem
+from .tasks import PostTraining
 
 __all__ = ["BNB_OPTIMIZERS", "Config", "ContextParallel", "Engine", "Loss", "Offload", "Optimizer", "Precision",
            "Workload", "require_positive_int"]
@@ -37,10 +38,20 @@ class Workload:
     """Tokens per sequence."""
     global_batch: int
     """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+    post: PostTraining | None = None
+    """Preference / RL post-training (TRL's trainers, `costmodels/post_training.py`); None: supervised training."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
             require_positive_int(name, getattr(self, name))
+        if self.post is not None and self.global_batch % self.post.sequences_per_example:
+            raise ValueError(f"global_batch={self.global_batch} sequences must be whole {self.post.task} examples "
+                             f"({self.post.sequences_per_example} sequences each)")
+
+    @property
+    def group(self) -> int:
+        """Sequences of one example that must share a micro-batch (DPO's chosen and rejected: 2)."""
+        return 1 if self.post is None else self.post.sequences_per_example
 
     @property
     def tokens_per_step(self) -> int:

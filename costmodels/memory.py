@@ -19,6 +19,7 @@ from .expert_parallel import with_dispatch
 from .loss import loss_terms
 from .optimizer_in_backward import in_backward_timeline
 from .overhead import fragmentation_risk_bytes, reserved_bytes, runtime_overhead
+from .post_training import post_training_terms
 from .states import model_states
 from .terms import MemoryTerms, ModelStates
 from .zero import (
@@ -40,6 +41,8 @@ def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> Memor
     if config.optimizer_in_backward:
         terms = in_backward_timeline(graph, config, terms)
     terms = loss_terms(graph, config, terms, config.loss, seq_len=workload.seq_len)
+    if workload.post is not None and workload.post.fused_head:  # TRL's fused log-prob head and reference
+        terms = post_training_terms(graph, config, terms, workload.post, seq_len=workload.seq_len)
     terms = landed_grads(graph, config, terms)  # after the loss's own head node, whose weight gradient lands too
     terms = context_parallel.cp_terms(graph, config, terms, b=config.micro_batch, s_local=workload.seq_len)
     if config.activation_offload:

@@ -7,6 +7,7 @@ the lowering that prices a configuration is chosen by `solver.search.route` for 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from costmodels.breakdown import Estimate
@@ -17,9 +18,11 @@ from costmodels.packing import Lengths
 from graphs import Checkpoint, FitplanError, LoraSpec, resolve
 from solver.plan import capability
 from solver.plan.record import Plan
+from solver.search import post_training as post
 from solver.search import strategies
 from solver.search.pin_rules import pins_of, prepared
 from solver.search.pins import KNOBS, Pins, gpu_defaults
+from solver.search.post_training import PostRequest
 from solver.search.request import (
     DEFAULT_HEADROOM,
     DEFAULT_TIME_LIMIT,
@@ -42,7 +45,8 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
           allow_savers: bool = False, attention: str | None = None, alternatives_count: int = 3,
           input_tokens_per_s: float | None = None, cluster_options: dict[str, Any] | None = None,
           pins: Pins | None = None, dataset_lengths: Lengths | None = None, packing: str = "none",
-          progress: Callable[[str], None] | None = None, deterministic: bool = False, **knobs: Any) -> Plan:
+          progress: Callable[[str], None] | None = None, deterministic: bool = False,
+          post_training: PostRequest | None = None, **knobs: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: `pins`, or knob values by name (`costmodels.knobs`: tp=2, engine="fsdp2", precision=("bf16-mixed",
@@ -56,7 +60,9 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     computation (hf, torchtune's chunked, Liger's fused-linear) and activation offload (`SAVER_CHOICES`).
     `progress` is told each long step as it starts (a lowering, the search). `deterministic` searches the whole space
     with `time_limit` as each CP-SAT model's work budget (deterministic seconds, one worker) instead of a wall-clock
-    limit: the same request then gives the same plan under any load, for scripted use.
+    limit: the same request then gives the same plan under any load, for scripted use. `post_training`
+    (`solver.search.post_training.PostRequest`) plans a TRL DPO/ORPO/KTO/GRPO job: `global_batch` then counts
+    examples (pairs, or GRPO completions) and the plan's `post_training` holds the reference and vLLM decisions.
     """
     if not 0 <= headroom < 1:
         raise FitplanError(f"headroom={headroom} must be in [0, 1)", "e.g. --headroom 0.1 keeps 10% free.")
@@ -65,7 +71,9 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
                            "none pads each micro-batch; wrapped and bfd pack sequences into rows (TRL).")
     resolved = resolve(model)
     cluster = cluster_from(gpus, **(cluster_options or {}))
+    seq_len = post.sequence_length(post_training, seq_len, dataset_lengths=dataset_lengths)  # checks the task
     workload, assumed = workload_for(resolved, cluster, seq_len, global_batch, tokens_per_step)
+    workload = post.post_workload(post_training, workload, assumed)
     cap = workload.seq_len
     if dataset_lengths is not None:
         workload = longest_batch(workload, dataset_lengths, packing)
@@ -73,11 +81,17 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
             assumed.append(f"sequence length {workload.seq_len:,}: the longest in the dataset lengths (padding to "
                            f"the longest in each micro-batch; --seq-len {cap:,} caps it)")
     pin, notes = prepared(pins_of(pins, knobs), allow_savers=allow_savers, lora=lora)
+    if post_training is not None:  # TRL's trainers extend the HF Trainer: search what it runs
+        post.check_launcher(pin.launcher)
+        pin = replace(pin, launcher=pin.launcher or "hf")
     request = Request(resolved=resolved, cluster=cluster, workload=workload, gpus=spec_of(gpus, cluster),
                       headroom=headroom, time_limit=time_limit, deterministic=deterministic, lora=lora,
                       attention=attention,
                       assumed=(*assumed, *notes), alternatives=alternatives_count,
                       input_tokens_per_s=input_tokens_per_s, **({"progress": progress} if progress else {}))
+    if post_training is not None:
+        return post.solve_post_training(request, post_training,
+                                        lambda inner: strategies.plan(inner, pin, allow_lora=allow_lora))
     plan = strategies.plan(request, pin, allow_lora=allow_lora)
     return plan if dataset_lengths is None else with_batching(plan, dataset_lengths, packing, cap)
 

@@ -41,6 +41,7 @@ from solver.cli.knob_options import (
     with_knob_options,
 )
 from solver.cli.options import Text, help_width, number, result_console, text
+from solver.cli.post_options import NO_POST, PostTrainingOptions
 from solver.cli.progress import status_line
 from solver.cli.quiet import captured, user_stderr
 from solver.plan.capability import LAUNCHERS
@@ -120,7 +121,7 @@ def solve_command(
     tokens_per_step: Annotated[int | None, number(int, 1, B.MAX_TOKENS_PER_STEP, "Tokens per optimizer step "
                                                   "(instead of --global-batch).")] = None,
     launcher: Annotated[Launcher | None, typer.Option(help="Restrict to what one launcher can express.")] = None,
-    adapters: AdapterOptions = NO_ADAPTERS,
+    adapters: AdapterOptions = NO_ADAPTERS, post_training: PostTrainingOptions = NO_POST,
     allow_lora: Annotated[bool, typer.Option(help="Fall back to LoRA if full fine-tuning cannot fit.")] = False,
     allow_savers: Annotated[bool, typer.Option(help="Let the search choose the memory savers that keep the "
                                                "training (--optimizer-in-backward: no gradient clipping; --loss, "
@@ -170,7 +171,7 @@ def solve_command(
                          allow_lora=allow_lora, allow_savers=allow_savers, attention=attention,
                          input_tokens_per_s=input_tokens_per_s,
                          cluster_options=cluster.as_dict(), pins=pins, dataset_lengths=lengths, packing=packing,
-                         progress=progress)
+                         progress=progress, post_training=post_training.spec())
         for line in write_outputs(plan, targets, force=outputs.force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:

@@ -204,6 +204,10 @@ def explain_plan(path: Path) -> list[str]:
              f"Solver: {plan.solver.summary()}."]
     if e.pipeline is not None:
         lines += pipeline_lines(plan)
+    if plan.post_training is not None:
+        from solver.cli.post_render import post_training_lines
+
+        lines += [line.plain for line in post_training_lines(plan.post_training)]
     lines.append("Alternatives:")
     lines += [f"  - {a.decisions}: {a.why}" for a in plan.alternatives] or ["  (none)"]
     if plan.advice:

@@ -133,6 +133,10 @@ def render_plan(plan: Plan, console: Console) -> None:
              Text("Memory bar per GPU (of device memory):"),
              memory_bar(plan.estimate, capacity), memory_table(plan.estimate, capacity, verdict), Text(""),
              time_table(plan.estimate), Text(""), alternatives_table(plan), Text(f"Binding: {plan.binding}")]
+    if plan.post_training is not None:
+        from solver.cli.post_render import post_training_lines
+
+        parts += [Text(""), *post_training_lines(plan.post_training)]
     if plan.advice:
         parts.append(Text("Guide methods: " + " | ".join(plan.advice)))
     parts.append(Text("Assumed: " + "; ".join(plan.inputs.assumed + plan.inputs.cluster.assumptions), style="dim"))

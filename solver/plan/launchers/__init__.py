@@ -43,6 +43,9 @@ def emit(plan: Plan, launcher: str) -> dict[str, str]:
     if launcher not in EMITTERS:
         raise FitplanError(f"Unknown launcher {launcher!r}", f"Choose from: {', '.join(EMITTERS)}.")
     problems = unsupported(launcher, plan.decisions, plan.inputs)
+    if plan.post_training is not None and launcher not in trl.POST_TRAINING_RUNNERS:
+        problems = [f"{plan.post_training.task} runs in TRL's trainer, which the {launcher} files do not start "
+                    f"(launchers for it: {', '.join(trl.POST_TRAINING_RUNNERS)})", *problems]
     if problems:
         raise FitplanError(f"The {launcher} launcher cannot run this plan as decided: {'; '.join(problems)}.",
                            f"Launchers that can: {', '.join(plan.launchers) or 'none'}; or re-plan with "
