@@ -14,6 +14,8 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -166,6 +168,45 @@ def ship(key: str, graph: LayerGraph) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(gzip.compress(text.encode(), mtime=0))
     return path
+
+
+def cached_or_lowered(key: str, lower: Callable[[], LayerGraph], *, use_cache: bool = True) -> LayerGraph:
+    """The entry under `key`, else `lower()`'s graph, stored. Processes that miss the same entry at once (a sweep's
+    workers, parallel test workers, two terminals) lower it once: the first holds the entry's lock while it
+    lowers, the others wait on it and then read what it stored."""
+    if not use_cache:
+        return lower()
+    if (cached := load_cached(key)) is not None:
+        return cached
+    with _entry_lock(key):
+        if (cached := load_cached(key)) is not None:
+            return cached
+        graph = lower()
+        store_cached(key, graph)
+        return graph
+
+
+@contextmanager
+def _entry_lock(key: str) -> Iterator[None]:
+    """An exclusive advisory lock on the entry (`lower/<key>.lock`), held while it is lowered. Where the folder
+    cannot be written or the platform has no `fcntl` (Windows), no lock: each process lowers for itself."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    folder = cache_dir() / "lower"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the lock
 
 
 def store_cached(key: str, graph: LayerGraph) -> None:

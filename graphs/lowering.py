@@ -10,7 +10,7 @@ import functools
 
 from .adapters import LoraSpec
 from .assemble import assemble, eager_work
-from .cache import load_cached, store_cached
+from .cache import cached_or_lowered
 from .errors import UnsupportedModel
 from .graph import LayerGraph
 from .lowering_keys import PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR, hf_key
@@ -65,16 +65,16 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
         raise ValueError("liger=True with compiled=True: torch.compile over Liger's Triton kernels is not traced")
     key = hf_key(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                  op_selective=op_selective, compiled=compiled, liger=liger)
-    if use_cache and (cached := load_cached(key)) is not None:
-        return cached
-    graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                     op_selective=op_selective, compiled=compiled, liger=liger)
-    if compiled:
-        graph = eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
-                                                 lora=lora, use_cache=use_cache, op_selective=op_selective))
-    if use_cache:
-        store_cached(key, graph)
-    return graph
+
+    def traced() -> LayerGraph:
+        graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
+                         op_selective=op_selective, compiled=compiled, liger=liger)
+        if compiled:
+            graph = eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
+                                                     lora=lora, use_cache=use_cache, op_selective=op_selective))
+        return graph
+
+    return cached_or_lowered(key, traced, use_cache=use_cache)
 
 
 def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,

@@ -91,20 +91,19 @@ def lower_megatron(model: str, *, dtype: str = "bfloat16", use_cache: bool = Tru
 @functools.lru_cache(maxsize=16)
 def lower_megatron_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", use_cache: bool = True,
                             kernels: str = "local") -> LayerGraph:
-    from .cache import load_cached, store_cached
+    from .cache import cached_or_lowered
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} must be one of {', '.join(KERNELS)}")
     key = megatron_key(resolved, dtype=dtype, kernels=kernels)
-    if use_cache and (cached := load_cached(key)) is not None:
-        return cached
-    with megatron_runtime(kernels):
-        graph = _measure(resolved, dtype=dtype, kernels=kernels)
-    if use_cache:
-        store_cached(key, graph)
-    return graph
+
+    def traced() -> LayerGraph:
+        with megatron_runtime(kernels):
+            return _measure(resolved, dtype=dtype, kernels=kernels)
+
+    return cached_or_lowered(key, traced, use_cache=use_cache)
 
 
 def _package_version(name: str) -> str:

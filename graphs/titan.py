@@ -74,21 +74,21 @@ def lower_titan(model: str, *, dtype: str = "bfloat16", loss: str = "chunked", u
 def lower_titan_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", loss: str = "chunked",
                          use_cache: bool = True, compiled: bool = False) -> LayerGraph:
     from .assemble import eager_work
-    from .cache import load_cached, store_cached
+    from .cache import cached_or_lowered
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} must be one of {LOSSES}")
     key = titan_key(resolved, dtype=dtype, loss=loss, compiled=compiled)
-    if use_cache and (cached := load_cached(key)) is not None:
-        return cached
-    graph = _measure(resolved, dtype=dtype, loss=loss, compiled=compiled)
-    if compiled:  # the memory as compiled, the work as eager (the time model fuses it: costmodels/compilation.py)
-        graph = eager_work(graph, lower_titan_resolved(resolved, dtype=dtype, loss=loss, use_cache=use_cache))
-    if use_cache:
-        store_cached(key, graph)
-    return graph
+
+    def traced() -> LayerGraph:
+        graph = _measure(resolved, dtype=dtype, loss=loss, compiled=compiled)
+        if compiled:  # the memory as compiled, the work as eager (the time model fuses it: costmodels/compilation.py)
+            graph = eager_work(graph, lower_titan_resolved(resolved, dtype=dtype, loss=loss, use_cache=use_cache))
+        return graph
+
+    return cached_or_lowered(key, traced, use_cache=use_cache)
 
 
 def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) -> LayerGraph:
