@@ -63,30 +63,32 @@ class Config:
     """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
-                            high=1024)] = 1
+                            high=1024, strategy=True)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
     # FSDP1 (FullyShardedDataParallel's FlatParameter: accelerate's fsdp_version 1, LitGPT's Fabric) is no engine
     # here: a LoRA unit mixes frozen and trainable weights, which it refuses without use_orig_params and with it
     # keeps gradients for the frozen ones too (torch 2.13 fsdp/_wrap_utils.py `_validate_frozen_params`).
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states (fsdp2: torch's fully_shard; "
-                                   "FSDP1's flat parameters are not priced).")] = Engine.DDP
+                                   "FSDP1's flat parameters are not priced).", strategy=True)] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
                               "backward; with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only).",
-                              low=0, high=3)] = 0
+                              low=0, high=3, strategy=True)] = 0
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
-                                               flag="offload")] = Offload.NONE
+                                               flag="offload", strategy=True, outside_compute=True)
+                                     ] = Offload.NONE
     param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",
-                                           flag="offload-params")] = Offload.NONE
+                                           flag="offload-params", strategy=True, outside_compute=True)
+                                 ] = Offload.NONE
     micro_batch: Annotated[int, Knob("Sequences per rank per forward pass (must divide the batch per "
                                      "data-parallel rank).", high=2**20)] = 1
-    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20)] = 1
+    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20, outside_compute=True)] = 1
     checkpoint: Annotated[tuple[Checkpoint, ...], Knob(
         "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).")] = ()
     precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
                                          "allowed ones.", pin="set")
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
-                                         pin="set", flag="optimizers")
+                                         pin="set", flag="optimizers", outside_compute=True)
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).")] = False
@@ -106,21 +108,24 @@ class Config:
         pin="set")] = False
 
     pp: Annotated[int, Knob("Pipeline-parallel degree: ranks the decoder layers are split across (the outermost "
-                            "dimension, so stages sit on different nodes first).", high=1024)] = 1
+                            "dimension, so stages sit on different nodes first).", high=1024, strategy=True,
+                            outside_compute=True)] = 1
     pp_schedule: Annotated[Schedule, Knob("Pipeline schedule (torch.distributed.pipelining's names; Megatron and "
-                                          "torchtitan run the same ones).")] = Schedule.ONE_F_ONE_B
+                                          "torchtitan run the same ones).", outside_compute=True)
+                          ] = Schedule.ONE_F_ONE_B
     pp_virtual: Annotated[int, Knob("Pipeline stages (model chunks) per rank: v of interleaved schedules, 2 for zbv.",
-                                    high=64)] = 1
+                                    high=64, outside_compute=True)] = 1
     pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (solve searches it; "
-                                              "empty: the FLOP-balanced split).", pin="derived")] = ()
+                                              "empty: the FLOP-balanced split).", pin="derived",
+                                              outside_compute=True)] = ()
     cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.",
-                            high=1024)] = 1
+                            high=1024, strategy=True)] = 1
     cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
                                              "all-to-all (Ulysses; heads must divide by tp x cp).")
                        ] = ContextParallel.RING
     ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
                             "from the data-parallel ranks).",
-                            high=1024)] = 1
+                            high=1024, strategy=True)] = 1
     expandable_segments: Annotated[bool, Knob(
         "The launch files set the caching allocator's expandable_segments:True (in PYTORCH_CUDA_ALLOC_CONF): it then "
         "needs about 1.7% above the allocated peak, not up to 29% (unpinned: on NVIDIA GPUs).")] = True

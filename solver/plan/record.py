@@ -191,6 +191,9 @@ class Decisions(Config):
             parts.append(f"cp={self.cp} ({self.cp_mode})")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        # knobs declared `Knob.shown`, where they are not their default (e.g. a data-parallel split)
+        parts += [f"{name}={getattr(self, name)}" for name, knob in declared(Config).items()
+                  if knob.knob.shown and getattr(self, name) != knob.default]
         return " ".join([*parts, f"dp={self.dp}"])
 
     def summary(self) -> str:
