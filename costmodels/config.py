@@ -11,6 +11,7 @@ from typing import Annotated
 
 from graphs import Checkpoint
 
+from . import hybrid_shard
 from .choices import (
     BNB_OPTIMIZERS,
     ContextParallel,
@@ -65,6 +66,11 @@ class Config:
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
                             high=1024, strategy=True)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
+    dp_replicate: Annotated[int, Knob(
+        "Hybrid sharding (HSDP): groups the data-parallel ranks split into; each shards the model states over its "
+        "dp / dp_replicate ranks and holds a full replica, gradients all-reduced across the groups (fsdp2 on a 2-D "
+        "mesh; unpinned: 1, or one shard group per node on several nodes).", high=2**20, strategy=True, shown=True,
+        outside_compute=True, searched=hybrid_shard.searched_degrees)] = 1
     # FSDP1 (FullyShardedDataParallel's FlatParameter: accelerate's fsdp_version 1, LitGPT's Fabric) is no engine
     # here: a LoRA unit mixes frozen and trainable weights, which it refuses without use_orig_params and with it
     # keeps gradients for the frozen ones too (torch 2.13 fsdp/_wrap_utils.py `_validate_frozen_params`).
@@ -131,7 +137,7 @@ class Config:
         "needs about 1.7% above the allocated peak, not up to 29% (unpinned: on NVIDIA GPUs).")] = True
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):
+        for name in ("tp", "dp", "dp_replicate", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):
             require_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
@@ -157,7 +163,25 @@ class Config:
             raise ValueError("optimizer=adamw-bf16 is Megatron's precision-aware optimizer: it runs with "
                              "engine=megatron zero=1 (the distributed optimizer) under bf16-mixed only")
         self._check_parallelism()
+        self._check_hybrid_shards()
         self._check_memory_savers()
+
+    def _check_hybrid_shards(self) -> None:
+        """HSDP's rules: the replica groups divide the data-parallel ranks and leave several in each shard group,
+        under an engine that shards hybridly (`EngineRules.hybrid_shards`)."""
+        if self.dp_replicate == 1:
+            return
+        name = f"dp_replicate={self.dp_replicate}"
+        if not rules_of(self.engine).hybrid_shards:
+            raise ValueError(f"{name} needs an engine that shards the model states within groups of data-parallel "
+                             f"ranks and replicates them across the groups (fsdp2 on a 2-D mesh), not "
+                             f"engine={self.engine}")
+        if self.dp % self.dp_replicate or self.dp // self.dp_replicate < 2:
+            raise ValueError(f"{name} must divide dp={self.dp} and leave at least 2 data-parallel ranks per shard "
+                             "group (with one, the replicas hold whole states: use engine=ddp)")
+        if self.ep > 1:
+            raise ValueError(f"{name} with ep={self.ep}: expert parallelism's groups under hybrid sharding are not "
+                             "priced; use dp_replicate=1")
 
     def _check_parallelism(self) -> None:
         """Pipeline, context and expert parallelism's own rules (the model's are in `estimate.check`)."""
