@@ -40,6 +40,14 @@ def dp_group(cluster: Cluster, tp: int, dp: int) -> Group:
     return Group(dp, tp * dp > cluster.gpus_per_node, max(1, cluster.gpus_per_node // tp))
 
 
+def replica_group(cluster: Cluster, tp: int, shard: int, replicas: int) -> Group:
+    """The ranks holding the same shard in each of `replicas` hybrid-sharding groups of `shard` data-parallel ranks
+    (torch's 2-D mesh puts the replicate dim outermost): they sit tp x shard ranks apart, so they leave the node once
+    a node holds less than all of them, with gpus_per_node / (tp x shard) of them in each node (at least one)."""
+    stride = tp * shard
+    return Group(replicas, stride * replicas > cluster.gpus_per_node, max(1, cluster.gpus_per_node // stride))
+
+
 def cp_group(cluster: Cluster, tp: int, cp: int) -> Group:
     """Context-parallel peers of one TP rank sit next to the TP ranks (Megatron's rank order tp-cp-ep-dp-pp;
     torchtitan's mesh puts cp inside dp likewise), so they leave the node once tp * cp exceeds it."""

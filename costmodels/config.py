@@ -11,6 +11,7 @@ from typing import Annotated
 
 from graphs import Checkpoint
 
+from . import hybrid_shard
 from .choices import (
     BNB_OPTIMIZERS,
     ContextParallel,
@@ -63,30 +64,37 @@ class Config:
     """One way to run the job: every knob the planner decides, each declared once here (`knobs.Knob`)."""
 
     tp: Annotated[int, Knob("Tensor-parallel degree (inside a node; must divide the heads and a node's GPUs).",
-                            high=1024)] = 1
+                            high=1024, strategy=True)] = 1
     dp: Annotated[int, Knob("Data-parallel degree; tp x dp is the world size.", pin="derived", high=2**20)] = 1
+    dp_replicate: Annotated[int, Knob(
+        "Hybrid sharding (HSDP): groups the data-parallel ranks split into; each shards the model states over its "
+        "dp / dp_replicate ranks and holds a full replica, gradients all-reduced across the groups (fsdp2 on a 2-D "
+        "mesh; unpinned: 1, or one shard group per node on several nodes).", high=2**20, strategy=True, shown=True,
+        outside_compute=True, searched=hybrid_shard.searched_degrees)] = 1
     # FSDP1 (FullyShardedDataParallel's FlatParameter: accelerate's fsdp_version 1, LitGPT's Fabric) is no engine
     # here: a LoRA unit mixes frozen and trainable weights, which it refuses without use_orig_params and with it
     # keeps gradients for the frozen ones too (torch 2.13 fsdp/_wrap_utils.py `_validate_frozen_params`).
     engine: Annotated[Engine, Knob("Which runtime shards and moves the model states (fsdp2: torch's fully_shard; "
-                                   "FSDP1's flat parameters are not priced).")] = Engine.DDP
+                                   "FSDP1's flat parameters are not priced).", strategy=True)] = Engine.DDP
     zero: Annotated[int, Knob("ZeRO stage 0-3 (FSDP2: 3 reshards parameters after forward, 2 keeps them until "
                               "backward; with pipeline parallelism, --pp > 1, FSDP2 runs at 2 only).",
-                              low=0, high=3)] = 0
+                              low=0, high=3, strategy=True)] = 0
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
-                                               flag="offload")] = Offload.NONE
+                                               flag="offload", strategy=True, outside_compute=True)
+                                     ] = Offload.NONE
     param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",
-                                           flag="offload-params")] = Offload.NONE
+                                           flag="offload-params", strategy=True, outside_compute=True)
+                                 ] = Offload.NONE
     micro_batch: Annotated[int, Knob("Sequences per rank per forward pass (must divide the batch per "
                                      "data-parallel rank).", high=2**20)] = 1
-    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20)] = 1
+    grad_accum: Annotated[int, Knob("Micro-batches per optimizer step.", high=2**20, outside_compute=True)] = 1
     checkpoint: Annotated[tuple[Checkpoint, ...], Knob(
         "Checkpoint mode of each decoder layer, in layer order (a pin sets every layer; auto decides per layer).")] = ()
     precision: Annotated[Precision, Knob("Number formats of weights, gradients and compute; a pin lists the "
                                          "allowed ones.", pin="set")
                          ] = Precision.BF16_MIXED
     optimizer: Annotated[Optimizer, Knob("The optimizer; a pin lists the allowed ones (never changed silently).",
-                                         pin="set", flag="optimizers")
+                                         pin="set", flag="optimizers", outside_compute=True)
                          ] = Optimizer.ADAMW
     sequence_parallel: Annotated[bool, Knob("Shard the activations outside attention/MLP across TP ranks "
                                             "(Megatron-style sequence parallelism).")] = False
@@ -106,27 +114,30 @@ class Config:
         pin="set")] = False
 
     pp: Annotated[int, Knob("Pipeline-parallel degree: ranks the decoder layers are split across (the outermost "
-                            "dimension, so stages sit on different nodes first).", high=1024)] = 1
+                            "dimension, so stages sit on different nodes first).", high=1024, strategy=True,
+                            outside_compute=True)] = 1
     pp_schedule: Annotated[Schedule, Knob("Pipeline schedule (torch.distributed.pipelining's names; Megatron and "
-                                          "torchtitan run the same ones).")] = Schedule.ONE_F_ONE_B
+                                          "torchtitan run the same ones).", outside_compute=True)
+                          ] = Schedule.ONE_F_ONE_B
     pp_virtual: Annotated[int, Knob("Pipeline stages (model chunks) per rank: v of interleaved schedules, 2 for zbv.",
-                                    high=64)] = 1
+                                    high=64, outside_compute=True)] = 1
     pp_split: Annotated[tuple[int, ...], Knob("Decoder layers of each pipeline stage in order (solve searches it; "
-                                              "empty: the FLOP-balanced split).", pin="derived")] = ()
+                                              "empty: the FLOP-balanced split).", pin="derived",
+                                              outside_compute=True)] = ()
     cp: Annotated[int, Knob("Context-parallel degree: ranks each sequence is split across.",
-                            high=1024)] = 1
+                            high=1024, strategy=True)] = 1
     cp_mode: Annotated[ContextParallel, Knob("How context-parallel attention exchanges keys and values: ring or "
                                              "all-to-all (Ulysses; heads must divide by tp x cp).")
                        ] = ContextParallel.RING
     ep: Annotated[int, Knob("Expert-parallel degree of MoE layers: ranks the experts are divided across (taken "
                             "from the data-parallel ranks).",
-                            high=1024)] = 1
+                            high=1024, strategy=True)] = 1
     expandable_segments: Annotated[bool, Knob(
         "The launch files set the caching allocator's expandable_segments:True (in PYTORCH_CUDA_ALLOC_CONF): it then "
         "needs about 1.7% above the allocated peak, not up to 29% (unpinned: on NVIDIA GPUs).")] = True
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):
+        for name in ("tp", "dp", "dp_replicate", "micro_batch", "grad_accum", "pp", "pp_virtual", "cp", "ep"):
             require_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be a ZeRO stage 0, 1, 2 or 3")
@@ -152,7 +163,25 @@ class Config:
             raise ValueError("optimizer=adamw-bf16 is Megatron's precision-aware optimizer: it runs with "
                              "engine=megatron zero=1 (the distributed optimizer) under bf16-mixed only")
         self._check_parallelism()
+        self._check_hybrid_shards()
         self._check_memory_savers()
+
+    def _check_hybrid_shards(self) -> None:
+        """HSDP's rules: the replica groups divide the data-parallel ranks and leave several in each shard group,
+        under an engine that shards hybridly (`EngineRules.hybrid_shards`)."""
+        if self.dp_replicate == 1:
+            return
+        name = f"dp_replicate={self.dp_replicate}"
+        if not rules_of(self.engine).hybrid_shards:
+            raise ValueError(f"{name} needs an engine that shards the model states within groups of data-parallel "
+                             f"ranks and replicates them across the groups (fsdp2 on a 2-D mesh), not "
+                             f"engine={self.engine}")
+        if self.dp % self.dp_replicate or self.dp // self.dp_replicate < 2:
+            raise ValueError(f"{name} must divide dp={self.dp} and leave at least 2 data-parallel ranks per shard "
+                             "group (with one, the replicas hold whole states: use engine=ddp)")
+        if self.ep > 1:
+            raise ValueError(f"{name} with ep={self.ep}: expert parallelism's groups under hybrid sharding are not "
+                             "priced; use dp_replicate=1")
 
     def _check_parallelism(self) -> None:
         """Pipeline, context and expert parallelism's own rules (the model's are in `estimate.check`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
@@ -34,6 +35,19 @@ class Knob:
     high: int | None = None
     """Largest value a CLI integer option accepts (the smallest is the field's lowest legal value)."""
     low: int = 1
+    strategy: bool = False
+    """Part of the parallel, sharding and offload strategy: two configurations that differ in it are distinct
+    alternatives (`solver.search.outer.Outer.family`)."""
+    shown: bool = False
+    """Shown as `name=value` in the plan's layout line where it is not its default (`Decisions.layout`)."""
+    outside_compute: bool = False
+    """Changes only what a step does around one rank's micro-batch compute (data-parallel collectives and states,
+    the optimizer, the pipeline schedule): the pipeline search times a rank's compute once for all its values,
+    at its default (`solver.search.pipeline_search.compute_key`)."""
+    searched: Callable[[Mapping[str, Any], int], tuple[Any, ...]] | None = None
+    """Where the search opens it when unpinned: the values worth trying given an outer configuration's layout,
+    engine and ZeRO stage (`tp`, `cp`, `pp`, `dp`, `ep`, `engine`, `zero`) and the GPUs per node. None: the
+    search keeps its pin, else its default (`solver.search.space.outer_space`)."""
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
         """The JSON schema of a knob's field carries its help as the description."""

@@ -57,8 +57,9 @@ def runtime_overhead(cluster: Cluster, config: Config) -> int:
     """Bytes per GPU that the allocator does not see: context, NCCL (one communicator per parallel group)."""
     if cluster.gpu.vendor == "cpu":
         return 0
-    # Context parallelism adds its own group, and the weights' data-parallel group spans dp x cp (`shard_ranks`).
-    communicators = (config.tp > 1) + (config.cp > 1) + (shard_ranks(config) > 1)
+    # Context parallelism adds its own group, and the weights' data-parallel group spans dp x cp (`shard_ranks`);
+    # hybrid sharding adds the group that all-reduces across replicas.
+    communicators = (config.tp > 1) + (config.cp > 1) + (shard_ranks(config) > 1) + (config.dp_replicate > 1)
     measured = cluster.profile.context_bytes if cluster.profile is not None else None
     context = CUDA_CONTEXT_BYTES if measured is None else math.ceil(measured)  # a profile measured this node's
     return context + communicators * NCCL_BYTES_PER_COMMUNICATOR + CUBLAS_WORKSPACE_BYTES

@@ -18,6 +18,7 @@ from .config import Config
 from .loss import LABEL_ITEMSIZE, Events, HeadShape, LossMemory, head_shape, loss_nodes, peak, replace_head_nodes
 from .tasks import GENERATION_TASKS, PostTraining, Reference
 from .terms import MemoryTerms
+from .zero import shard_ranks
 
 # trl/kernels/chunked_logprob.py (trl 1.16): `TOKEN_CHUNK_SIZE = 4096` tokens per projection tile; the vocabulary
 # width of a tile is the caller's `chunk_size`, `_CHUNKED_LOGPROB_CHUNK_SIZE = 32768` in trl/trainer/utils.py.
@@ -42,7 +43,7 @@ def reference_weight_bytes(graph: LayerGraph, config: Config, post: PostTraining
     if post.reference is not Reference.COPY:
         return 0
     total = sum(p.numel * p.itemsize * count for p, count in graph.tensor_groups())
-    shards = config.tp * (config.shard_ranks if config.zero == 3 else 1)
+    shards = config.tp * (shard_ranks(config) if config.zero == 3 else 1)
     return -(-total // shards)
 
 

@@ -27,8 +27,8 @@ def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
 
 # The configuration fields the model states read (a test checks it): they are cached on these, with the graph by
 # identity, since the solver asks for one rank's states under many configurations that differ elsewhere.
-STATE_FIELDS = ("cp", "dp", "engine", "ep", "grad_accum", "optimizer", "optimizer_in_backward", "optimizer_offload",
-                "param_offload", "pp", "precision", "tp", "zero")
+STATE_FIELDS = ("cp", "dp", "dp_replicate", "engine", "ep", "grad_accum", "optimizer", "optimizer_in_backward",
+                "optimizer_offload", "param_offload", "pp", "precision", "tp", "zero")
 _STATES: IdentityMemo[ModelStates] = IdentityMemo()
 
 

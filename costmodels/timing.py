@@ -12,7 +12,14 @@ from .alignment import alignment_factor
 from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
 from .cluster import Cluster
-from .collectives import Group, all_gather_seconds, all_reduce_seconds, dp_group, reduce_scatter_seconds
+from .collectives import (
+    Group,
+    all_gather_seconds,
+    all_reduce_seconds,
+    dp_group,
+    reduce_scatter_seconds,
+    replica_group,
+)
 from .compilation import compile_credited, memory_bound_speedup
 from .compute import (
     EAGER_HOST_SECONDS_PER_KERNEL,
@@ -368,7 +375,8 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
                 + all_gather_seconds(cluster, egroup, experts.forward_gather))
     gather_b = (all_gather_seconds(cluster, group, traffic.backward_gather)
                 + all_gather_seconds(cluster, egroup, experts.backward_gather))
-    reduce_b = (reduce_scatter_seconds(cluster, group, traffic.backward_reduce)
+    replicas = _replicas(cluster, config)
+    reduce_b = (gradient_reduce_seconds(cluster, group, replicas, traffic.backward_reduce)
                 + reduce_scatter_seconds(cluster, egroup, experts.backward_reduce))
     allreduce = (all_reduce_seconds(cluster, group, traffic.step_allreduce)
                  + all_reduce_seconds(cluster, egroup, experts.step_allreduce)
@@ -382,7 +390,7 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
     if reduce_b:
         bucketed = config.zero in rules_of(config.engine).bucketed_reduce_stages
         last = min(trainable, _allreduce_bucket_elements(graph, config)) if bucketed else edge_grads
-        last_reduce = reduce_scatter_seconds(cluster, group, last * grad_itemsize)
+        last_reduce = gradient_reduce_seconds(cluster, group, replicas, last * grad_itemsize)
     last_bucket = 0.0
     if allreduce:
         bucket = min(trainable, _allreduce_bucket_elements(graph, config)) * grad_itemsize
@@ -390,24 +398,38 @@ def _dp_seconds(graph: LayerGraph, cluster: Cluster, config: Config, *, forward:
         last_bucket = reduce(cluster, group, bucket)
     per_mb = (first_gather + max(0.0, gather_f - first_gather - forward)
               + last_reduce + max(0.0, gather_b + reduce_b - last_reduce - backward))
-    once, once_total = _once_per_step_seconds(cluster, group, egroup, traffic, experts,
+    once, once_total = _once_per_step_seconds(cluster, (group, replicas), egroup, traffic, experts,
                                               edge=edge_params * param_itemsize, forward=forward)
     per_step = last_bucket + max(0.0, allreduce - last_bucket - backward) + gather_step + once
     total = config.grad_accum * (gather_f + gather_b + reduce_b) + allreduce + gather_step + once_total
     return per_mb, per_step, total
 
 
-def _once_per_step_seconds(cluster: Cluster, group: Group, egroup: Group, traffic: DataParallelTraffic,
+def _once_per_step_seconds(cluster: Cluster, groups: tuple[Group, Group], egroup: Group, traffic: DataParallelTraffic,
                            experts: DataParallelTraffic, *, edge: int, forward: float) -> tuple[float, float]:
     """(exposed, total) seconds of the collectives a pipelined FSDP2 runs once per step: the gathers of the first
     forward, prefetched behind it but for the first unit's (`edge` bytes), and the reduce-scatter after the last
-    backward, exposed whole."""
+    backward (with its all-reduce across hybrid-sharding replicas), exposed whole; `groups` are the shard and
+    replica groups."""
+    group, replicas = groups
     gather = (all_gather_seconds(cluster, group, traffic.first_forward_gather)
               + all_gather_seconds(cluster, egroup, experts.first_forward_gather))
-    reduce = (reduce_scatter_seconds(cluster, group, traffic.end_reduce)
+    reduce = (gradient_reduce_seconds(cluster, group, replicas, traffic.end_reduce)
               + reduce_scatter_seconds(cluster, egroup, experts.end_reduce))
     first = all_gather_seconds(cluster, group, edge) if gather else 0.0
     return first + max(0.0, gather - first - forward) + reduce, gather + reduce
+
+
+def _replicas(cluster: Cluster, config: Config) -> Group:
+    """The hybrid-sharding replica group of one rank (`hybrid_shard`; one rank without it)."""
+    return replica_group(cluster, config.tp, shard_ranks(config), config.dp_replicate)
+
+
+def gradient_reduce_seconds(cluster: Cluster, group: Group, replicas: Group, nbytes: float) -> float:
+    """A reduce-scatter of `nbytes` of gradients over the shard `group`, then the all-reduce of each rank's
+    1 / group.size shard across the hybrid-sharding `replicas` (none with one), which FSDP2 issues after it
+    (`hybrid_shard`). Priced one after the other: the all-reduce waits for its reduce-scatter's output."""
+    return reduce_scatter_seconds(cluster, group, nbytes) + all_reduce_seconds(cluster, replicas, nbytes / group.size)
 
 
 def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:

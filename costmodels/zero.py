@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from graphs import ParamTensor
 
+from . import hybrid_shard
 from .config import Config, Engine
 from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_local_shape, state_ranks
@@ -34,8 +35,9 @@ def syncs_once_pipelined(config: Config) -> bool:
 
 
 def shard_ranks(config: Config) -> int:
-    """`Config.shard_ranks`: the ranks the ZeRO stages shard over."""
-    return config.shard_ranks
+    """The ranks the ZeRO stages shard over: `Config.shard_ranks`, or one replica group's share of them under
+    hybrid sharding (`hybrid_shard.shard_degree`; the groups hold the same shards and all-reduce their gradients)."""
+    return hybrid_shard.shard_degree(config.dp, config.cp, config.dp_replicate)
 
 
 def sharding(config: Config) -> Sharding:

@@ -167,6 +167,10 @@ class EngineRules:
     fetches_per_module: bool = False
     """Gathers sharded parameters module by module just before use, prefetching a bounded number of elements ahead,
     and reduce-scatters each module's gradients after its backward (DeepSpeed ZeRO-3: `prefetch`)."""
+    hybrid_shards: bool = False
+    """Shards the model states over a sub-group of the data-parallel ranks and replicates them across the groups,
+    all-reducing the gradient shards between replicas (FSDP2's HSDP: `fully_shard` on a 2-D device mesh;
+    `Config.dp_replicate`)."""
     syncs_once_when_pipelined: bool = False
     """Under a pipeline schedule its sharded parameters are gathered once per step and its gradients
     reduce-scattered once, after the last backward, instead of per micro-batch (torch's pipelining drives FSDP2

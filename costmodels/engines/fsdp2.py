@@ -52,4 +52,7 @@ RULES = EngineRules(
     # the schedule's REDUCE_GRAD action (`perform_reduce_grad`, after the last backward) runs each param group's
     # post_backward: one reduce-scatter per step; the parameters stay gathered from the first forward until then.
     syncs_once_when_pipelined=True,
+    # torch 2.13 fsdp/_fully_shard/_fully_shard.py: "mesh: ... If a 2D mesh, then the parameters are sharded across
+    # the 1st dim and replicated across the 0th dim" (HSDP), the reduce-scatter then an all-reduce across replicas.
+    hybrid_shards=True,
 )

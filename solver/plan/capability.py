@@ -355,6 +355,10 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
 _PP_RUNNERS = ("megatron", "torchtitan", "torchrun")
 _CP_RUNNERS = ("megatron",)
 _EP_RUNNERS = ("megatron",)
+# Hybrid sharding (HSDP, `Config.dp_replicate`): torchtitan 0.3.0's data_parallel_replicate_degree with FSDP2
+# (parallel_dims.py builds the dp_replicate x dp_shard mesh), the torchrun script's 2-D mesh for fully_shard. The HF
+# stacks' emitted FSDP2 configs shard over every rank (fitplan writes no accelerate ParallelismConfig).
+_HSDP_RUNNERS = ("torchrun", "torchtitan")
 # megatron-core 0.16.1 pipeline_parallel/schedules.py get_forward_backward_func: forward_backward_pipelining_without_
 # interleaving (1F1B) and forward_backward_pipelining_with_interleaving (v >= 2 model chunks); no GPipe or zero-bubble
 # schedule (its delay_wgrad_compute only overlaps MoE all-to-all, it does not reorder the pipeline).
@@ -364,8 +368,9 @@ MEGATRON_CP_COMM = {ContextParallel.RING: "p2p", ContextParallel.ALL_TO_ALL: "a2
 
 
 def _parallelism(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...]) -> list[str]:
-    """Pipeline, context and expert parallelism where `launcher` cannot run them as decided, each naming the
-    launchers that can (the model's own limits, such as experts to divide, are the emitters' and estimate's)."""
+    """Pipeline, context, expert parallelism and hybrid sharding where `launcher` cannot run them as decided, each
+    naming the launchers that can (the model's own limits, such as experts to divide, are the emitters' and
+    estimate's)."""
     problems = []
     if d.pp > 1 and launcher not in _PP_RUNNERS:
         problems.append(f"pipeline parallelism (pp={d.pp}; launchers that run it: {', '.join(_PP_RUNNERS)})")
@@ -377,6 +382,9 @@ def _parallelism(launcher: str, d: Config, checkpoint: tuple[Checkpoint, ...]) -
                         f"launchers that run it: {', '.join(_CP_RUNNERS)})")
     elif d.cp > 1 and launcher not in _CP_RUNNERS:
         problems.append(f"context parallelism (cp={d.cp}; launchers that run it: {', '.join(_CP_RUNNERS)})")
+    if d.dp_replicate > 1 and launcher not in _HSDP_RUNNERS:
+        problems.append(f"hybrid sharding (dp_replicate={d.dp_replicate}; launchers that run it: "
+                        f"{', '.join(_HSDP_RUNNERS)})")
     if d.ep > 1 and launcher == "torchtitan":
         problems.append(f"expert parallelism (fitplan runs {_TORCHTITAN}'s Qwen3-MoE flavours with their experts "
                         "sharded by FSDP2, not with its own all-to-all expert parallelism; launchers that run it: "

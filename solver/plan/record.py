@@ -17,12 +17,13 @@ from graphs.files import parse_json, read_text
 from solver.plan.capability import engine_label
 from solver.plan.post_training import PostTrainingPlan
 
-SCHEMA_VERSION = "2.5"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+SCHEMA_VERSION = "2.6"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
 # megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
 # search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator); 2.4:
 # solver.deterministic (--deterministic: a fixed work budget instead of the wall clock) and the model's rope_scaling,
 # attention_dropout and hidden_dropout (what the Megatron and torchtitan files build); 2.5: post_training (--task:
-# DPO/ORPO/KTO/GRPO, the reference strategy, the vLLM engine and the step's time by phase)
+# DPO/ORPO/KTO/GRPO, the reference strategy, the vLLM engine and the step's time by phase); 2.6: dp_replicate (hybrid
+# sharding, FSDP2's HSDP)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -191,6 +192,9 @@ class Decisions(Config):
             parts.append(f"cp={self.cp} ({self.cp_mode})")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        # knobs declared `Knob.shown`, where they are not their default (e.g. a data-parallel split)
+        parts += [f"{name}={getattr(self, name)}" for name, knob in declared(Config).items()
+                  if knob.knob.shown and getattr(self, name) != knob.default]
         return " ".join([*parts, f"dp={self.dp}"])
 
     def summary(self) -> str:

@@ -10,6 +10,9 @@ from costmodels import Config
 from graphs import Checkpoint
 from solver.search.pins import KNOBS
 
+# The knobs declared part of the strategy (`Knob.strategy`): tp, cp, pp, ep, engine, zero and the offloads.
+STRATEGY = tuple(name for name, declared in KNOBS.items() if declared.knob.strategy)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Outer(Config):
@@ -37,10 +40,10 @@ class Outer(Config):
 
     @property
     def family(self) -> tuple[object, ...]:
-        """What makes two configurations distinct alternatives: the parallel, sharding and offload strategy
-        (micro-batch, checkpointing and same-cost precision/optimizer variants aside)."""
-        return (self.tp, self.cp, self.pp, self.ep, self.engine, self.zero, self.optimizer_offload,
-                self.param_offload)
+        """What makes two configurations distinct alternatives: the parallel, sharding and offload strategy, the
+        knobs declared `Knob.strategy` (micro-batch, checkpointing and same-cost precision/optimizer variants
+        aside)."""
+        return tuple(getattr(self, name) for name in STRATEGY)
 
 
 def mode_runs(mode: Checkpoint, *, activation_offload: bool, selective: bool, op_selective: bool,

@@ -32,9 +32,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from costmodels import Cluster, Config, Offload, Optimizer, Workload
+from costmodels import Cluster, Config, Workload
 from costmodels.pipeline import DEFAULT_WEIGHT_SHARE, StageTimes, step_lower_bound
-from costmodels.pipeline_schedule import SPLIT_BACKWARD, Schedule, local_stages
+from costmodels.pipeline_schedule import SPLIT_BACKWARD, local_stages
 from costmodels.pipeline_stages import (
     RankSlice,
     pipeline_step,
@@ -49,6 +49,7 @@ from costmodels.states import model_states
 from costmodels.timing import TimeTerms, time_terms
 from costmodels.verdict import memory_budget
 from graphs import Checkpoint, LayerGraph
+from solver.search.pins import KNOBS
 from solver.search.space import Outer
 from solver.search.table_search import fastest_modes, search
 from solver.search.tables import TICK_SECONDS, Table, build_table, table_modes, ticks
@@ -269,17 +270,19 @@ class EdgeCompute:
     forward_after: float
 
 
+# The knobs declared `outside_compute` (the pipeline, accumulation, offload, optimizer): a rank's micro-batch compute
+# is timed at their defaults.
+_OUTSIDE = {name: declared.default for name, declared in KNOBS.items() if declared.knob.outside_compute}
+
+
 def compute_key(outer: Outer) -> Outer:
-    """What the micro-batches' compute depends on: not the data-parallel degree, offload or optimizer (their time
-    is outside the schedule), nor the pipeline (dp = ep keeps ep valid)."""
-    return replace(outer, pp=1, pp_schedule=Schedule.ONE_F_ONE_B, pp_virtual=1, pp_split=(), grad_accum=1,
-                   dp=outer.ep, optimizer_offload=Offload.NONE, param_offload=Offload.NONE, optimizer=Optimizer.ADAMW)
+    """What the micro-batches' compute depends on: not the data-parallel degree nor the knobs declared
+    `outside_compute` (their time is outside the schedule, or the schedule itself); dp = ep keeps ep valid."""
+    return replace(outer, dp=outer.ep, **_OUTSIDE)
 
 
 # The fields `compute_key` keeps: their values name the compute setting (with ep, which stands for dp there).
-_COMPUTE_FIELDS = tuple(f.name for f in fields(Outer) if f.name not in (
-    "pp", "pp_schedule", "pp_virtual", "pp_split", "grad_accum", "dp", "optimizer_offload", "param_offload",
-    "optimizer"))
+_COMPUTE_FIELDS = tuple(f.name for f in fields(Outer) if f.name != "dp" and f.name not in _OUTSIDE)
 
 
 def compute_signature(outer: Outer) -> tuple[object, ...]:

@@ -28,6 +28,8 @@ from solver.search.runnable import Runnable
 
 # The memory savers the search enumerates where the pins allow several values (`pin_rules.SAVER_CHOICES`).
 SAVER_KNOBS = ("optimizer_in_backward", "loss", "activation_offload")
+# Knobs whose declaration says where the search opens them (`Knob.searched`); unpinned, each takes those values.
+SEARCHED = tuple(name for name, declared in KNOBS.items() if declared.knob.searched is not None)
 # Optimizer implementations that compute the same update: switching among them is not a training change.
 SAME_MATH = {Optimizer.ADAMW: (Optimizer.ADAMW, Optimizer.ADAMW_FUSED)}
 
@@ -270,26 +272,47 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
                 if not zero_has_work(engine, zero, layout, (opt_off, param_off), pins):
                     continue
-                for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
-                    if mb % workload.group:  # DPO: chosen and rejected of a pair share a micro-batch
-                        continue
-                    if mb >= layout["cp"] > 1:
-                        continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
-                    for prec in precisions:
-                        for optimizer in _runnable_optimizers(optimizers, engine, zero, opt_off, param_off):
-                            for sp in _sequence_parallel(layout, engine, pins):
-                                for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
-                                    for saver in savers:
-                                        outers += runnable({**pinned, **layout, **dict(
-                                            engine=engine, zero=zero, optimizer_offload=opt_off,
-                                            param_offload=param_off, micro_batch=mb, grad_accum=ga,
-                                            precision=prec, optimizer=optimizer, sequence_parallel=sp,
-                                            compile=compiles, pp_schedule=schedule, pp_virtual=v,
-                                            **dict(zip(SAVER_KNOBS, saver, strict=True)))})
+                for opened in opened_knobs({**layout, "engine": engine, "zero": zero}, cluster, pins):
+                    outers += _outers_of(runnable, graph, workload, pins, precisions, optimizers, savers, {
+                        **pinned, **layout, **opened, "engine": engine, "zero": zero, "optimizer_offload": opt_off,
+                        "param_offload": param_off, "compile": compiles})
     if pinned_mode is not None:
         _check_pinned_mode(graph, pins, pinned_mode, launchers)
     return Space(tuple(o for o in outers if o.pp == 1), _launcher_modes(pins, modes), compile_auto=compile_pin is None,
                  pipelines=tuple(o for o in outers if o.pp > 1))
+
+
+def opened_knobs(values: dict[str, object], cluster: Cluster, pins: Pins) -> list[dict[str, object]]:
+    """Every combination of the values the unpinned `SEARCHED` knobs' declarations offer for this layout, engine and
+    stage (`Knob.searched`), narrowed by the pins; a pinned knob keeps its pin (one empty combination if none)."""
+    options = [[(name, value) for value in pins.keep(name, KNOBS[name].knob.searched(values, cluster.gpus_per_node))]
+               for name in SEARCHED if pins.value(name) is None]
+    return [dict(combination) for combination in itertools.product(*options)]
+
+
+def _outers_of(runnable: Runnable, graph: LayerGraph, workload: Workload, pins: Pins,
+               precisions: tuple[Precision, ...], optimizers: tuple[Optimizer, ...], savers: list[tuple[object, ...]],
+               values: dict[str, object]) -> list[Outer]:
+    """The outers of one layout, engine, stage and offload (`values`): every micro-batch split, precision,
+    optimizer, sequence parallelism, pipeline schedule and memory saver the pins and the runtimes allow."""
+    engine, zero, layout = values["engine"], values["zero"], values  # the layout among the values
+    outers: list[Outer] = []
+    for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
+        if mb % workload.group:  # DPO: chosen and rejected of a pair share a micro-batch
+            continue
+        if mb >= layout["cp"] > 1:
+            continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
+        for prec in precisions:
+            for optimizer in _runnable_optimizers(optimizers, engine, zero, values["optimizer_offload"],
+                                                  values["param_offload"]):
+                for sp in _sequence_parallel(layout, engine, pins):
+                    for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
+                        for saver in savers:
+                            outers += runnable({**values, **dict(
+                                micro_batch=mb, grad_accum=ga, precision=prec, optimizer=optimizer,
+                                sequence_parallel=sp, pp_schedule=schedule, pp_virtual=v,
+                                **dict(zip(SAVER_KNOBS, saver, strict=True)))})
+    return outers
 
 
 def _launcher_modes(pins: Pins, modes: tuple[Checkpoint, ...]) -> tuple[Checkpoint, ...]:

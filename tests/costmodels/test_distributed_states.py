@@ -6,6 +6,7 @@ takes one AdamW step per case and writes its local bytes to JSON; the tests comp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from costmodels import Config, Engine, Optimizer, Precision, lowering_for
 from costmodels.states import model_states
 from costmodels.terms import ModelStates
-from costmodels.zero import fsdp_shard_dim, local_shape
+from costmodels.zero import fsdp_shard_dim, local_shape, shard_ranks
 from graphs import LayerGraph, lower
 from tests.gloo import run_ranks
 from tests.graphs.reference import write_config
@@ -45,7 +46,8 @@ class Case:
     name: str
     world: int
     layout: str
-    """One of fsdp2 (fully_shard per layer, then the root), tp (DTensor TP from `_tp_plan`), fsdp2+tp (2-D)."""
+    """One of fsdp2 (fully_shard per layer, then the root), tp (DTensor TP from `_tp_plan`), fsdp2+tp (2-D), hsdp
+    (fully_shard on a 2-D (replicate, shard) mesh: 2 replicas of 2 shards)."""
     reshard: bool = True
     """FSDP2 `reshard_after_forward` (True is ZeRO-3-like, False ZeRO-2-like)."""
     overrides: tuple[tuple[str, int], ...] = ()
@@ -56,12 +58,13 @@ class Case:
         return {**tiny_values(self.arch), **dict(self.overrides)}
 
     def config(self) -> Config:
-        tp = {"fsdp2": 1, "tp": self.world, "fsdp2+tp": 2}[self.layout]
+        tp = {"fsdp2": 1, "tp": self.world, "fsdp2+tp": 2, "hsdp": 1}[self.layout]
         if self.layout == "tp":
             return Config(engine=Engine.DDP, tp=tp, dp=1, precision=Precision.FP32, optimizer=Optimizer.ADAMW,
                           micro_batch=MICRO_BATCH)
         return Config(engine=Engine.FSDP2, zero=3 if self.reshard else 2, tp=tp, dp=self.world // tp,
-                      precision=Precision.BF16_MIXED, optimizer=Optimizer.ADAMW, micro_batch=MICRO_BATCH)
+                      dp_replicate=2 if self.layout == "hsdp" else 1, precision=Precision.BF16_MIXED,
+                      optimizer=Optimizer.ADAMW, micro_batch=MICRO_BATCH)
 
 
 # TP over 4 ranks must divide the KV heads (tiny Llama has 2), so that case uses 4. Vocab 514 makes FSDP2's dim-0
@@ -75,6 +78,9 @@ CASES = [
     Case(name="fsdp2-w4-uneven", world=4, layout="fsdp2", reshard=True, overrides=(("vocab_size", 514),)),
     Case(name="tp-w4", world=4, layout="tp", overrides=(("num_key_value_heads", 4),)),
     Case(name="fsdp2+tp-dp2-tp2", world=4, layout="fsdp2+tp", reshard=True),
+    # Hybrid sharding (issue 34): two replicas of a two-rank shard group, uneven vocabulary chunks over the group.
+    Case(name="hsdp-2x2", world=4, layout="hsdp", reshard=True, overrides=(("vocab_size", 513),)),
+    Case(name="hsdp-2x2-keep", world=4, layout="hsdp", reshard=False),
     # Two experts over four ranks: the expert stacks shard on their largest dim, not on dim 0 (2 rows for 4 ranks).
     Case(name="fsdp2-w4-moe", world=4, layout="fsdp2", reshard=True, arch="mixtral",
          overrides=(("num_local_experts", 2), ("num_experts_per_tok", 1))),
@@ -116,6 +122,9 @@ def run_case(case: dict, world: int) -> dict:
         shard_fully(model, init_device_mesh("cpu", (world,)), reshard=case["reshard"])
     elif case["layout"] == "tp":
         parallelize(model, init_device_mesh("cpu", (world,)))
+    elif case["layout"] == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        shard_fully(model, mesh, reshard=case["reshard"])
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize(model, mesh["tp"])
@@ -130,7 +139,7 @@ def run_case(case: dict, world: int) -> dict:
 def shard_fully(model, mesh, *, reshard: bool) -> None:
     """FSDP2 as torchtitan applies it: each decoder layer, then the root; bf16 compute, fp32 reduction."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ranks = mesh.size()
+    ranks = mesh.size(mesh.ndim - 1)  # the shard dim (of a 2-D HSDP mesh: the second)
 
     def placement(param) -> Shard:  # the dim fitplan's rule picks; FSDP2 itself does the chunking measured here
         return Shard(fsdp_shard_dim(tuple(param.shape), ranks))
@@ -245,9 +254,21 @@ def test_local_shapes_equal_gloo_rank0_shards(case, measured, expected):
     # Per tensor, so that a byte mismatch above names the tensors responsible.
     graph, _ = expected[case.name]
     config = case.config()
-    predicted = {t.name: list(local_shape(t, tp=config.tp, dp=config.dp, engine=config.engine))
+    predicted = {t.name: list(local_shape(t, tp=config.tp, dp=shard_ranks(config), engine=config.engine))
                  for t in graph.params()}
     assert predicted == measured[case.name][0]["shapes"]
+
+
+def test_hsdp_replicas_hold_the_same_shard_and_the_estimate_shards_over_one_group(measured, expected):
+    # ranks 0 and 2 (1 and 3) hold the same shard in the two replicas; sharding over all four ranks instead (plain
+    # FSDP2, what the estimate priced before dp_replicate) would give each a quarter of the states, not a half
+    case = next(c for c in CASES if c.name == "hsdp-2x2")
+    ranks = measured[case.name]
+    assert ranks[0]["shapes"] == ranks[2]["shapes"] and ranks[1]["shapes"] == ranks[3]["shapes"]
+    states = expected[case.name][1]
+    assert states.optimizer == max(_ranks(measured, case, "optimizer"))
+    flat = dataclasses.replace(case.config(), dp_replicate=1)
+    assert model_states(expected[case.name][0], flat).optimizer < states.optimizer
 
 
 if __name__ == "__main__":

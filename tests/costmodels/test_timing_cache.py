@@ -22,6 +22,7 @@ WORKLOAD = Workload(seq_len=2048, global_batch=64)
 DENSE = [dict(tp=2, dp=8, sequence_parallel=True), dict(tp=1, dp=8, cp=2),
          dict(tp=1, dp=4, cp=4, cp_mode=ContextParallel.ALL_TO_ALL), dict(tp=2, dp=8, precision=Precision.FP8),
          dict(tp=1, dp=16, engine=Engine.FSDP2, zero=3, micro_batch=2, grad_accum=2),
+         dict(tp=1, dp=16, engine=Engine.FSDP2, zero=3, dp_replicate=2, micro_batch=2, grad_accum=2),
          dict(tp=1, dp=16, engine=Engine.DEEPSPEED, zero=3, optimizer_offload=Offload.CPU),
          dict(tp=4, dp=4, engine=Engine.MEGATRON, zero=1, compile=True)]
 MOE = [dict(tp=1, dp=16, ep=8, engine=Engine.MEGATRON), dict(tp=1, dp=16, ep=4, engine=Engine.MEGATRON, zero=1)]

@@ -82,6 +82,7 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
                 for schedule in (Schedule.INTERLEAVED_ZB, Schedule.ZBV)]
     changes += [(f"cp=2-{mode}", {"cp": 2, "dp": 4, "grad_accum": 8, "cp_mode": mode}) for mode in ContextParallel]
     changes += [("ep=2", {"ep": 2}), ("expandable_segments=off", {"expandable_segments": False})]
+    changes += [("dp_replicate=2", {"dp_replicate": 2})]  # hybrid sharding: 2 replicas of 4 shard ranks
     cases = []
     for engine, zero in ENGINE_STAGES:
         base = {"engine": engine, "zero": zero, "tp": 1, "dp": WORLD, "micro_batch": 2, "grad_accum": 4,
@@ -375,3 +376,4 @@ def test_the_walk_covers_every_value_of_every_walked_knob():
     assert seen["pp_schedule"] == set(Schedule) and seen["cp_mode"] == set(ContextParallel)
     assert seen["pp"] == {2, 4} and seen["cp"] == {2} and seen["ep"] == {2}
     assert seen["expandable_segments"] == {False}  # True: the bases
+    assert seen["dp_replicate"] == {2}  # 1: the bases

@@ -79,6 +79,8 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "adamw-foreach": {"optimizer": Optimizer.ADAMW},
     "cpu-offload": {"optimizer_offload": Offload.CPU, "param_offload": Offload.CPU},
     "two-nodes": {"nodes": 2, "dp": 16, "grad_accum": 2, "checkpoint": FULL},
+    # hybrid sharding (issue 34): one shard group per node, two replicas
+    "hsdp-two-nodes": {"nodes": 2, "dp": 16, "dp_replicate": 2, "grad_accum": 2, "checkpoint": FULL},
     "op-sac": {"checkpoint": (Checkpoint.OP_SELECTIVE,) * LAYERS},
     "chunked-loss": {"loss": Loss.CHUNKED},
     "plain-loss": {"loss": Loss.HF},
@@ -150,12 +152,20 @@ def check_expressed(config: Any, plan: Plan) -> None:
     # parallelism: the world is exactly tp x dp, sharded (FSDP2) or replicated (DDP)
     assert par.tensor_parallel_degree == d.tp
     assert par.data_parallel_replicate_degree * par.data_parallel_shard_degree * d.tp == world
-    if d.engine is Engine.FSDP2:
-        assert (par.data_parallel_shard_degree, par.data_parallel_replicate_degree) == (d.dp, 1)
+    if d.engine is Engine.FSDP2:  # sharded over dp / dp_replicate ranks, replicated across dp_replicate groups
+        assert (par.data_parallel_shard_degree, par.data_parallel_replicate_degree) == \
+            (d.dp // d.dp_replicate, d.dp_replicate)
         assert par.fsdp_reshard_after_forward == {3: "always", 2: "never"}[d.zero]
     else:
         assert (par.data_parallel_shard_degree, par.data_parallel_replicate_degree) == (1, d.dp)
     assert par.enable_sequence_parallel is d.sequence_parallel
+    # the mesh torchtitan's trainer builds from them: HSDP where both data-parallel degrees exceed one
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(par, world)
+    assert (dims.dp_replicate, dims.dp_shard) == (par.data_parallel_replicate_degree, par.data_parallel_shard_degree)
+    assert dims.fsdp_enabled is (d.engine is Engine.FSDP2)
+    assert dims.dp_replicate_enabled is (d.dp_replicate > 1 if d.engine is Engine.FSDP2 else d.dp > 1)
     assert par.pipeline_parallel_degree == 1 and par.context_parallel_degree == 1
     # batch: micro-batch per rank, accumulation through the global batch (torchtitan divides it back)
     assert train.local_batch_size == d.micro_batch

@@ -207,8 +207,10 @@ def job(plan: Plan) -> dict[str, Any]:
                      # fitplan prices eager steps on the caching allocator; 0.3.0 captures forward+backward in a CUDA
                      # graph by default (its own memory pool, gradients kept allocated between steps)
                      "disable_cuda_graphs": True},
-        "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else d.dp,
-                        "data_parallel_shard_degree": d.dp if fsdp else 1,
+        # DDP replicates over every data-parallel rank; FSDP2 shards over dp / dp_replicate of them and, where
+        # dp_replicate > 1, replicates across the groups (torchtitan's HSDP: its dp_replicate x dp_shard mesh)
+        "parallelism": {"data_parallel_replicate_degree": d.dp_replicate if fsdp else d.dp,
+                        "data_parallel_shard_degree": d.dp // d.dp_replicate if fsdp else 1,
                         "fsdp_reshard_after_forward": "always" if d.zero == 3 else "never",
                         "tensor_parallel_degree": d.tp, "enable_sequence_parallel": d.sequence_parallel,
                         **pipeline_settings(d), "context_parallel_degree": d.cp,

@@ -313,7 +313,7 @@ def apply_fsdp(model, mesh):
 
     def placement(param):
         local = param.to_local() if isinstance(param, DTensor) else param
-        return Shard(shard_dim(local.shape, mesh.size()))
+        return Shard(shard_dim(local.shape, mesh.size(mesh.ndim - 1)))  # the shard dim of an HSDP mesh
 
     options = dict(mesh=mesh, reshard_after_forward=d["zero"] == 3, mp_policy=policy, offload_policy=offload,
                    shard_placement_fn=placement)

@@ -66,7 +66,10 @@ def prepared_model(args, device, cuda):
     from torch.distributed.device_mesh import init_device_mesh
 
     d = PLAN["decisions"]
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (d["dp"], d["tp"]), mesh_dim_names=("dp", "tp"))
+    # Hybrid sharding (dp_replicate > 1): FSDP2 on a 2-D (replicate, shard) mesh, replicas outermost as priced.
+    replicas = d.get("dp_replicate", 1)
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (replicas, d["dp"] // replicas, d["tp"]),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     torch.manual_seed(0)
     model = build(args, device)
     vocab = model.config.vocab_size  # read before DDP wraps the model (the wrapper has no .config)
@@ -83,7 +86,7 @@ def prepared_model(args, device, cuda):
     if d["tp"] > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if d["engine"] == "fsdp2":
-        apply_fsdp(model, mesh["dp"])
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard"] if replicas > 1 else mesh["dp_shard"])
         if on_meta():
             materialize(model, args, device)
     elif d["dp"] > 1:
