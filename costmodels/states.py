@@ -145,13 +145,26 @@ def _param_bytes(graph: LayerGraph, config: Config, trainable: Sequence[Group],
     persistent += sum(t.stored_bytes * n for t, n in frozen if t.stored_bytes is not None)
     frozen = [(t, n) for t, n in frozen if t.stored_bytes is None]
     for group, is_trainable in ((trainable, True), (frozen, False)):
-        itemsize = precision.weight_itemsize(prec, engine, trainable=is_trainable)
-        sharded = [g for g in group if not _persistent(graph, config, g[0])]
-        whole = [g for g in group if _persistent(graph, config, g[0])]
-        partitioned += itemsize * local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1,
-                                                 ep=config.ep)
-        persistent += itemsize * local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False, ep=config.ep)
+        for itemsize, part in _widths(graph, group, precision.weight_itemsize(prec, engine, trainable=is_trainable),
+                                      trainable=is_trainable).items():
+            sharded = [g for g in part if not _persistent(graph, config, g[0])]
+            whole = [g for g in part if _persistent(graph, config, g[0])]
+            partitioned += itemsize * local_elements(sharded, tp=tp, dp=dp, engine=engine, sharded=shard.params > 1,
+                                                     ep=config.ep)
+            persistent += itemsize * local_elements(whole, tp=tp, dp=dp, engine=engine, sharded=False, ep=config.ep)
     return partitioned, persistent
+
+
+def _widths(graph: LayerGraph, group: Sequence[Group], itemsize: int, *, trainable: bool) -> dict[int, list[Group]]:
+    """The group by the bytes per element kept: the engine's `itemsize`, except the frozen tensors of a 4-bit base
+    that PEFT's `prepare_model_for_kbit_training` left in fp32 (traced wider than the compute dtype a QLoRA base is
+    lowered in, `graphs/kbit.py`)."""
+    quantized = graph.lora is not None and graph.lora.quantization is not None
+    widths: dict[int, list[Group]] = {}
+    for g in group:
+        wide = quantized and not trainable and g[0].itemsize > itemsize
+        widths.setdefault(g[0].itemsize if wide else itemsize, []).append(g)
+    return widths
 
 
 def _persistent(graph: LayerGraph, config: Config, tensor: ParamTensor) -> bool:

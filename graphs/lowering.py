@@ -19,7 +19,8 @@ from .sources import ResolvedModel, resolve
 
 def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, attention: str | None = None,
           lora: LoraSpec | None = None, use_cache: bool = True, op_selective: bool = False,
-          runtime: str = "hf", compiled: bool = False, liger: bool = False) -> LayerGraph:
+          runtime: str = "hf", compiled: bool = False, liger: bool = False,
+          kbit: tuple[str, ...] | None = None) -> LayerGraph:
     """Lower `model` (catalog id, local path or cached Hub id) to its `LayerGraph`.
 
     `dtype` is the parameter dtype; `autocast` ("bfloat16"/"float16") runs forward under torch.autocast, as
@@ -29,6 +30,9 @@ def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, a
     traces the un-checkpointed layers as torch.compile trains them (`compiled.py`: Inductor's partitioner decides
     what they save). `liger` traces the model as transformers' `use_liger_kernel` patches it (`liger.py`: Liger's
     RMSNorm, SwiGLU and RoPE kernels in the layers; the head keeps HF's loss, which costmodels replaces).
+    `kbit` (4-bit bases only): the base as PEFT's `prepare_model_for_kbit_training` leaves it (every other 16-bit
+    parameter in fp32), then the modules whose names contain one of these strings cast back to `dtype`, as the
+    runtime that calls it does (`kbit.py`); None: not prepared.
     """
     if runtime == "torchtitan":
         if liger:
@@ -39,7 +43,7 @@ def lower(model: str, *, dtype: str = "bfloat16", autocast: str | None = None, a
         raise ValueError(f"runtime={runtime!r} must be 'hf' or 'torchtitan'")
     resolved = resolve(model)
     return lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                          use_cache=use_cache, op_selective=op_selective, compiled=compiled, liger=liger)
+                          use_cache=use_cache, op_selective=op_selective, compiled=compiled, liger=liger, kbit=kbit)
 
 
 def _lower_titan(model: str, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
@@ -56,22 +60,26 @@ def _lower_titan(model: str, *, dtype: str, autocast: str | None, attention: str
 @functools.lru_cache(maxsize=64)
 def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast: str | None = None,
                    attention: str | None = None, lora: LoraSpec | None = None, use_cache: bool = True,
-                   op_selective: bool = False, compiled: bool = False, liger: bool = False) -> LayerGraph:
+                   op_selective: bool = False, compiled: bool = False, liger: bool = False,
+                   kbit: tuple[str, ...] | None = None) -> LayerGraph:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"autocast={autocast!r} must be None, bfloat16 or float16")
     if liger and compiled:
         raise ValueError("liger=True with compiled=True: torch.compile over Liger's Triton kernels is not traced")
+    if kbit is not None and (lora is None or lora.quantization is None or lora.quantization.bits != 4):
+        raise ValueError("kbit (PEFT's prepare_model_for_kbit_training) applies to 4-bit bases only (QLoRA)")
     key = hf_key(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                 op_selective=op_selective, compiled=compiled, liger=liger)
+                 op_selective=op_selective, compiled=compiled, liger=liger, kbit=kbit)
 
     def traced() -> LayerGraph:
         graph = _measure(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
-                         op_selective=op_selective, compiled=compiled, liger=liger)
+                         op_selective=op_selective, compiled=compiled, liger=liger, kbit=kbit)
         if compiled:
             graph = eager_work(graph, lower_resolved(resolved, dtype=dtype, autocast=autocast, attention=attention,
-                                                     lora=lora, use_cache=use_cache, op_selective=op_selective))
+                                                     lora=lora, use_cache=use_cache, op_selective=op_selective,
+                                                     kbit=kbit))
         return graph
 
     return cached_or_lowered(key, traced, use_cache=use_cache)
@@ -79,12 +87,13 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
 
 def _measure(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
              lora: LoraSpec | None, op_selective: bool = False, compiled: bool = False,
-             liger: bool = False) -> LayerGraph:
+             liger: bool = False, kbit: tuple[str, ...] | None = None) -> LayerGraph:
     from . import measure
 
     config = measure.transformers_config(resolved)
     options = {"dtype": dtype, "autocast": autocast, "attention": attention, "lora": lora, "b0": PROBE_BATCH,
-               "s0": PROBE_SEQ, "widen": WIDEN_FACTOR, "compiled": compiled, "liger": liger}
+               "s0": PROBE_SEQ, "widen": WIDEN_FACTOR, "compiled": compiled, "liger": liger,
+               "kbit": kbit}
     try:
         study = measure.study(config, **options, op_selective=op_selective)
     except UnsupportedModel as err:

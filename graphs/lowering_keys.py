@@ -20,11 +20,14 @@ MEGATRON_FORMAT = 4
 
 
 def hf_key(resolved: ResolvedModel, *, dtype: str, autocast: str | None, attention: str | None,
-           lora: LoraSpec | None, op_selective: bool, compiled: bool, liger: bool) -> str:
-    """The cache entry of a lowering of the Hugging Face modeling code (`lowering.lower_resolved`)."""
+           lora: LoraSpec | None, op_selective: bool, compiled: bool, liger: bool,
+           kbit: tuple[str, ...] | None = None) -> str:
+    """The cache entry of a lowering of the Hugging Face modeling code (`lowering.lower_resolved`); `kbit` (PEFT's
+    prepare_model_for_kbit_training and the modules cast back) is a variant of its own."""
+    prepared = () if kbit is None else ("kbit:" + ",".join(kbit),)
     return cache_key(resolved.as_dict(), dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                      probes=(PROBE_BATCH, PROBE_SEQ, WIDEN_FACTOR) + ((1,) if op_selective else ()),
-                     variants=("compiled",) if compiled else ("liger",) if liger else ())
+                     variants=(("compiled",) if compiled else ("liger",) if liger else ()) + prepared)
 
 
 def titan_key(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) -> str:

@@ -72,22 +72,24 @@ def transformers_config(resolved: ResolvedModel) -> Any:
 
 def study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
           b0: int, s0: int, widen: int, op_selective: bool = False, compiled: bool = False,
-          liger: bool = False) -> Study:
-    """`liger`: the model as transformers' `use_liger_kernel` patches it (`liger.py`)."""
+          liger: bool = False, kbit: tuple[str, ...] | None = None) -> Study:
+    """`liger`: the model as transformers' `use_liger_kernel` patches it (`liger.py`); `kbit`: the 4-bit base as
+    PEFT's `prepare_model_for_kbit_training` leaves it, with the named modules cast back (`kbit.py`)."""
     with contextlib.ExitStack() as patches:
         return _study(config, dtype=dtype, autocast=autocast, attention=attention, lora=lora, b0=b0, s0=s0,
                       widen=widen, op_selective=op_selective, compiled=compiled,
-                      patch=patches.enter_context if liger else None)
+                      patch=patches.enter_context if liger else None, kbit=kbit)
 
 
 def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
-           b0: int, s0: int, widen: int, op_selective: bool, compiled: bool, patch: Any) -> Study:
+           b0: int, s0: int, widen: int, op_selective: bool, compiled: bool, patch: Any,
+           kbit: tuple[str, ...] | None) -> Study:
     from .assemble import dims_of, widened_config
 
     dims = dims_of(config)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     wide = _parts(config, dtype=dtype, autocast=autocast, attention=attention, lora=lora, layers=dims.layers,
-                  patch=patch)
+                  patch=patch, kbit=kbit)
     kinds = layer_kinds(wide)
     layer_class = type(wide.layers[0]).__name__
     plan = dict(getattr(wide.model, "_tp_plan", None) or {})
@@ -101,7 +103,7 @@ def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | No
     tp_degrees = _tp_degrees(params, dims)
     if _clean(plan) and len(tp_degrees) > 1:
         widened = _parts(widened_config(config, widen), dtype=dtype, autocast=autocast, attention=attention,
-                         lora=lora, layers=dims.layers, patch=patch)
+                         lora=lora, layers=dims.layers, patch=patch, kbit=kbit)
         if _matches_widening(widened, wide_params=params, factor=widen):
             widened_trace = build_trace_model(widened, kinds, slots)
             probes = Probes(probes.base, probes.longer, probes.longest, probes.wider,
@@ -122,13 +124,17 @@ def _study(config: Any, *, dtype: str, autocast: str | None, attention: str | No
 
 
 def _parts(config: Any, *, dtype: str, autocast: str | None, attention: str | None, lora: LoraSpec | None,
-           layers: int, patch: Any = None) -> ModelParts:
+           layers: int, patch: Any = None, kbit: tuple[str, ...] | None = None) -> ModelParts:
     """The model to trace; `patch` (an ExitStack's enter_context) keeps Liger's patch on it while the study runs."""
     model = build_model(config, dtype=dtype, attention=attention)
     if lora is not None and lora.quantization is not None:
         from .quantization import quantize_linears
 
         quantize_linears(model, lora.quantization, double_quant=lora.double_quant)
+        if kbit is not None:
+            from .kbit import prepare_for_kbit
+
+            prepare_for_kbit(model, kbit)
     if lora is not None:
         model = apply_lora(model, lora, autocast=autocast is not None)
     if patch is not None:

@@ -47,12 +47,16 @@ class Variant:
     """torchtitan's loss: its ChunkedLossWrapper ("chunked") or plain cross-entropy over full logits ("plain")."""
     kernels: str = "te"
     """megatron-core's layer spec: Transformer Engine's kernels ("te", what Megatron-LM runs) or "local"."""
+    kbit: tuple[str, ...] | None = None
+    """A 4-bit base as PEFT's `prepare_model_for_kbit_training` leaves it (every other 16-bit parameter in fp32),
+    then the modules whose names contain one of these cast back, as the runtime that calls it does; None: the
+    runtime does not call it (`graphs/kbit.py`)."""
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r} must be one of {', '.join(RUNTIMES)}")
         if self.runtime != "hf" and (self.lora is not None or self.autocast is not None or self.attention is not None
-                                     or self.liger or self.op_selective):
+                                     or self.liger or self.op_selective or self.kbit is not None):
             raise ValueError(f"the {self.runtime} lowering runs its own attention, without LoRA, autocast, Liger or "
                              "op-level SAC tracing")
 
@@ -60,7 +64,8 @@ class Variant:
         """A few words: the runtime and what is traced beyond the eager model."""
         extras = [name for name, on in (("autocast " + str(self.autocast), self.autocast), ("LoRA", self.lora),
                                         ("compiled", self.compiled), ("Liger", self.liger),
-                                        ("op-level SAC", self.op_selective)) if on]
+                                        ("op-level SAC", self.op_selective),
+                                        ("PEFT's k-bit preparation", self.kbit is not None)) if on]
         return ", ".join([f"{self.runtime} {self.dtype}", *extras])
 
     @property
@@ -76,7 +81,8 @@ def variant_key(resolved: ResolvedModel, variant: Variant) -> str:
     if variant.runtime == "megatron":
         return megatron_key(resolved, dtype=variant.dtype, kernels=variant.kernels)
     return hf_key(resolved, dtype=variant.dtype, autocast=variant.autocast, attention=variant.attention,
-                  lora=variant.lora, op_selective=variant.op_selective, compiled=variant.compiled, liger=variant.liger)
+                  lora=variant.lora, op_selective=variant.op_selective, compiled=variant.compiled, liger=variant.liger,
+                  kbit=variant.kbit)
 
 
 def lower_all(resolved: ResolvedModel, variants: Iterable[Variant], *, workers: int | None = None) -> None:
@@ -132,4 +138,4 @@ def _lower(resolved: ResolvedModel, variant: Variant) -> LayerGraph:
 
     return lower_resolved(resolved, dtype=variant.dtype, autocast=variant.autocast, attention=variant.attention,
                           lora=variant.lora, op_selective=variant.op_selective, compiled=variant.compiled,
-                          liger=variant.liger)
+                          liger=variant.liger, kbit=variant.kbit)

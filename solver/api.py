@@ -121,7 +121,8 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
                            "cross-entropy).", f"Pass --loss {' or '.join(map(str, TITAN_LOSSES))}.")
     route = Route(resolved=resolved, lora=None if titan else lora, attention=None if titan else attention,
                   titan=titan, op_selective=not titan and (Checkpoint.OP_SELECTIVE in unsized.checkpoint
-                                                           or str(mode) == Checkpoint.OP_SELECTIVE.value))
+                                                           or str(mode) == Checkpoint.OP_SELECTIVE.value),
+                  axolotl=launcher == "axolotl")
     graph = Lowerings(route).graph(unsized)
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     if launcher is not None:

@@ -20,6 +20,7 @@ from graphs import LayerGraph, LoraSpec, UnsupportedModel
 from graphs.architectures import megatron_kind
 from graphs.sources import ResolvedModel
 from graphs.variant import Variant, lower_variant
+from solver.plan.launchers.axolotl import kbit_preparation
 from solver.plan.launchers.support import MEGATRON_PRICED, TITAN_PRICED
 
 __all__ = ["MEGATRON_PRICED", "TITAN_LOSSES", "TITAN_PRICED", "Lowerings", "Route", "titan_loss", "variant_for"]
@@ -38,6 +39,18 @@ class Route:
     """The torchtitan launcher is pinned: its own model code prices every configuration."""
     op_selective: bool = False
     """Some allowed launcher runs op-level selective checkpointing: the HF lowering traces it too."""
+    axolotl: bool = False
+    """The axolotl launcher is pinned: its loader prepares a 4-bit base with PEFT's `prepare_model_for_kbit_training`
+    (`axolotl.kbit_preparation`). The Trainer/accelerate launchers' files do not call it, nor do TRL 1.16's
+    SFT/DPO/KTO/GRPO trainers, and the torchrun script runs no QLoRA."""
+
+    def kbit(self, config: Config) -> tuple[str, ...] | None:
+        """How the runtime leaves a 4-bit base for `config` (`graphs.variant.Variant.kbit`): None when it runs no
+        PEFT k-bit preparation."""
+        lora = self.lora
+        if not self.axolotl or lora is None or lora.quantization is None or lora.quantization.bits != 4:
+            return None
+        return kbit_preparation(self.resolved.model_type, config)
 
     def megatron_lowers(self) -> bool:
         """Whether Megatron's engine is priced on megatron-core's own GPT layers with the kernels a default
@@ -74,7 +87,8 @@ def variant_for(config: Config, route: Route, *, megatron: bool) -> Variant:
         return Variant(runtime="megatron", dtype=dtype)
     attention = None if route.attention == MEGATRON_PRICED else route.attention
     return Variant(dtype=dtype, autocast=autocast, attention=attention, lora=route.lora,
-                   op_selective=route.op_selective, compiled=compile_credited(config), liger=liger_lowering(config))
+                   op_selective=route.op_selective, compiled=compile_credited(config), liger=liger_lowering(config),
+                   kbit=route.kbit(config))
 
 
 @dataclass(slots=True)

@@ -103,13 +103,15 @@ def prepare(request: Request, pins: Pins) -> Prepared:
 
 def runtime_route(request: Request, pins: Pins, launchers: tuple[str, ...]) -> Route:
     """The route the allowed launchers' runtimes price on: torchtitan's code when it is pinned, else HF's with
-    op-level SAC traced where an allowed launcher runs it and the checkpoint pin allows it."""
+    op-level SAC traced where an allowed launcher runs it and the checkpoint pin allows it, and a 4-bit base as
+    axolotl's loader prepares it where axolotl is the launcher."""
     titan = pins.launcher == "torchtitan"
     allowed = (pins.launcher,) if pins.launcher else launchers
     wanted = not titan and pins.allows("checkpoint", Checkpoint.OP_SELECTIVE) and bool(capability.op_selective_runners(
         allowed, all_layers=pins.value("checkpoint") is Checkpoint.OP_SELECTIVE))
     return Route(resolved=request.resolved, lora=None if titan else request.lora,
-                 attention=None if titan else request.attention, titan=titan, op_selective=wanted)
+                 attention=None if titan else request.attention, titan=titan, op_selective=wanted,
+                 axolotl=allowed == ("axolotl",))
 
 
 def titan_priced(space: Space, *, lora: bool) -> Space:

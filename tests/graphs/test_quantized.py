@@ -81,9 +81,14 @@ def _device_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def _decoder_layers(peft_model) -> torch.nn.ModuleList:
+    inner = peft_model.base_model.model
+    return inner.model.layers if hasattr(inner, "model") else inner.transformer.h  # Llama-style, GPT-2
+
+
 def _saved_per_layer(peft_model, ids, *, autocast: bool = False) -> list[int]:
     """Saved-for-backward bytes per decoder layer of one real training step (storages saved by one layer only)."""
-    layers = peft_model.base_model.model.model.layers
+    layers = _decoder_layers(peft_model)
     current: list[int | None] = [None]
     handles = []
     for i, layer in enumerate(layers):
@@ -172,6 +177,69 @@ def test_qlora_under_autocast_equals_a_real_step(folder, checkpoint, monkeypatch
     torch.manual_seed(1)
     saved = _saved_per_layer(real, torch.randint(0, 512, (B, S)), autocast=True)
     assert graph.node("layers.1").cost().saved(B, S) == saved[1]
+
+
+# axolotl 0.19's loader: PEFT's preparation, then modules named like norms and its embedding modules cast back
+# (solver.plan.launchers.axolotl.kbit_preparation).
+AXOLOTL_RECAST = ("norm", "embed_tokens", "lm_head")
+
+
+def _prepared_model(checkpoint, spec: LoraSpec, recast: tuple[str, ...]):
+    """A 4-bit base loaded by transformers and bitsandbytes, prepared by PEFT's own `prepare_model_for_kbit_training`
+    (as the QLoRA paper's script and axolotl call it, before the adapters), the modules named in `recast` cast back
+    to bf16 (`module.to`, as axolotl does), then PEFT's fp32 adapters (its default, which runs under autocast)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map="cpu",
+                                                 quantization_config=bnb_config(spec.quantization,
+                                                                                double_quant=spec.double_quant,
+                                                                                compute_dtype="bfloat16"))
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for name, module in model.named_modules():
+        if any(part in name for part in recast):
+            module.to(torch.bfloat16)
+    model.train()
+    return get_peft_model(model, spec.peft_config())
+
+
+@pytest.mark.parametrize(("arch", "recast"), [("llama", ()), ("gpt2", ()), ("gpt2", AXOLOTL_RECAST)],
+                         ids=["llama-peft", "gpt2-peft", "gpt2-axolotl"])
+def test_kbit_prepared_lowering_equals_peft_prepare_model_for_kbit_training(arch, recast, tmp_path, monkeypatch):
+    # PEFT's preparation leaves every 16-bit parameter outside the 4-bit layers in fp32 (embeddings, LM head,
+    # norms): their bytes double and the fp32 norm outputs feeding the 4-bit layers are saved wider. axolotl casts
+    # modules named like norms and its embedding modules back, which leaves GPT-2's ln_1/ln_2/ln_f and wte/wpe fp32.
+    # Checked at a step after the first under bf16 autocast (bitsandbytes casts a 4-bit layer's bias to the compute
+    # dtype in its first forward, for good), as the DDP bf16-mixed run axolotl starts is lowered.
+    from costmodels.config import Config, Engine, Precision
+    from costmodels.states import model_states
+
+    values = tiny_values(arch)
+    graph = lower(str(write_config(tmp_path / "config", values)), lora=QLORA, autocast="bfloat16", kbit=recast,
+                  use_cache=False)
+    plain = lower(str(write_config(tmp_path / "config", values)), lora=QLORA, autocast="bfloat16", use_cache=False)
+    real = _prepared_model(_save_checkpoint(tmp_path / "checkpoint", values), QLORA, recast)
+    original = torch.is_autocast_enabled
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: original(*(args or ("cpu",))))
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (B, S))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the first forward recasts the 4-bit biases
+        real(input_ids=ids)  # (a storage it frees would otherwise be taken for a parameter's by `_saved_per_layer`)
+    saved = _saved_per_layer(real, ids, autocast=True)
+    assert graph.node("layers.1").cost().saved(B, S) == saved[1] > plain.node("layers.1").cost().saved(B, S)
+    assert sum(p.stored_bytes or p.numel * p.itemsize for p in graph.params()) == _device_bytes(real)
+    assert _device_bytes(real) > sum(p.stored_bytes or p.numel * p.itemsize for p in plain.params())
+    # The engine keeps them as prepared: the fp32 adapters, the packed weights, the upcast frozen tensors.
+    config = Config(precision=Precision.BF16_MIXED, engine=Engine.DDP)
+    assert model_states(graph, config).params == _device_bytes(real)
+
+
+def test_axolotl_recast_undoes_the_preparation_of_a_llama(folder):
+    # Every 16-bit parameter of a Llama sits in a norm or an embedding module: axolotl's cast back restores the
+    # unprepared lowering, cost for cost.
+    plain = lower(str(folder), lora=QLORA, autocast="bfloat16", use_cache=False).to_json()
+    recast = lower(str(folder), lora=QLORA, autocast="bfloat16", kbit=AXOLOTL_RECAST, use_cache=False).to_json()
+    assert recast == plain
 
 
 def test_qlora_peaks_hold_one_dequantized_weight(qlora_graph, values):

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from costmodels import Engine, Offload
-from costmodels.config import Loss
+from costmodels.config import Config, Loss
 from graphs.liger import LIGER_KERNELS
 from solver.plan.launchers.common import (
     BETAS,
@@ -46,6 +46,21 @@ LIGER_SWITCHES = {"liger_fused_linear_cross_entropy": True, "liger_rope": LIGER_
                   "liger_cross_entropy": LIGER_KERNELS["cross_entropy"], "liger_layer_norm": False}
 
 LORA_KERNELS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
+
+# axolotl 0.19 loaders/utils.py `get_linear_embedding_layers`: the embedding modules its loader casts, by model type.
+EMBEDDING_MODULES = {"gpt_neox": ("embed_in", "embed_out"), "falcon": ("word_embeddings", "lm_head")}
+
+
+def kbit_preparation(model_type: str, config: Config) -> tuple[str, ...] | None:
+    """What axolotl 0.19's loader does to a 4-bit base (loaders/model.py): `_prepare_model_for_quantization` calls
+    PEFT's `prepare_model_for_kbit_training` (every 16-bit parameter outside the 4-bit layers to fp32) except under
+    FSDP (QLoRA with FSDP, and fitplan's fsdp_config sets cpu_ram_efficient_loading) or DeepSpeed ZeRO-3; then
+    `_configure_embedding_dtypes` casts the modules whose names contain "norm" and the model type's embedding
+    modules back to the compute dtype (its flash-attention dtype fix, for every LoRA run but QLoRA under FSDP).
+    Returns those module-name parts (`graphs.variant.Variant.kbit`), or None where PEFT's preparation is skipped."""
+    if config.engine is Engine.FSDP2 or (config.engine is Engine.DEEPSPEED and config.zero == 3):
+        return None
+    return ("norm", *EMBEDDING_MODULES.get(model_type, ("embed_tokens", "lm_head")))
 
 
 def model_path(plan: Plan) -> str:

@@ -1,0 +1,61 @@
+"""The runtime decides how a 4-bit base is held: axolotl's loader calls PEFT's `prepare_model_for_kbit_training`
+(outside FSDP and ZeRO-3) and casts norms and embeddings back; the Trainer/accelerate launchers' files do not call
+it. `estimate` prices a QLoRA configuration on the lowering its launcher's runtime leaves."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphs import LoraSpec, variant
+from solver.api import estimate
+from tests.graphs.reference import write_config
+from tests.graphs.tiny_configs import tiny_values
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.slow
+
+QLORA = LoraSpec(rank=8, alpha=16, quantization="nf4", double_quant=True)
+DDP = {"engine": "ddp", "precision": "bf16-mixed", "micro_batch": 2, "grad_accum": 1, "dp": 1}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> str:
+    # GPT-2's ln_1/ln_2/ln_f and wte/wpe are named like neither axolotl's norms nor its embedding modules: they stay
+    # fp32 after its cast back, so its prepared lowering differs from the plain one.
+    return str(write_config(tmp_path_factory.mktemp("gpt2"), tiny_values("gpt2")))
+
+
+def _priced(monkeypatch, model: str, config: dict, launcher: str):
+    """The variant `estimate` lowered for the configuration, and the estimate."""
+    seen: list[variant.Variant] = []
+    original = variant._lower
+    monkeypatch.setattr(variant, "_lower", lambda resolved, v: seen.append(v) or original(resolved, v))
+    result = estimate(model, "1xH100", config, seq_len=128, lora=QLORA, launcher=launcher)
+    return seen[-1], result
+
+
+def test_axolotl_qlora_is_priced_on_peft_kbit_preparation(gpt2, monkeypatch):
+    prepared, axolotl = _priced(monkeypatch, gpt2, DDP, "axolotl")
+    plain, trainer = _priced(monkeypatch, gpt2, DDP, "hf")
+    assert prepared.kbit == ("norm", "embed_tokens", "lm_head")
+    assert plain.kbit is None
+    assert prepared.lora == plain.lora == QLORA
+    # fp32 embeddings and norms: more parameter bytes, and a wider residual stream saved for backward.
+    assert axolotl.memory.parameters > trainer.memory.parameters
+    assert axolotl.memory.activations > trainer.memory.activations
+
+
+@pytest.mark.parametrize(("engine", "zero", "kbit"), [("ddp", 0, ("norm", "embed_tokens", "lm_head")),
+                                                    ("deepspeed", 2, ("norm", "embed_tokens", "lm_head")),
+                                                    ("deepspeed", 3, None), ("fsdp2", 3, None)])
+def test_axolotl_prepares_outside_fsdp_and_zero3(gpt2, engine, zero, kbit):
+    # axolotl 0.19 loaders/model.py `_prepare_model_for_quantization` skips PEFT's preparation under DeepSpeed ZeRO-3
+    # and FSDP (fitplan's estimator refuses those engines for a 4-bit base today; the route follows axolotl anyway).
+    from costmodels.config import Config, Engine, Precision
+    from graphs import resolve
+    from solver.search.route import Route, variant_for
+
+    config = Config(precision=Precision.BF16_MIXED, engine=Engine(engine), zero=zero)
+    route = Route(resolved=resolve(gpt2), lora=QLORA, axolotl=True)
+    assert variant_for(config, route, megatron=False).kbit == kbit
+    assert variant_for(config, Route(resolved=resolve(gpt2), lora=QLORA), megatron=False).kbit is None
