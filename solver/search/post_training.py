@@ -312,6 +312,51 @@ def post_workload(post: PostRequest | None, workload: Workload, assumed: list[st
     return Workload(seq_len=seq_len, global_batch=examples * spec.sequences_per_example, post=spec)
 
 
+def estimated_workload(post: PostRequest | None, workload: Workload, assumed: list[str], *,
+                       lora: bool) -> Workload:
+    """The workload `estimate` prices for a post-training request: `post_workload`'s, as `solve` builds it, with the
+    reference strategy pinned, or the first one `solve` searches (a copy, or LoRA's adapter-disabled base)."""
+    if post is None:
+        return workload
+    workload = post_workload(post, workload, assumed)
+    assert workload.post is not None
+    reference = references(post, lora=lora)[0]
+    return replace(workload, post=replace(workload.post, reference=reference))
+
+
+def colocated_share(post: PostRequest | None) -> float:
+    """The share of each training GPU a colocated vLLM engine holds during training, as `solve`'s candidate
+    reserves it: with `--vllm-mode colocate`, the pinned `gpu_memory_utilization` (TRL's default 0.3) unless sleep
+    mode frees it (off by default, as in TRL); a server or no engine holds nothing."""
+    if post is None or post.task not in GENERATION_TASKS or post.vllm_mode != "colocate":
+        return 0.0
+    engine = G.Engine(placement=G.Placement.COLOCATE, tp=post.vllm_tp or 1, sleep=bool(post.sleep),
+                      utilization=post.utilization or G.COLOCATE_DEFAULT_UTILIZATION)
+    return G.engine_resident_bytes(engine, 1 << 40) / (1 << 40)
+
+
+def request_of(record: PostTrainingPlan) -> PostRequest:
+    """The post-training request that reproduces a plan's record (its task, reference, lengths and engine)."""
+    engine = record.generation
+    return PostRequest(task=Task(record.task), reference=record.reference, beta=record.beta,
+                       prompt_len=record.prompt_len, completion_len=record.completion_len,
+                       num_generations=record.num_generations,
+                       vllm_mode=engine.vllm_mode if engine else "auto",
+                       utilization=engine.vllm_gpu_memory_utilization if engine else None,
+                       vllm_tp=engine.vllm_tensor_parallel_size if engine else None,
+                       sleep=engine.vllm_enable_sleep_mode if engine else None)
+
+
+def plan_request(plan: Plan) -> tuple[PostRequest | None, int]:
+    """The post-training request of a plan (None for SFT) and its global batch in the request's unit (examples:
+    pairs for DPO/ORPO), as `solve` was given it."""
+    record = plan.post_training
+    if record is None:
+        return None, plan.inputs.global_batch
+    request = request_of(record)
+    return request, plan.inputs.global_batch // (2 if request.task in PAIR_TASKS else 1)
+
+
 def sequence_length(post: PostRequest | None, seq_len: int | None, *, dataset_lengths: object = None) -> int | None:
     """The sequence length a post-training request implies (prompt + completion when the completion is given), after
     checking the request; `seq_len` unchanged without one."""
