@@ -223,8 +223,7 @@ def price(plan: Plan, request: Request, post: PostRequest, cand: Candidate) -> P
     assert spec is not None
     shape, gpu = model_shape(plan), request.cluster.gpu
     completion = plan.inputs.seq_len - spec.prompt_len
-    passes = int(cand.reference in (Reference.COPY, Reference.ADAPTER, Reference.PRECOMPUTED))
-    passes += int(post.task is Task.GRPO)  # vLLM importance-sampling correction: TRL's old-policy pass (default on)
+    passes = logprob_forwards(post.task, cand.reference)
     logprob = passes * G.logprob_pass_seconds(forward_flops(shape, plan), gpu, gpus=cand.training_gpus)
     generation, sync, engine_plan = 0.0, 0.0, None
     if cand.engine is not None:
@@ -257,6 +256,18 @@ def price(plan: Plan, request: Request, post: PostRequest, cand: Candidate) -> P
                       step_time=total), notes=_notes(post, cand))
 
 
+def logprob_forwards(task: Task, reference: Reference) -> int:
+    """No-grad forwards over the step's sequences beside the policy's training forward: the reference's (DPO's
+    precompute as its share of one epoch); KTO's KL term, a policy forward on mismatched completions and, with a
+    live reference, the reference's on them too (`KTOTrainer._compute_kl_logps`, TRL's default `loss_type="kto"`);
+    GRPO's old-policy pass (TRL computes it for vLLM's importance-sampling correction, on by default)."""
+    live = reference in (Reference.COPY, Reference.ADAPTER)
+    passes = int(live or reference is Reference.PRECOMPUTED)
+    if task is Task.KTO:
+        passes += 1 + int(live)
+    return passes + int(task is Task.GRPO)
+
+
 def sleep_share(plan: Plan, request: Request) -> float:
     """The `gpu_memory_utilization` a sleeping colocated engine can take when it wakes: the usable memory less what
     the trainer keeps between steps (its states; activations are gone), rounded down to a hundredth."""
@@ -283,7 +294,8 @@ def _notes(post: PostRequest, cand: Candidate) -> tuple[str, ...]:
         notes.append("precompute_ref_log_probs: one no-grad pass over the dataset before training, priced per step "
                      "as its share of one epoch")
     if post.task is Task.KTO:
-        notes.append("KTO's KL term (an extra no-grad policy forward on mismatched pairs) is not priced")
+        notes.append("KTO's KL term: no-grad forwards of the policy and the reference on mismatched completions, "
+                     "priced as log-prob passes; TRL needs per_device_train_batch_size > 1 for it")
     if post.task is Task.ORPO:
         notes.append("ORPO (trl.experimental) computes full logits: priced as the SFT cross-entropy, without reference")
     if cand.engine is not None:
