@@ -170,6 +170,11 @@ def solve_post_training(request: Request, post: PostRequest, solve: Solver) -> P
         if best is None or record.time.step_time < best[0]:
             best = (record.time.step_time, found, record)
     if best is None:
+        if failure is not None and post.task is Task.KTO:
+            failure = Infeasible(f"{failure.message} KTO trains at least two examples per micro-batch "
+                                 "(KTOTrainer refuses per_device_train_batch_size 1: its KL term pairs each "
+                                 "completion with another example's prompt).",
+                                 "Raise --global-batch to at least 2 per data-parallel rank.", failure.diagnosis)
         raise failure or Infeasible("No post-training placement fits.", "Use LoRA (--lora-rank) or more GPUs.")
     _, plan, record = best
     runners = tuple(name for name in plan.launchers if name in POST_TRAINING_RUNNERS)

@@ -271,8 +271,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
                 if not zero_has_work(engine, zero, layout, (opt_off, param_off), pins):
                     continue
                 for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
-                    if mb % workload.group:  # DPO: chosen and rejected of a pair share a micro-batch
-                        continue
+                    if mb % workload.group or mb < workload.min_micro_batch:  # DPO: a pair shares a
+                        continue  # micro-batch; KTO's KL term needs two examples in one
                     if mb >= layout["cp"] > 1:
                         continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
                     for prec in precisions:
