@@ -136,6 +136,10 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     batch = global_batch or max(1, cfg.micro_batch * cfg.grad_accum * cfg.dp // group)
     workload, assumed = workload_for(resolved, cluster, seq_len, batch, None)
     workload = post.estimated_workload(post_training, workload, assumed, lora=lora is not None)
+    if cfg.micro_batch % workload.group or cfg.micro_batch < workload.min_micro_batch:
+        raise FitplanError(f"micro_batch={cfg.micro_batch} sequences cannot run {post_training and post_training.task}"
+                           f": TRL needs at least {workload.min_micro_batch} per micro-batch, whole examples of "
+                           f"{workload.group} sequences.", "Pass --micro-batch as a multiple of that.")
     return estimate_config(graph, cluster, workload, cfg)
 
 

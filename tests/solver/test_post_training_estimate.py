@@ -86,6 +86,8 @@ def test_estimate_keeps_the_colocated_engines_share_free_as_solve_does(grpo_plan
 @pytest.mark.parametrize(("args", "message"), [
     (["--task", "ppo"], "ppo is not planned"),
     (["--task", "dpo", "--launcher", "torchrun"], "does not run TRL"),
+    (["--task", "kto", "--micro-batch", "1"], "needs at least 2 per micro-batch"),
+    (["--task", "dpo", "--micro-batch", "3"], "whole examples of 2 sequences"),
     (["--task", "grpo", "--vllm-mode", "colocate", "--vllm-gpu-memory-utilization", "0.99"], "nothing is left"),
 ])
 def test_bad_task_input_to_estimate_exits_2(args, message):
