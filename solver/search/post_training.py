@@ -74,8 +74,12 @@ class Candidate:
 def check(post: PostRequest) -> None:
     """Refuse what is not planned, with the way out."""
     if post.task is Task.PPO:
-        raise FitplanError("--task ppo is not planned: its critic and reward models (OpenRLHF/verl placements) are "
-                           "not priced yet.", "Plan GRPO (--task grpo), which needs no critic, or SFT/DPO.")
+        raise FitplanError("--task ppo is not planned: TRL 1.16 has no PPO trainer (trl.PPOTrainer was removed and "
+                           "trl.experimental has none), and OpenRLHF 0.11.2's and verl 0.9.1's PPO configurations "
+                           "are parsed only by code that imports Ray, so neither a PPO step nor a launcher "
+                           "configuration can be checked against the runtime; its critic and reward models are "
+                           "not priced.", "Plan GRPO (--task grpo), which needs no critic or reward model, or "
+                           "DPO/KTO (--task dpo, --task kto) on preference data.")
     if post.task is Task.SFT:
         raise FitplanError("--task sft is the default planner; post-training options do not apply.",
                            "Leave --task out.")

@@ -84,7 +84,7 @@ def test_estimate_keeps_the_colocated_engines_share_free_as_solve_does(grpo_plan
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--task", "ppo"], "ppo is not planned"),
+    (["--task", "ppo"], "ppo is not planned: TRL 1.16 has no PPO trainer"),
     (["--task", "dpo", "--launcher", "torchrun"], "does not run TRL"),
     (["--task", "kto", "--micro-batch", "1"], "needs at least 2 per micro-batch"),
     (["--task", "dpo", "--micro-batch", "3"], "whole examples of 2 sequences"),
@@ -103,3 +103,13 @@ def test_check_refuses_a_post_training_plan_naming_the_way_to_price_it(dpo_plan,
     assert result.exit_code == 2
     message = " ".join(result.stderr.split())
     assert "TRL's dpo trainer" in message and "fitplan estimate --config" in message
+
+
+def test_the_ppo_refusal_holds_while_trl_has_no_ppo_trainer():
+    """The refusal's reason: TRL 1.16 exports no PPO trainer, top-level or experimental (when it gains one again,
+    PPO can be priced against a real step as DPO, KTO and GRPO are)."""
+    import importlib.util
+
+    trl = pytest.importorskip("trl")
+    assert not hasattr(trl, "PPOTrainer")
+    assert importlib.util.find_spec("trl.experimental.ppo") is None
