@@ -55,6 +55,11 @@ class Workload:
         return 1 if self.post is None else self.post.sequences_per_example
 
     @property
+    def min_micro_batch(self) -> int:
+        """Fewest sequences per micro-batch the trainer accepts (KTO: 2; else one example)."""
+        return 1 if self.post is None else self.post.min_micro_batch
+
+    @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
 

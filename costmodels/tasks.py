@@ -63,6 +63,13 @@ class PostTraining:
         return 2 if self.task in PAIR_TASKS else 1
 
     @property
+    def min_micro_batch(self) -> int:
+        """Fewest sequences a micro-batch may hold: a whole example, and for KTO two examples (`KTOTrainer` refuses
+        `per_device_train_batch_size <= 1` when it computes the KL term from the batch's mismatched completions,
+        trl 1.16 trl/trainer/kto_trainer.py)."""
+        return 2 if self.task is Task.KTO else self.sequences_per_example
+
+    @property
     def fused_head(self) -> bool:
         """TRL 1.16 runs this task with `add_fused_lm_head` (DPO, KTO, GRPO); ORPO (trl.experimental) keeps full
         logits, priced as the SFT lowering's cross-entropy."""

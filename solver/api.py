@@ -15,6 +15,7 @@ from costmodels.cluster import Cluster
 from costmodels.config import Config, Engine
 from costmodels.estimator import estimate as estimate_config
 from costmodels.packing import Lengths
+from costmodels.tasks import PAIR_TASKS
 from graphs import Checkpoint, FitplanError, LoraSpec, resolve
 from solver.plan import capability
 from solver.plan.record import Plan
@@ -98,16 +99,21 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
 
 def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *, seq_len: int | None = None,
              global_batch: int | None = None, lora: LoraSpec | None = None, attention: str | None = None,
-             launcher: str | None = None) -> Estimate:
+             launcher: str | None = None, post_training: PostRequest | None = None) -> Estimate:
     """Memory and time of one given configuration, priced on the lowering `solve` would price it on (the same
     route: torchtitan's model code for the torchtitan launcher or a torchtitan plan's attention, megatron-core's
     layers for Megatron's engine where they lower the model, else the HF code).
 
     `config` may be a `Config` or a dict of its fields; when `global_batch` is None it is micro_batch x
-    grad_accum x dp. `launcher` (optional) must be able to run the configuration.
+    grad_accum x dp. `launcher` (optional) must be able to run the configuration. `post_training` prices the
+    training step of a TRL task as `solve` does (`global_batch` then counts examples, as in `solve`; the reference
+    is the one pinned, else the first `solve` searches).
     """
     resolved = resolve(model)
     cluster = cluster_from(gpus)
+    seq_len = post.sequence_length(post_training, seq_len)  # checks the task
+    if post_training is not None:
+        post.check_launcher(launcher)
     if isinstance(config, dict):  # knobs left unset take the defaults `solve` takes on these GPUs
         config = {**config, **gpu_defaults(cluster, config)}
     unsized = config_from(config, layers=None)
@@ -127,8 +133,14 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     if launcher is not None:
         _check_launcher(launcher, cfg, lora=lora is not None)
-    batch = global_batch or cfg.micro_batch * cfg.grad_accum * cfg.dp
-    workload, _ = workload_for(resolved, cluster, seq_len, batch, None)
+    group = 2 if post_training is not None and post_training.task in PAIR_TASKS else 1
+    batch = global_batch or max(1, cfg.micro_batch * cfg.grad_accum * cfg.dp // group)
+    workload, assumed = workload_for(resolved, cluster, seq_len, batch, None)
+    workload = post.estimated_workload(post_training, workload, assumed, lora=lora is not None)
+    if cfg.micro_batch % workload.group or cfg.micro_batch < workload.min_micro_batch:
+        raise FitplanError(f"micro_batch={cfg.micro_batch} sequences cannot run {post_training and post_training.task}"
+                           f": TRL needs at least {workload.min_micro_batch} per micro-batch, whole examples of "
+                           f"{workload.group} sequences.", "Pass --micro-batch as a multiple of that.")
     return estimate_config(graph, cluster, workload, cfg)
 
 

@@ -201,8 +201,8 @@ def estimate_command(
     seq_len: SeqLen = None,
     launcher: Annotated[Launcher | None, typer.Option(help="Price on the code this launcher runs (torchtitan: its own "
                                                       "model code), and refuse what it cannot express.")] = None,
-    adapters: AdapterOptions = NO_ADAPTERS, cluster: ClusterOptions = STRING_CLUSTER,
-    as_json: AsJson = False, verbose: Verbose = False, **knobs: Any,
+    adapters: AdapterOptions = NO_ADAPTERS, post_training: PostTrainingOptions = NO_POST,
+    cluster: ClusterOptions = STRING_CLUSTER, as_json: AsJson = False, verbose: Verbose = False, **knobs: Any,
 ) -> None:
     """Memory and time of one configuration: will it fit, and where does the memory go?"""
     from solver.cli.commands import estimate_report
@@ -213,7 +213,7 @@ def estimate_command(
         with _quietly(f"Estimating {model} on {gpus}", verbose=verbose) as (log, _progress):
             report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora=lora, headroom=headroom,
                                      launcher=launcher.value if launcher else None,
-                                     cluster_options=cluster.as_dict())
+                                     cluster_options=cluster.as_dict(), post_training=post_training.spec())
     except Exception as error:
         _fail(error)
     if as_json:

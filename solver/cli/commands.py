@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import ValidationError
@@ -13,11 +13,14 @@ from rich.console import Console
 
 from costmodels import Cluster, Estimate, load_gpus
 from costmodels.verdict import DEFAULT_HEADROOM, Verdict, fits
-from graphs import MalformedConfig, catalog_ids, load_entry
+from graphs import FitplanError, MalformedConfig, catalog_ids, load_entry
 from graphs.files import check_depth, parse_json, parse_yaml, read_text
 from graphs.lora import LoraSpec
 from solver.plan.record import Plan
 from solver.search.pins import KNOBS
+
+if TYPE_CHECKING:
+    from solver.search.post_training import PostRequest
 
 GIB = 2**30
 
@@ -64,10 +67,14 @@ class EstimateReport:
 
 def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
                     lora: LoraSpec | None = None, headroom: float | None = None,
-                    cluster_options: dict[str, Any] | None = None, launcher: str | None = None) -> EstimateReport:
+                    cluster_options: dict[str, Any] | None = None, launcher: str | None = None,
+                    post_training: PostRequest | None = None) -> EstimateReport:
     """`lora`: the adapters of the CLI flags (over a plan's own); `launcher`: price on the lowering
-    `solve --launcher` would, and refuse what that launcher cannot run."""
+    `solve --launcher` would, and refuse what that launcher cannot run; `post_training`: the TRL task's step, as
+    `solve --task` prices it (a colocated vLLM engine's share is kept free beside the headroom, as `solve` keeps
+    it). A plan given as the config carries its own task."""
     from solver.api import cluster_from, estimate
+    from solver.search.post_training import colocated_share
 
     cluster = cluster_from(gpus, **(cluster_options or {}))
     values = read_config_file(config_file) if config_file else dict(flags)
@@ -85,9 +92,20 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
         values.pop("pp_split", None)  # the balanced split
     elif isinstance(split, str):  # --pp-split 9,10,10,3
         values["pp_split"] = tuple(part.strip() for part in split.split(",") if part.strip())
-    result = estimate(model, cluster, values, seq_len=seq_len, lora=lora, launcher=launcher)
-    verdict = fits(result, cluster, DEFAULT_HEADROOM if headroom is None else headroom)
-    return EstimateReport(result, verdict, f"{model} on {gpus}")
+    kept = (DEFAULT_HEADROOM if headroom is None else headroom) + colocated_share(post_training)
+    if kept >= 1:
+        raise FitplanError(f"--headroom and the colocated vLLM share keep {kept:.0%} of each GPU: nothing is left "
+                           "to train.", "Lower --vllm-gpu-memory-utilization or --headroom.")
+    result = estimate(model, cluster, values, seq_len=seq_len, lora=lora, launcher=launcher,
+                      post_training=post_training)
+    return EstimateReport(result, fits(result, cluster, kept), _title(model, gpus, post_training))
+
+
+def _title(model: str, gpus: str, post_training: PostRequest | None) -> str:
+    """The report's title: model, GPUs and the post-training task with its reference."""
+    if post_training is None:
+        return f"{model} on {gpus}"
+    return f"{model} on {gpus}, task {post_training.task} (reference {post_training.reference})"
 
 
 def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
@@ -105,13 +123,15 @@ def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len
                  lora: LoraSpec | None = None, launcher: str | None = None) -> EstimateReport:
     """The estimate of a plan's decisions on `model`/`gpus`; seq_len and adapters given as flags override it."""
     from solver.api import estimate
+    from solver.search.post_training import plan_request
 
     d = plan.decisions
     config = {name: getattr(d, name) for name in KNOBS}  # every knob the record declares
     lora = lora or (None if d.lora is None else d.lora.spec())
-    result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len,
-                      global_batch=plan.inputs.global_batch, lora=lora, attention=d.attention, launcher=launcher)
-    return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), f"{model} on {gpus}")
+    post_training, examples = plan_request(plan)
+    result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len, global_batch=examples,
+                      lora=lora, attention=d.attention, launcher=launcher, post_training=post_training)
+    return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), _title(model, gpus, post_training))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

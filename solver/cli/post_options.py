@@ -1,4 +1,5 @@
-"""The post-training options of `solve` (`--task dpo|orpo|kto|grpo` and what goes with it), one option group."""
+"""The post-training options of `solve` and `estimate` (`--task dpo|orpo|kto|grpo` and what goes with it), one
+option group."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class PostTrainingOptions:
 
     OPTION_GROUP = True
     task: Annotated[Literal["sft", "dpo", "orpo", "kto", "grpo", "ppo"], typer.Option(
-        help="What is trained: sft (default), or TRL's dpo, orpo, kto, grpo (ppo is not planned yet). With a "
-             "post-training task --global-batch counts pairs (dpo/orpo), examples (kto) or completions (grpo).",
+        help="What is trained: sft (default), or TRL's dpo, orpo, kto, grpo (ppo exits 2: TRL 1.16 has no PPO "
+             "trainer). With a post-training task --global-batch counts pairs (dpo/orpo), examples (kto) or "
+             "completions (grpo).",
         rich_help_panel=PANEL)] = "sft"
     reference: Annotated[Literal["auto", "copy", "adapter", "precomputed", "none"], typer.Option(
         help="Reference log-probs: a frozen copy, LoRA with adapters disabled, precomputed (DPO), none; auto "

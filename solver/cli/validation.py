@@ -40,12 +40,14 @@ def validate_plan(plan: Plan) -> Estimate:
     """The estimate of the plan's decisions on the model and cluster it records (as `estimate --config` prices a
     plan); raises FitplanError where they cannot run there."""
     from solver.api import estimate
+    from solver.search.post_training import plan_request
 
     d = plan.decisions
     config = {name: getattr(d, name) for name in KNOBS}
+    post_training, examples = plan_request(plan)
     return estimate(plan.inputs.model, plan_cluster(plan.inputs.cluster), config, seq_len=plan.inputs.seq_len,
-                    global_batch=plan.inputs.global_batch, lora=None if d.lora is None else d.lora.spec(),
-                    attention=d.attention)
+                    global_batch=examples, lora=None if d.lora is None else d.lora.spec(),
+                    attention=d.attention, post_training=post_training)
 
 
 def plan_cluster(info: ClusterInfo) -> Cluster:

@@ -82,6 +82,11 @@ def check_plan(path: Path, *, steps: int = 5, device: str = "auto", nproc: int |
     import torch
 
     plan = load_plan(path)
+    if plan.post_training is not None:
+        raise FitplanError(f"{path} plans TRL's {plan.post_training.task} trainer; check runs the plan's torchrun "
+                           "script, a supervised step with none of the task's reference, loss or generation.",
+                           "Run the emitted hf files (TRL's trainer) and compare with `fitplan estimate --config "
+                           f"{path}`, which prices the task's step as solve did.")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     ranks = _ranks(plan, device, nproc, steps)  # before any lowering: an edited dp is refused at once
     if validate is not None:

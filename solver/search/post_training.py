@@ -74,8 +74,12 @@ class Candidate:
 def check(post: PostRequest) -> None:
     """Refuse what is not planned, with the way out."""
     if post.task is Task.PPO:
-        raise FitplanError("--task ppo is not planned: its critic and reward models (OpenRLHF/verl placements) are "
-                           "not priced yet.", "Plan GRPO (--task grpo), which needs no critic, or SFT/DPO.")
+        raise FitplanError("--task ppo is not planned: TRL 1.16 has no PPO trainer (trl.PPOTrainer was removed and "
+                           "trl.experimental has none), and OpenRLHF 0.11.2's and verl 0.9.1's PPO configurations "
+                           "are parsed only by code that imports Ray, so neither a PPO step nor a launcher "
+                           "configuration can be checked against the runtime; its critic and reward models are "
+                           "not priced.", "Plan GRPO (--task grpo), which needs no critic or reward model, or "
+                           "DPO/KTO (--task dpo, --task kto) on preference data.")
     if post.task is Task.SFT:
         raise FitplanError("--task sft is the default planner; post-training options do not apply.",
                            "Leave --task out.")
@@ -170,6 +174,11 @@ def solve_post_training(request: Request, post: PostRequest, solve: Solver) -> P
         if best is None or record.time.step_time < best[0]:
             best = (record.time.step_time, found, record)
     if best is None:
+        if failure is not None and post.task is Task.KTO:
+            failure = Infeasible(f"{failure.message} KTO trains at least two examples per micro-batch "
+                                 "(KTOTrainer refuses per_device_train_batch_size 1: its KL term pairs each "
+                                 "completion with another example's prompt).",
+                                 "Raise --global-batch to at least 2 per data-parallel rank.", failure.diagnosis)
         raise failure or Infeasible("No post-training placement fits.", "Use LoRA (--lora-rank) or more GPUs.")
     _, plan, record = best
     runners = tuple(name for name in plan.launchers if name in POST_TRAINING_RUNNERS)
@@ -223,8 +232,7 @@ def price(plan: Plan, request: Request, post: PostRequest, cand: Candidate) -> P
     assert spec is not None
     shape, gpu = model_shape(plan), request.cluster.gpu
     completion = plan.inputs.seq_len - spec.prompt_len
-    passes = int(cand.reference in (Reference.COPY, Reference.ADAPTER, Reference.PRECOMPUTED))
-    passes += int(post.task is Task.GRPO)  # vLLM importance-sampling correction: TRL's old-policy pass (default on)
+    passes = logprob_forwards(post.task, cand.reference)
     logprob = passes * G.logprob_pass_seconds(forward_flops(shape, plan), gpu, gpus=cand.training_gpus)
     generation, sync, engine_plan = 0.0, 0.0, None
     if cand.engine is not None:
@@ -257,6 +265,18 @@ def price(plan: Plan, request: Request, post: PostRequest, cand: Candidate) -> P
                       step_time=total), notes=_notes(post, cand))
 
 
+def logprob_forwards(task: Task, reference: Reference) -> int:
+    """No-grad forwards over the step's sequences beside the policy's training forward: the reference's (DPO's
+    precompute as its share of one epoch); KTO's KL term, a policy forward on mismatched completions and, with a
+    live reference, the reference's on them too (`KTOTrainer._compute_kl_logps`, TRL's default `loss_type="kto"`);
+    GRPO's old-policy pass (TRL computes it for vLLM's importance-sampling correction, on by default)."""
+    live = reference in (Reference.COPY, Reference.ADAPTER)
+    passes = int(live or reference is Reference.PRECOMPUTED)
+    if task is Task.KTO:
+        passes += 1 + int(live)
+    return passes + int(task is Task.GRPO)
+
+
 def sleep_share(plan: Plan, request: Request) -> float:
     """The `gpu_memory_utilization` a sleeping colocated engine can take when it wakes: the usable memory less what
     the trainer keeps between steps (its states; activations are gone), rounded down to a hundredth."""
@@ -283,7 +303,8 @@ def _notes(post: PostRequest, cand: Candidate) -> tuple[str, ...]:
         notes.append("precompute_ref_log_probs: one no-grad pass over the dataset before training, priced per step "
                      "as its share of one epoch")
     if post.task is Task.KTO:
-        notes.append("KTO's KL term (an extra no-grad policy forward on mismatched pairs) is not priced")
+        notes.append("KTO's KL term: no-grad forwards of the policy and the reference on mismatched completions, "
+                     "priced as log-prob passes; TRL needs per_device_train_batch_size > 1 for it")
     if post.task is Task.ORPO:
         notes.append("ORPO (trl.experimental) computes full logits: priced as the SFT cross-entropy, without reference")
     if cand.engine is not None:
@@ -310,6 +331,51 @@ def post_workload(post: PostRequest | None, workload: Workload, assumed: list[st
         assumed.append(f"global batch {examples} completions: whole groups of {generations} generations")
     spec = PostTraining(task=post.task, prompt_len=prompt, num_generations=generations)
     return Workload(seq_len=seq_len, global_batch=examples * spec.sequences_per_example, post=spec)
+
+
+def estimated_workload(post: PostRequest | None, workload: Workload, assumed: list[str], *,
+                       lora: bool) -> Workload:
+    """The workload `estimate` prices for a post-training request: `post_workload`'s, as `solve` builds it, with the
+    reference strategy pinned, or the first one `solve` searches (a copy, or LoRA's adapter-disabled base)."""
+    if post is None:
+        return workload
+    workload = post_workload(post, workload, assumed)
+    assert workload.post is not None
+    reference = references(post, lora=lora)[0]
+    return replace(workload, post=replace(workload.post, reference=reference))
+
+
+def colocated_share(post: PostRequest | None) -> float:
+    """The share of each training GPU a colocated vLLM engine holds during training, as `solve`'s candidate
+    reserves it: with `--vllm-mode colocate`, the pinned `gpu_memory_utilization` (TRL's default 0.3) unless sleep
+    mode frees it (off by default, as in TRL); a server or no engine holds nothing."""
+    if post is None or post.task not in GENERATION_TASKS or post.vllm_mode != "colocate":
+        return 0.0
+    engine = G.Engine(placement=G.Placement.COLOCATE, tp=post.vllm_tp or 1, sleep=bool(post.sleep),
+                      utilization=post.utilization or G.COLOCATE_DEFAULT_UTILIZATION)
+    return G.engine_resident_bytes(engine, 1 << 40) / (1 << 40)
+
+
+def request_of(record: PostTrainingPlan) -> PostRequest:
+    """The post-training request that reproduces a plan's record (its task, reference, lengths and engine)."""
+    engine = record.generation
+    return PostRequest(task=Task(record.task), reference=record.reference, beta=record.beta,
+                       prompt_len=record.prompt_len, completion_len=record.completion_len,
+                       num_generations=record.num_generations,
+                       vllm_mode=engine.vllm_mode if engine else "auto",
+                       utilization=engine.vllm_gpu_memory_utilization if engine else None,
+                       vllm_tp=engine.vllm_tensor_parallel_size if engine else None,
+                       sleep=engine.vllm_enable_sleep_mode if engine else None)
+
+
+def plan_request(plan: Plan) -> tuple[PostRequest | None, int]:
+    """The post-training request of a plan (None for SFT) and its global batch in the request's unit (examples:
+    pairs for DPO/ORPO), as `solve` was given it."""
+    record = plan.post_training
+    if record is None:
+        return None, plan.inputs.global_batch
+    request = request_of(record)
+    return request, plan.inputs.global_batch // (2 if request.task in PAIR_TASKS else 1)
 
 
 def sequence_length(post: PostRequest | None, seq_len: int | None, *, dataset_lengths: object = None) -> int | None:

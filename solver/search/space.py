@@ -298,8 +298,8 @@ def _outers_of(runnable: Runnable, graph: LayerGraph, workload: Workload, pins: 
     engine, zero, layout = values["engine"], values["zero"], values  # the layout among the values
     outers: list[Outer] = []
     for mb, ga in micro_batches(workload.global_batch // layout["dp"], pins):
-        if mb % workload.group:  # DPO: chosen and rejected of a pair share a micro-batch
-            continue
+        if mb % workload.group or mb < workload.min_micro_batch:  # DPO: a pair shares a micro-batch;
+            continue  # KTO's KL term needs two examples in one
         if mb >= layout["cp"] > 1:
             continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
         for prec in precisions:

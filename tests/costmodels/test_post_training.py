@@ -1,5 +1,5 @@
 """TRL post-training memory (`costmodels/post_training.py`) against real TRL 1.16 steps on CPU with a tiny
-random-initialised Llama, measured by torch's MemTracker (`trl_reference.py`).
+random-initialised Llama, measured by torch's MemTracker (`trl_reference.py`): DPO, KTO and GRPO.
 
 The CPU run takes TRL's torch fallback of the fused log-prob head (`PostTraining(triton=False)`: every shifted
 position scored, full fp32 tiles); the GPU path shares everything else (policy step, reference copy, the head's
@@ -16,7 +16,7 @@ from costmodels.loss import head_shape
 from costmodels.post_training import fused_head, reference_weight_bytes
 from costmodels.tasks import PostTraining, Reference, Task
 from graphs import Checkpoint, lower
-from tests.costmodels.trl_reference import dpo_step_peak, grpo_step_peak
+from tests.costmodels.trl_reference import dpo_step_peak, grpo_step_peak, kto_step_peak
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -45,6 +45,17 @@ def test_dpo_step_peak_matches_memtracker_over_a_real_trl_step(pairs, reference,
     predicted = _predicted(_graph(tmp_path / "m", values), values, sequences=2 * pairs, seq_len=PROMPT + COMPLETION,
                            post=post)
     measured = dpo_step_peak(values, pairs=pairs, prompt=PROMPT, completion=COMPLETION, reference=reference.value)
+    assert predicted == pytest.approx(measured, rel=TOLERANCE)
+
+
+def test_kto_step_peak_with_its_kl_forwards_matches_memtracker_over_a_real_trl_step(tmp_path):
+    """KTO's KL term runs a no-grad policy forward before the training forward and a second no-grad reference
+    forward beside the reference's: neither raises the peak (each is one reference spike's size, run in turn)."""
+    values = tiny_values("llama")
+    post = PostTraining(task=Task.KTO, reference=Reference.COPY, prompt_len=PROMPT, triton=False)
+    predicted = _predicted(_graph(tmp_path / "m", values), values, sequences=2, seq_len=PROMPT + COMPLETION,
+                           post=post)
+    measured = kto_step_peak(values, examples=2, prompt=PROMPT, completion=COMPLETION)
     assert predicted == pytest.approx(measured, rel=TOLERANCE)
 
 
