@@ -100,6 +100,21 @@ def is_moe(config: PretrainedConfig) -> bool:
                 or getattr(config, "n_routed_experts", None))
 
 
+@contextlib.contextmanager
+def _outside_deepspeed_zero3() -> Iterator[None]:
+    """Build the model as a plain module even where the caller's process holds a DeepSpeed ZeRO-3 config (a live
+    `TrainingArguments(deepspeed=...)`: transformers then builds every model under `deepspeed.zero.Init`, which
+    partitions it and asserts the caller's batch sizes); the caller's config is put back afterwards."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
+
+
 def build_model(config: PretrainedConfig, *, dtype: str, attention: str | None) -> torch.nn.Module:
     """Instantiate the causal LM on the meta device (no memory, no init work)."""
     config = copy.deepcopy(config)  # transformers 5 `from_config` mutates the config it is given
@@ -111,7 +126,7 @@ def build_model(config: PretrainedConfig, *, dtype: str, attention: str | None) 
         # grouped_mm takes bf16 only, so other dtypes use batched_mm (one bmm over the routed tokens).
         kwargs["experts_implementation"] = "grouped_mm" if dtype == "bfloat16" else "batched_mm"
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _outside_deepspeed_zero3():
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     except ValueError as err:
         raise UnsupportedModel(
