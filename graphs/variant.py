@@ -90,7 +90,7 @@ def lower_all(resolved: ResolvedModel, variants: Iterable[Variant], *, workers: 
     eager variants first, since a compiled one reads its eager lowering's work). Errors surface when the variant
     is lowered for use (`lower_variant`); here a failed worker leaves its variant to that."""
     missing = [v for v in dict.fromkeys(variants) if load_cached(variant_key(resolved, v)) is None]
-    workers = min(len(missing), workers or os.cpu_count() or 1)
+    workers = min(len(missing), workers or lowering_workers())
     context = spawn_context()
     if workers <= 1 or context is None:  # lowered one by one when used
         return
@@ -98,6 +98,14 @@ def lower_all(resolved: ResolvedModel, variants: Iterable[Variant], *, workers: 
         for batch in ([v for v in missing if not v.compiled], [v for v in missing if v.compiled]):
             for future in [pool.submit(_lower_quietly, resolved, v) for v in batch]:
                 future.result()
+
+
+def lowering_workers() -> int:
+    """How many processes lower at once: $FITPLAN_LOWERING_WORKERS where set (the test suite sets 1: its xdist
+    workers already fill the cores, and each lowering process pays torch's and transformers' imports anew), else one
+    per core."""
+    setting = os.environ.get("FITPLAN_LOWERING_WORKERS", "")
+    return int(setting) if setting.isdigit() and int(setting) > 0 else os.cpu_count() or 1
 
 
 def _lower_quietly(resolved: ResolvedModel, variant: Variant) -> None:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The suite searches without torch.compile unless a test is about it (`compile_search`): an unpinned search then lowers
+# no compiled variant, which halves the cold lowering a test pays (solver/search/pin_rules.AUTO_COMPILE_SETTING).
+# Lowerings run in the test's own process: the xdist workers already fill the cores (graphs/variant.lowering_workers).
+os.environ.setdefault("FITPLAN_AUTO_COMPILE", "off")
+os.environ.setdefault("FITPLAN_LOWERING_WORKERS", "1")
 
 # Native threads of a gloo process group's context (`comm` names as Linux shows them). A group that stays
 # referenced after `destroy_process_group` keeps them polling: megatron-core's groups did, thousands per xdist
@@ -35,3 +42,20 @@ def no_leaked_gloo_groups() -> Iterator[None]:
         pytest.fail(f"this module left {left} gloo threads running: a process group it created is still "
                     "referenced after destroy_process_group (run world-size-1 code on the 'fake' backend, or "
                     "spawn ranks as tests/gloo.py does)", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compile_search_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module marked `compile_search` (its module-scoped fixtures included) sees the product's default: an unpinned
+    --compile is searched."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.node.get_closest_marker("compile_search") is not None:
+            patch.setenv("FITPLAN_AUTO_COMPILE", "search")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def compile_search(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One test marked `compile_search` sees the product's default (`compile_search_module`)."""
+    if request.node.get_closest_marker("compile_search") is not None:
+        monkeypatch.setenv("FITPLAN_AUTO_COMPILE", "search")

@@ -4,6 +4,7 @@ another (activation offload needs full recompute). Each change is said in the pl
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from costmodels.config import Config, Loss
@@ -19,6 +20,10 @@ from solver.search.pins import KNOBS, Pins
 # gradient clipping (torchtune's optimizer_in_bwd refuses clipping; the plan says so where it is chosen).
 SAVER_CHOICES: dict[str, tuple[Any, ...]] = {"optimizer_in_backward": (False, True), "loss": tuple(Loss),
                                              "activation_offload": (False, True)}
+# An environment setting for quick, repeated searches (the test suite sets it): "off" leaves torch.compile out of an
+# unpinned search, which then lowers no compiled variant (each costs a second trace through AOTAutograd, about as
+# long as the eager one). Unset or "search", an unpinned --compile is the search's choice.
+AUTO_COMPILE_SETTING = "FITPLAN_AUTO_COMPILE"
 # The knobs that save memory without changing the training (besides the optimizer): pinned, they can leave no
 # configuration for a reason of their own (the model, or no launcher), which is said instead of a pin search.
 SAVERS = ("optimizer_in_backward", "loss", "activation_offload")
@@ -42,6 +47,7 @@ def prepared(pins: Pins, *, allow_savers: bool, lora: LoraSpec | None) -> tuple[
     if allow_savers:
         pins, notes = with_savers(pins, notes)
     pins, notes = titan_losses(pins, notes)
+    pins, notes = auto_compile(pins, notes)
     pins, notes = installed_losses(pins, notes)
     if lora is not None and (lora.quantization or lora.use_dora or lora.use_rslora or lora.modules_to_save) and \
             pins.launcher not in (None, *capability.PEFT_VARIANT_RUNNERS):
@@ -79,6 +85,18 @@ def titan_losses(pins: Pins, notes: list[str]) -> tuple[Pins, list[str]]:
     return pinned_set(pins, "loss", (Loss.CHUNKED, Loss.HF)), [
         *notes, "loss: torchtitan's ChunkedLossWrapper or its plain cross-entropy, as the search chooses "
         "(--loss chunked or --loss hf pins one)"]
+
+
+def auto_compile(pins: Pins, notes: list[str]) -> tuple[Pins, list[str]]:
+    """An unpinned --compile pinned off where the environment says so (`AUTO_COMPILE_SETTING`), and the note."""
+    setting = os.environ.get(AUTO_COMPILE_SETTING, "search")
+    if setting not in ("search", "off"):
+        raise FitplanError(f"{AUTO_COMPILE_SETTING}={setting!r} is neither 'search' nor 'off'.",
+                           f"Unset {AUTO_COMPILE_SETTING}, or set it to 'off' to leave torch.compile unsearched.")
+    if setting == "search" or pins.allowed("compile") is not None:
+        return pins, notes
+    return pinned(pins, "compile", False), [*notes, f"torch.compile not searched ({AUTO_COMPILE_SETTING}=off; "
+                                                    "unset it to search torch.compile, or pin --compile on)"]
 
 
 def installed_losses(pins: Pins, notes: list[str]) -> tuple[Pins, list[str]]:

@@ -21,6 +21,9 @@ from solver import solve
 from solver.plan.record import Plan
 from tests.solver.test_parallel_launchers import megatron_checked, plan_for
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 MODEL = "meta-llama/Llama-3.1-8B"  # untied head; vocab 128256 pads to itself for tp <= 2 (128 x tp)
 LAYERS = 32
 VOCAB = 128256

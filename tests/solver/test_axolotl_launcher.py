@@ -36,6 +36,9 @@ from solver.plan.record import LoraDecision, Plan
 from tests.solver import test_launcher_matrix as matrix
 from tests.solver.test_launcher_matrix import HF_OPTIM, LAYERS, VARIANTS, WORLD, vary
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 base = matrix.base  # the matrix's plan (Llama-3.2-1B on 8xH100), a module fixture
 
 FIELDS = json.loads((Path(__file__).parent / "data" / "axolotl_fields.json").read_text())

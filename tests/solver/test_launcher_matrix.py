@@ -37,6 +37,9 @@ from solver.search.space import ENGINE_STAGES
 from tests.solver import megatron_args
 from tests.solver.test_launchers import flag_values, parse_deepspeed, unknown_flags, write
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 LAYERS = 16  # Llama-3.2-1B
 WORLD = 8
 HALF = {Precision.BF16_MIXED: "bf16", Precision.BF16: "bf16", Precision.FP8: "bf16", Precision.FP16_MIXED: "fp16"}

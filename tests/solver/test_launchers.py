@@ -25,6 +25,9 @@ from solver.plan.launchers.common import checkpointed_layers
 from solver.plan.record import Plan
 from tests.graphs.tiny_configs import tiny_values
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 GPT2 = {"seq_len": 512, "global_batch": 64, "time_limit": 5}
 # name -> (model, gpus, solve keywords). Each pin forces the decision the name gives.
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {

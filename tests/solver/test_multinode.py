@@ -22,6 +22,9 @@ from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 from tests.solver.test_end_to_end import assert_states_as_priced
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 BIN = str(Path(sys.executable).parent)
 
 

@@ -30,6 +30,9 @@ from solver.plan.record import Plan
 from tests.solver.megatron_args import H100, megatron_stage_layers, validate
 from tests.solver.test_launchers import flag_values, unknown_flags
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 
 @pytest.fixture(scope="module")
 def small() -> Plan:

@@ -17,6 +17,9 @@ from solver.cli.commands import explain_plan
 from solver.plan.capability import block_recompute_layers
 from solver.plan.launchers import emit
 
+# Plans as users get them: torch.compile searched, as without FITPLAN_AUTO_COMPILE (tests/conftest.py).
+pytestmark = pytest.mark.compile_search
+
 GIB = 2**30
 
 

@@ -45,6 +45,7 @@ def test_8bit_adamw_under_deepspeed_optimizer_offload_is_refused_and_never_plann
                 and o.optimizer_offload is not Offload.NONE]
 
 
+@pytest.mark.compile_search  # the space and advice of an unpinned --compile
 def test_compile_is_not_credited_inside_deepspeed_zero3():
     from costmodels.compilation import COMPILED_MEMORY_BOUND_SPEEDUP, memory_bound_speedup
 

@@ -103,8 +103,12 @@ def parse_with_runtime(launcher: str, found: Plan, files: dict[str, str], folder
         config = parse(write(files, folder))
         par, train = config.parallelism, config.training
         d = found.decisions
-        assert (par.tensor_parallel_degree, train.local_batch_size, train.seq_len) == (d.tp, d.micro_batch,
+        # under a pipeline, a step's micro-batches are torchtitan's local batch split in microbatch-size pieces
+        local = d.micro_batch * (d.grad_accum if d.pp > 1 else 1)
+        assert (par.tensor_parallel_degree, train.local_batch_size, train.seq_len) == (d.tp, local,
                                                                                      found.inputs.seq_len)
+        assert d.pp == 1 or (par.pipeline_parallel_degree, par.pipeline_parallel_microbatch_size) == (d.pp,
+                                                                                                   d.micro_batch)
         assert train.global_batch_size == found.inputs.global_batch
         assert config.compile.enable is d.compile
         return
