@@ -15,6 +15,7 @@ from graphs import Layer, LayerGraph
 from .cluster import Cluster
 from .collectives import Group, all_gather_seconds, reduce_scatter_seconds
 from .config import Config
+from .identity_memo import IdentityMemo
 from .zero import local_shape, persistence_threshold, prefetch_bucket_elements
 
 
@@ -60,10 +61,17 @@ def exposed_seconds(fetches: Sequence[Fetch], *, bucket: int) -> float:
     return max(clock, link) - busy
 
 
+_MODULES: IdentityMemo[list[tuple[int, int]]] = IdentityMemo()
+
+
 def modules(layer: Layer, config: Config, hidden: int) -> list[tuple[int, int]]:
     """(gathered, trainable) elements of each module of `layer` on one TP rank, in registration order (the order
     a transformer block runs its linears), less the parameters ZeRO-3 keeps whole (at most
-    `stage3_param_persistence_threshold` elements: norms, biases)."""
+    `stage3_param_persistence_threshold` elements: norms, biases). Memoised: the search asks per configuration."""
+    return _MODULES.get((layer,), (config.tp, config.engine, hidden), lambda: _modules(layer, config, hidden))
+
+
+def _modules(layer: Layer, config: Config, hidden: int) -> list[tuple[int, int]]:
     threshold = persistence_threshold(hidden)
     grouped: dict[str, list[int]] = {}
     for p in layer.params:
@@ -83,6 +91,7 @@ def pass_fetches(graph: LayerGraph, cluster: Cluster, config: Config, group: Gro
     each carries its gradients' reduce-scatter."""
     fetches: list[Fetch] = []
     pending = 0.0  # compute of nodes without gathered parameters, not yet given to a fetch
+    links: dict[tuple[int, int], tuple[float, float]] = {}  # (gather, reduce) seconds by module size
     for layer, seconds in zip(graph.nodes(), node_seconds, strict=True):
         own = modules(layer, config, graph.dims.hidden)
         total = sum(g for g, _ in own)
@@ -92,9 +101,12 @@ def pass_fetches(graph: LayerGraph, cluster: Cluster, config: Config, group: Gro
                 fetches[-1], pending = replace(fetches[-1], compute=fetches[-1].compute + pending), 0.0
             continue
         for k, (gathered, trainable) in enumerate(own):
-            fetches.append(Fetch(numel=gathered, gather=all_gather_seconds(cluster, group, gathered * itemsize),
-                                 compute=seconds * gathered / total + (pending if k == 0 else 0.0),
-                                 reduce=reduce_scatter_seconds(cluster, group, trainable * reduce_itemsize)))
+            if (gathered, trainable) not in links:  # a model's modules come in a few sizes
+                links[gathered, trainable] = (all_gather_seconds(cluster, group, gathered * itemsize),
+                                              reduce_scatter_seconds(cluster, group, trainable * reduce_itemsize))
+            gather, reduce = links[gathered, trainable]
+            fetches.append(Fetch(numel=gathered, gather=gather, reduce=reduce,
+                                 compute=seconds * gathered / total + (pending if k == 0 else 0.0)))
         pending = 0.0
     return fetches
 

@@ -249,11 +249,12 @@ def choose(model: str, tokens: float, *, gpu_types: Sequence[str] = DEFAULT_GPU_
 def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, table: dict[str, GpuPrice],
                 spot: bool, progress: Callable[[Point], None] | None, workers: int | None,
                 **solve_options: Any) -> list[Point]:
-    """Every cluster's point, in sweep order: the first cluster of each GPU type first (its lowerings land in the
-    disk cache), then the others, which read them; in `workers` processes where the caller allows them."""
+    """Every cluster's point, in sweep order: the first cluster of each GPU type submitted first, then the others,
+    in `workers` processes where the caller allows them. A lowering is made once: a process that needs one another
+    is making waits for it and reads it from the disk cache (`graphs.cache.cached_or_lowered`)."""
     first = {gpu.id: (gpu, count) for gpu, count in reversed(sweep)}  # the smallest count of each type
     rest = [(gpu, count) for gpu, count in sweep if first[gpu.id] != (gpu, count)]
-    workers = min(max(len(first), len(rest)), workers or os.cpu_count() or 1)
+    workers = min(len(sweep), workers or os.cpu_count() or 1)
     context = spawn_context()
     found: dict[tuple[str, int], Point] = {}
 
@@ -267,13 +268,19 @@ def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, 
         for gpu, count in [*first.values(), *rest]:
             record(gpu.id, count, plan_point(model, gpu, count, price=table[gpu.id], **options))
     else:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            for batch in (list(first.values()), rest):
-                futures = {pool.submit(plan_point, model, gpu, count, price=table[gpu.id], **options):
-                           (gpu.id, count) for gpu, count in batch}
-                for future in concurrent.futures.as_completed(futures):
-                    record(*futures[future], future.result())
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                    initializer=_lower_in_process) as pool:
+            futures = {pool.submit(plan_point, model, gpu, count, price=table[gpu.id], **options):
+                       (gpu.id, count) for gpu, count in [*first.values(), *rest]}
+            for future in concurrent.futures.as_completed(futures):
+                record(*futures[future], future.result())
     return [found[gpu.id, count] for gpu, count in sweep]
+
+
+def _lower_in_process() -> None:
+    """A sweep worker lowers in its own process: the sweep's workers already fill the cores
+    (`graphs.variant.lowering_workers`)."""
+    os.environ["FITPLAN_LOWERING_WORKERS"] = "1"
 
 
 def _check_request(tokens: float, deadline_hours: float | None, budget_usd: float | None) -> None:

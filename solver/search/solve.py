@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from costmodels.config import Config, Offload
 from costmodels.estimator import estimate
+from costmodels.identity_memo import IdentityMemo
 from costmodels.lowering import shared_lowering
 from costmodels.pipeline_stages import stage_layers
 from graphs import Checkpoint, FitplanError, LayerGraph
@@ -74,6 +75,10 @@ def solve_request(request: Request, pins: Pins) -> Plan:
     return assemble(prepared, searched, outer, modes, result)
 
 
+# The spaces of recent searches: a plan's side searches (other headrooms, `risk`) search the same space again.
+_SPACES: IdentityMemo[Space] = IdentityMemo(limit=16)
+
+
 def prepare(request: Request, pins: Pins) -> Prepared:
     """The inputs, launchers, lowerings and space of a search; `Infeasible` when pins and divisibility leave no
     configuration at all."""
@@ -91,7 +96,8 @@ def prepare(request: Request, pins: Pins) -> Prepared:
                            f"Launchers that can: {', '.join(launchers)}.")
     any_graph = lowerings(Outer())
     pipelined = pipeline_launchers(inputs, launchers)
-    space = outer_space(any_graph, request.cluster, request.workload, pins, launchers, pipelined)
+    space = _SPACES.get((any_graph,), (request.cluster, request.workload, pins, launchers, pipelined),
+                        lambda: outer_space(any_graph, request.cluster, request.workload, pins, launchers, pipelined))
     if any_graph.runtime == "torchtitan":
         space = titan_priced(space, lora=request.lora is not None)
     if not space.outers and not space.pipelines:
