@@ -58,7 +58,7 @@ class LoraSpec:
             except ValueError:
                 raise ValueError(f"LoRA quantization={self.quantization!r} must be one of "
                                  f"{[q.value for q in Quantization]} or None") from None
-        if self.double_quant and (self.quantization is None or self.quantization.bits != 4):
+        if self.double_quant and not self.four_bit:
             raise ValueError("double_quant applies to 4-bit base weights only (quantization nf4 or fp4)")
         for name in ("double_quant", "use_dora", "use_rslora"):
             if not isinstance(getattr(self, name), bool):
@@ -70,6 +70,11 @@ class LoraSpec:
             if not isinstance(module, str) or not _MODULE_NAME.fullmatch(module) or module == ALL_LINEAR:
                 raise ValueError(f"LoRA modules_to_save entry {str(module)[:60]!r} is not a module name")
         self._check_adapter()
+
+    @property
+    def four_bit(self) -> bool:
+        """A 4-bit base (QLoRA: nf4 or fp4), what double quantisation and PEFT's k-bit preparation apply to."""
+        return self.quantization is not None and self.quantization.bits == 4
 
     def _check_adapter(self) -> None:
         for name in ("rank", "alpha"):

@@ -68,7 +68,7 @@ def lower_resolved(resolved: ResolvedModel, *, dtype: str = "bfloat16", autocast
         raise ValueError(f"autocast={autocast!r} must be None, bfloat16 or float16")
     if liger and compiled:
         raise ValueError("liger=True with compiled=True: torch.compile over Liger's Triton kernels is not traced")
-    if kbit is not None and (lora is None or lora.quantization is None or lora.quantization.bits != 4):
+    if kbit is not None and (lora is None or not lora.four_bit):
         raise ValueError("kbit (PEFT's prepare_model_for_kbit_training) applies to 4-bit bases only (QLoRA)")
     key = hf_key(resolved, dtype=dtype, autocast=autocast, attention=attention, lora=lora,
                  op_selective=op_selective, compiled=compiled, liger=liger, kbit=kbit)

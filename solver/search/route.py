@@ -47,8 +47,7 @@ class Route:
     def kbit(self, config: Config) -> tuple[str, ...] | None:
         """How the runtime leaves a 4-bit base for `config` (`graphs.variant.Variant.kbit`): None when it runs no
         PEFT k-bit preparation."""
-        lora = self.lora
-        if not self.axolotl or lora is None or lora.quantization is None or lora.quantization.bits != 4:
+        if not self.axolotl or self.lora is None or not self.lora.four_bit:
             return None
         return kbit_preparation(self.resolved.model_type, config)
 
