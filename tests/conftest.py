@@ -13,6 +13,26 @@ import pytest
 # Lowerings run in the test's own process: the xdist workers already fill the cores (graphs/variant.lowering_workers).
 os.environ.setdefault("FITPLAN_AUTO_COMPILE", "off")
 os.environ.setdefault("FITPLAN_LOWERING_WORKERS", "1")
+_SEEDED = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Seed the run's lowering cache from the suite's store once, in the controller, before any xdist worker starts
+    (tests/lowering_store.py): a stale store seeds nothing and the run lowers afresh."""
+    if hasattr(config, "workerinput"):
+        return
+    from graphs.cache import cache_dir
+    from tests.lowering_store import REFRESH, STORE, seed
+
+    written = seed(cache_dir())
+    config.stash[_SEEDED] = (f"lowering store: {written} lowerings seeded into {cache_dir()}" if written is not None
+                             else f"lowering store {STORE.name} is stale (graphs/ or a lowering library changed), "
+                                  f"so this run lowers afresh; after a cold run refresh it: {REFRESH}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if _SEEDED in config.stash:
+        terminalreporter.write_line(config.stash[_SEEDED])
 
 # Native threads of a gloo process group's context (`comm` names as Linux shows them). A group that stays
 # referenced after `destroy_process_group` keeps them polling: megatron-core's groups did, thousands per xdist
