@@ -65,6 +65,18 @@ def no_leaked_gloo_groups() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="module")
+def no_leaked_deepspeed_config() -> Iterator[None]:
+    """Forget, after each module, a ZeRO-3 `TrainingArguments` the module left alive: transformers keeps it as a
+    process-wide weak reference and then builds every model under `deepspeed.zero.Init` with that config's batch
+    sizes, so a later module's plain `from_config` failed DeepSpeed's batch assertion (an order-dependent failure)."""
+    yield
+    import sys
+
+    if (deepspeed := sys.modules.get("transformers.integrations.deepspeed")) is not None:
+        deepspeed.unset_hf_deepspeed_config()
+
+
+@pytest.fixture(autouse=True, scope="module")
 def compile_search_module(request: pytest.FixtureRequest) -> Iterator[None]:
     """A module marked `compile_search` (its module-scoped fixtures included) sees the product's default: an unpinned
     --compile is searched."""
