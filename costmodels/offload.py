@@ -73,8 +73,8 @@ def copy_seconds(cluster: Cluster, config: Config, *, partition: int, params: in
     if config.optimizer_offload is not Offload.NONE:
         # DeepSpeed: gradients down, updated parameters up, once per step. FSDP2's CPUOffloadPolicy keeps the
         # parameters on the host (they go up in the fetch below, before each use) and reduce-scatters, then copies
-        # down, the gradients of every micro-batch (`foreach_reduce`).
-        crossings = config.grad_accum if params_live_on_host(config) else 2
+        # down, the gradients of every micro-batch (`foreach_reduce`), of the whole step under a pipeline.
+        crossings = (config.grad_accum if config.pp == 1 else 1) if params_live_on_host(config) else 2
         moved = crossings * partition * moved_itemsize(config, grad_bytes)
         seconds += moved / pcie
         if config.optimizer_offload is Offload.NVME:

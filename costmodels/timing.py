@@ -236,7 +236,7 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=shard_ranks(config), engine=config.engine,
                            sharded=sharding(config).params > 1, ep=config.ep)
     offload = fsdp2_offload_seconds(graph, cluster, config, nodes, partition=partition, shard=shard) \
-        if params_live_on_host(config) else \
+        if params_live_on_host(config) and config.pp == 1 else \
         offload_seconds(cluster, config, partition=partition, params=shard,
                         grad_bytes=precision.compute_itemsize(config.precision))
     # Memory savers' host traffic: paged optimizer states in and out, offloaded activations compute cannot hide.
@@ -313,9 +313,10 @@ def zero3_fetch_seconds(graph: LayerGraph, cluster: Cluster, config: Config, gro
 
 def fsdp2_offload_seconds(graph: LayerGraph, cluster: Cluster, config: Config, nodes: Sequence[tuple[float, float]],
                           *, partition: int, shard: int) -> float:
-    """Seconds per step of FSDP2's CPUOffloadPolicy: the host optimizer step, the decoder layers' copies as its
-    streams run them beside their compute and collectives (`offload_schedule`, compute without recompute as the
-    collectives' overlap counts it), and the root unit's copies exposed (gathered first, reduced last).
+    """Seconds per step of FSDP2's CPUOffloadPolicy without a pipeline: the host optimizer step, the decoder
+    layers' copies as its streams run them beside their compute and collectives (`offload_schedule`, compute
+    without recompute as the collectives' overlap counts it), and the root unit's copies exposed (gathered first,
+    reduced last). A pipeline's FSDP2 reduces once per step, after its schedule: its copies are priced exposed.
 
     The first micro-batch copies its gradients down without blocking; later ones accumulate into the host gradient,
     which `foreach_reduce` copies synchronously, as it does every copy under optimizer-in-backward's hooks.
