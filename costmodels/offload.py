@@ -54,31 +54,46 @@ def torch_cpu_optimizer(optimizer: Optimizer) -> str:
 
 
 def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params: int, grad_bytes: int) -> float:
-    """Exposed seconds per step of offload traffic and the host optimizer step.
+    """Seconds per step of offload traffic, every copy exposed, and the host optimizer step.
 
     `partition` is the number of trainable elements this rank's optimizer owns and `params` the elements of
     its parameter shard (frozen ones included); `grad_bytes` the bytes of one 16-bit element (DeepSpeed moves
-    gradients and parameters in the compute dtype, FSDP2 its fp32 shards).
+    gradients and parameters in the compute dtype, FSDP2 its shards in their own dtype). FSDP2's copies run beside
+    its compute: `timing` prices them as its streams schedule them (`offload_schedule`) instead of `copy_seconds`.
     """
+    return copy_seconds(cluster, config, partition=partition, params=params, grad_bytes=grad_bytes) + \
+        host_step_seconds(cluster, config, partition=partition)
+
+
+def copy_seconds(cluster: Cluster, config: Config, *, partition: int, params: int, grad_bytes: int) -> float:
+    """Seconds per step of the PCIe and NVMe traffic of offloaded states, one copy after another."""
     ranks = min(cluster.gpus_per_node, config.world_size)
     pcie = _host_link(cluster)
     seconds = 0.0
     if config.optimizer_offload is not Offload.NONE:
-        # DeepSpeed: gradients down, updated parameters up. FSDP2's CPUOffloadPolicy keeps the parameters on the
-        # host, so only the gradients come down here: the parameters go up in the fetch below, before each use.
-        crossings = 1 if _params_live_on_host(config) else 2
-        moved = crossings * partition * _moved_itemsize(config, grad_bytes)
+        # DeepSpeed: gradients down, updated parameters up, once per step. FSDP2's CPUOffloadPolicy keeps the
+        # parameters on the host (they go up in the fetch below, before each use) and reduce-scatters, then copies
+        # down, the gradients of every micro-batch (`foreach_reduce`), of the whole step under a pipeline.
+        crossings = (config.grad_accum if config.pp == 1 else 1) if params_live_on_host(config) else 2
+        moved = crossings * partition * moved_itemsize(config, grad_bytes)
         seconds += moved / pcie
-        seconds += _cpu_step_seconds(cluster, config, partition * ranks)
         if config.optimizer_offload is Offload.NVME:
             seconds += 2 * 12 * partition * ranks / max(cluster.nvme_bandwidth, 1.0)
     if config.param_offload is not Offload.NONE:
         # Each micro-batch fetches the rank's parameter shard for forward and again for backward.
-        fetched = 2 * params * _moved_itemsize(config, grad_bytes) * config.grad_accum
+        fetched = 2 * params * moved_itemsize(config, grad_bytes) * config.grad_accum
         seconds += fetched / pcie
         if config.param_offload is Offload.NVME:
             seconds += fetched * ranks / max(cluster.nvme_bandwidth, 1.0)
     return seconds
+
+
+def host_step_seconds(cluster: Cluster, config: Config, *, partition: int) -> float:
+    """Seconds per step of the host optimizer over `partition` elements per rank (0 without optimizer offload):
+    it runs after backward's last gradient lands, beside nothing."""
+    if config.optimizer_offload is Offload.NONE:
+        return 0.0
+    return _cpu_step_seconds(cluster, config, partition * min(cluster.gpus_per_node, config.world_size))
 
 
 def _host_link(cluster: Cluster) -> float:
@@ -105,12 +120,12 @@ def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
     return step * (1.0 if own else cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)])
 
 
-def _params_live_on_host(config: Config) -> bool:
+def params_live_on_host(config: Config) -> bool:
     """FSDP2's CPUOffloadPolicy: the sharded parameters (and the optimizer stepping them) stay on the host."""
     return rules_of(config.engine).offload_moves_all_states and config.param_offload is not Offload.NONE
 
 
-def _moved_itemsize(config: Config, grad_bytes: int) -> int:
+def moved_itemsize(config: Config, grad_bytes: int) -> int:
     """Bytes per element crossing PCIe: FSDP2's CPUOffloadPolicy moves its sharded parameters and gradients in
     their own dtype (fp32 under mixed precision, bf16 under pure bf16), DeepSpeed the 16-bit gradients and
     parameters (`grad_bytes`)."""

@@ -3,6 +3,7 @@ the engine overlaps them), offload, and the optimizer step."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
@@ -38,7 +39,8 @@ from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes, te_cast_bytes
 from .identity_memo import IdentityMemo
 from .loss import timed_layer
-from .offload import offload_seconds
+from .offload import _host_link, host_step_seconds, moved_itemsize, offload_seconds, params_live_on_host
+from .offload_schedule import Unit, exposed_copy_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
 from .prefetch import zero3_seconds
@@ -233,8 +235,10 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                                engine=config.engine, sharded=sharding(config).optimizer > 1, ep=config.ep)
     shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=shard_ranks(config), engine=config.engine,
                            sharded=sharding(config).params > 1, ep=config.ep)
-    offload = offload_seconds(cluster, config, partition=partition, params=shard,
-                              grad_bytes=precision.compute_itemsize(config.precision))
+    offload = fsdp2_offload_seconds(graph, cluster, config, nodes, partition=partition, shard=shard) \
+        if params_live_on_host(config) and config.pp == 1 else \
+        offload_seconds(cluster, config, partition=partition, params=shard,
+                        grad_bytes=precision.compute_itemsize(config.precision))
     # Memory savers' host traffic: paged optimizer states in and out, offloaded activations compute cannot hide.
     offload += paging_seconds(cluster, paged_split(graph, config)) + activation_offload.step_seconds(
         graph, cluster, config, speed, s=s, memory_speedup=memory_speedup)
@@ -305,6 +309,61 @@ def zero3_fetch_seconds(graph: LayerGraph, cluster: Cluster, config: Config, gro
                                    itemsize=precision.compute_itemsize(config.precision),
                                    reduce_itemsize=_reduce_itemsize(config))
     return exposed, 0.0, config.grad_accum * total
+
+
+def fsdp2_offload_seconds(graph: LayerGraph, cluster: Cluster, config: Config, nodes: Sequence[tuple[float, float]],
+                          *, partition: int, shard: int) -> float:
+    """Seconds per step of FSDP2's CPUOffloadPolicy without a pipeline: the host optimizer step, the decoder
+    layers' copies as its streams run them beside their compute and collectives (`offload_schedule`, compute
+    without recompute as the collectives' overlap counts it), and the root unit's copies exposed (gathered first,
+    reduced last). A pipeline's FSDP2 reduces once per step, after its schedule: its copies are priced exposed.
+
+    The first micro-batch copies its gradients down without blocking; later ones accumulate into the host gradient,
+    which `foreach_reduce` copies synchronously, as it does every copy under optimizer-in-backward's hooks.
+    """
+    units, (forward_lead, backward_lead, backward_tail) = offload_units(graph, cluster, config, nodes)
+    kwargs = {"forward_lead": forward_lead, "backward_lead": backward_lead, "backward_tail": backward_tail,
+              "regather": config.zero == 3}
+    ga = config.grad_accum
+    layers = exposed_copy_seconds(units, blocking=config.optimizer_in_backward, **kwargs) + \
+        (ga - 1) * exposed_copy_seconds(units, blocking=True, **kwargs)
+    link = _host_link(cluster)
+    itemsize = moved_itemsize(config, precision.compute_itemsize(config.precision))
+    # the root unit holds what the decoder layers do not (embeddings, final norm, head)
+    root_up = max(0.0, shard * itemsize / link - sum(u.up for u in units))
+    root_down = max(0.0, partition * itemsize / link - sum(u.down for u in units))
+    fetches = 2 if config.zero == 3 else 1
+    return host_step_seconds(cluster, config, partition=partition) + layers + ga * (fetches * root_up + root_down)
+
+
+def offload_units(graph: LayerGraph, cluster: Cluster, config: Config,
+                  nodes: Sequence[tuple[float, float]]) -> tuple[list[Unit], tuple[float, float, float]]:
+    """Each decoder layer's FSDP2 unit in forward order (its micro-batch compute from `nodes`, collectives and
+    PCIe copies of its shard), and the root's compute around them: forward before the first layer, backward after
+    the last and before the first."""
+    group, link = dp_group(cluster, config.tp, shard_ranks(config)), _host_link(cluster)
+    replicas, split = _replicas(cluster, config), sharding(config)
+    itemsize = moved_itemsize(config, precision.compute_itemsize(config.precision))
+    param_itemsize, reduce_itemsize = precision.compute_itemsize(config.precision), _reduce_itemsize(config)
+    elements = {"tp": config.tp, "engine": config.engine, "ep": config.ep}
+    units, by_kind = [], {}  # layers of one kind cost the same
+    decoder = [(i, layer) for i, layer in enumerate(graph.nodes()) if layer.role is Role.DECODER]
+    for index, layer in decoder:
+        if layer.kind not in by_kind:
+            trainable = tuple(p for p in layer.params if p.trainable)
+            gathered = local_elements(layer.params, dp=1, sharded=False, **elements)
+            reduced = local_elements(trainable, dp=1, sharded=False, **elements)
+            held = local_elements(layer.params, dp=shard_ranks(config), sharded=split.params > 1, **elements)
+            owned = local_elements(trainable, dp=shard_ranks(config), sharded=split.optimizer > 1, **elements)
+            forward, backward = nodes[index]
+            gather = all_gather_seconds(cluster, group, gathered * param_itemsize)
+            reduce = gradient_reduce_seconds(cluster, group, replicas, reduced * reduce_itemsize) if reduced else 0.0
+            by_kind[layer.kind] = Unit(forward=forward, backward=backward, gather=gather, reduce=reduce,
+                                       up=held * itemsize / link, down=owned * itemsize / link)
+        units.append(by_kind[layer.kind])
+    first, last = (decoder[0][0], decoder[-1][0]) if decoder else (len(nodes), len(nodes))
+    return units, (sum(f for f, _ in nodes[:first]), sum(b for _, b in nodes[last + 1:]),
+                   sum(b for _, b in nodes[:first]))
 
 
 def time_breakdown(graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config) -> TimeBreakdown:
