@@ -36,8 +36,9 @@ def memory_terms(graph: LayerGraph, workload: Workload, config: Config) -> Memor
     """The memory terms of `config`; the memory-saving knobs apply in this order, each to the terms before it:
     the optimizer's states (paged, in backward: `model_states`), the in-backward timeline, the loss's head and
     loss nodes, then activation offload (which moves what the earlier steps left saved)."""
+    held = layer_buffer_bytes(graph, workload.seq_len)  # sized for the whole sequence
     workload = context_parallel.rank_workload(workload, config)  # one rank's s / cp tokens from here on
-    terms = _plain_terms(graph, workload, config)
+    terms = replace(_plain_terms(graph, workload, config), buffers=held)
     if config.optimizer_in_backward:
         terms = in_backward_timeline(graph, config, terms)
     terms = loss_terms(graph, config, terms, config.loss, seq_len=workload.seq_len)
@@ -74,6 +75,13 @@ def _plain_terms(graph: LayerGraph, workload: Workload, config: Config) -> Memor
     return MemoryTerms(states=states, start=start, forward_only=forward_only, nodes=tuple(nodes),
                        names=tuple(layer.name for layer in graph.nodes()),
                        extra=tuple(engine_buffers(graph, config)), walks=tuple(walks))
+
+
+def layer_buffer_bytes(graph: LayerGraph, seq_len: int) -> int:
+    """Module buffers the graph's decoder layers hold for the run (`LayerGraph.layer_buffers`): allocated once
+    beside the states, never per micro-batch, so a pipeline rank holds its own layers' whatever its in-flight
+    micro-batches."""
+    return graph.layer_buffers.scaled(len(graph.decoder_layers()))(1, seq_len)
 
 
 def landed_grads(graph: LayerGraph, config: Config, terms: MemoryTerms) -> MemoryTerms:

@@ -209,7 +209,8 @@ def rank_memory_terms(slice_: RankSlice, workload: Workload, config: Config) -> 
             raise ValueError(f"{slice_.rank=}'s stages have {first} nodes, its slice {len(terms.nodes)}")
         terms = replace(terms, spans=tuple(spans))
     # receive buffers, and the parameters an engine that syncs once per step keeps gathered all step (FSDP2)
-    return replace(terms, moments=slice_.moments, buffers=slice_.buffers + pipelined_gathered(slice_.graph, own))
+    return replace(terms, moments=slice_.moments,
+                   buffers=terms.buffers + slice_.buffers + pipelined_gathered(slice_.graph, own))
 
 
 def rank_config(config: Config, slice_: RankSlice, *, stage: int | None = None) -> Config:

@@ -68,6 +68,9 @@ class LayerGraph:
     the whole pass when some layer is checkpointed, else only through forward."""
     forward_shared: Poly = ZERO
     """Model-wide tensors the layers read but do not save (e.g. an eager attention mask): forward only."""
+    layer_buffers: Poly = ZERO
+    """Bytes of module buffers each decoder layer holds for the whole run (torchtitan's per-layer RoPE cache of
+    `training.seq_len` positions): a rank holds them once, for the layers it runs, whatever its micro-batches."""
     tp_splits_activations: bool = False
     """Whether activations inside attention/MLP were measured per TP rank (a clean column/row-wise plan)."""
     tp_degrees: tuple[int, ...] = (1,)
@@ -149,6 +152,8 @@ class LayerGraph:
             "nodes": [_layer_json(layer) for layer in self.nodes()],
             # Written only when not "hf", so graphs cached before the field existed still round-trip.
             **({"runtime": self.runtime} if self.runtime != "hf" else {}),
+            # Written only when some layer holds buffers, likewise.
+            **({"layer_buffers": self.layer_buffers.to_json()} if self.layer_buffers else {}),
         }
 
     @classmethod
@@ -164,6 +169,7 @@ class LayerGraph:
             inputs=Poly.from_json(data["inputs"]), shared=Poly.from_json(data["shared"]),
             checkpoint_shared=Poly.from_json(data["checkpoint_shared"]),
             forward_shared=Poly.from_json(data["forward_shared"]),
+            layer_buffers=Poly.from_json(data["layer_buffers"]) if "layer_buffers" in data else ZERO,
             tp_splits_activations=data["tp_splits_activations"], tp_degrees=tuple(data["tp_degrees"]),
             published_params=data["published_params"], versions=tuple(sorted(data["versions"].items())),
             runtime=data.get("runtime", "hf"), layers=tuple(layers))

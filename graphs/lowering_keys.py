@@ -15,7 +15,7 @@ PROBE_BATCH = 2
 PROBE_SEQ = 32
 WIDEN_FACTOR = 2
 # Bump when a runtime's lowering changes what it records, so that its stale cache entries are ignored.
-TITAN_FORMAT = 1
+TITAN_FORMAT = 2  # 2: RoPE caches as per-layer module buffers (LayerGraph.layer_buffers)
 MEGATRON_FORMAT = 4
 
 

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -128,7 +129,6 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) 
     if loss == "chunked":
         costs["loss"] = chunked_loss_cost(probes, costs["loss"])
     wide = model_wide_bytes(probes)
-    wide["shared"] = wide["shared"] + rope_cache_bytes(model)
     block = next(iter(model.layers.values()))
     study = Study(architecture=type(model).__name__, layer_class=type(block).__name__, attention=TITAN_ATTENTION,
                   dims=dims, itemsize=torch.finfo(getattr(torch, dtype)).bits // 8, params=params, kinds=kinds,
@@ -139,7 +139,7 @@ def _measure(resolved: ResolvedModel, *, dtype: str, loss: str, compiled: bool) 
                   tp_degrees=_tp_degrees(dims) if probes.widened is not None else (1,),
                   versions=(*_versions(), ("torchtitan", _package_version("torchtitan"))))
     graph = assemble(resolved, study, dtype=dtype, autocast=None, lora=None)
-    return _with_runtime(graph)
+    return dataclasses.replace(_with_runtime(graph), layer_buffers=rope_cache_bytes(model))
 
 
 def _with_runtime(graph: LayerGraph) -> LayerGraph:
@@ -476,13 +476,15 @@ def cuda_rms_norm() -> Iterator[None]:
 
 
 def rope_cache_bytes(model: torch.nn.Module) -> Poly:
-    """Bytes of the per-layer RoPE caches as a polynomial in s: torchtitan's trainer rebuilds each cache for
-    `training.seq_len` positions (`Decoder.Config.update_from_config`), and FSDP leaves buffers unsharded."""
+    """Bytes of one decoder layer's RoPE cache as a polynomial in s (the layers' mean): torchtitan's trainer
+    rebuilds each layer's cache for `training.seq_len` positions (`Decoder.Config.update_from_config`), FSDP
+    leaves buffers unsharded, and a pipeline stage keeps only its own layers' (`_pipeline_module_split` deletes
+    the others). Module buffers: held once for the run, not per micro-batch."""
     per_position = 0
     for name, buffer in model.named_buffers():
         if name.endswith("rope.cache"):
             per_position += buffer.nbytes // buffer.shape[0]
-    return Poly.of({(0, 1, 0): per_position})
+    return Poly.of({(0, 1, 0): Fraction(per_position, len(model.layers))})
 
 
 def _param_tensors(model: torch.nn.Module, dtype: str) -> list[ParamTensor]:

@@ -35,8 +35,9 @@ def reference_peaks(graph, config: Config) -> list[int]:
                            schedule_order(config.pp_schedule, config.pp, config.grad_accum, config.pp_virtual),
                            strict=True):
         whole = memory_terms(slice_.graph, WORKLOAD, rank_config(config, slice_))
-        # receive buffers, and what an engine that syncs once per step keeps gathered all step (FSDP2)
-        buffers = slice_.buffers + pipelined_gathered(slice_.graph, rank_config(config, slice_))
+        # receive buffers, what an engine that syncs once per step keeps gathered all step (FSDP2), and the
+        # module buffers of the rank's layers (`LayerGraph.layer_buffers`)
+        buffers = whole.buffers + slice_.buffers + pipelined_gathered(slice_.graph, rank_config(config, slice_))
         per_stage = {}
         for local, (stage, sub) in enumerate(zip(slice_.stages, slice_.stage_graphs, strict=True)):
             own = rank_config(config, slice_, stage=local)

@@ -39,6 +39,11 @@ from costmodels.pipeline_schedule import (
 
 GRID = [(schedule, pp, m, v) for schedule in Schedule for pp in range(2, 5) for m in range(1, 9) for v in (1, 2)
         if not (schedule in SINGLE_STAGE and v != 1)]
+# Deep pipelines as large runs use them (issue 37: pp 8 and 16, up to 4 stages per rank), with micro-batch counts
+# below, at and around multiples of pp (torch's interleaved rounds are m // pp).
+DEEP = [(schedule, pp, m, v) for schedule in Schedule for pp in (5, 8, 16)
+        for v in ((1,) if schedule in SINGLE_STAGE else (2,) if schedule is Schedule.ZBV else (2, 3, 4))
+        for m in sorted({pp - 1, pp, pp + 3, 2 * pp, 3 * pp}) if schedule_problem(schedule, pp, m, v) is None]
 
 
 class RecordingStage:
@@ -140,6 +145,19 @@ def test_in_flight_closed_forms_equal_counts_over_torch_order(schedule):
     for _, pp, m, v in [case for case in GRID if case[0] == schedule and schedule_problem(*case) is None]:
         ones = [1] * len(stage_ranks(schedule, pp, v))
         assert in_flight_micro_batches(schedule, pp, m, v=v) == counted_peaks(torch_order(schedule, pp, m, v), ones)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_deep_pipelines_run_torchs_order_and_hold_its_in_flight_counts(schedule):
+    """At pp 5, 8 and 16 with 2-4 stages per rank: the ported order is torch's, and each rank's most micro-batch
+    chunk sets in flight (what the first rank's warm-up holds under interleaving) are counted over torch's order."""
+    for _, pp, m, v in [case for case in DEEP if case[0] == schedule]:
+        order = torch_order(schedule, pp, m, v)
+        assert schedule_order(schedule, pp, m, v) == order, (pp, m, v)
+        ones = [1] * len(stage_ranks(schedule, pp, v))
+        counted = counted_peaks(order, ones)
+        assert in_flight_micro_batches(schedule, pp, m, v=v) == counted, (pp, m, v)
+        assert tuple(sets_in_flight(a) for a in rank_moments(schedule, pp, m, v=v)) == counted, (pp, m, v)
 
 
 def test_one_f_one_b_in_flight_is_min_of_pp_minus_rank_and_m():
@@ -291,6 +309,17 @@ def test_step_time_with_uneven_stages_equals_critical_path_of_torch_order(schedu
             pytest.approx(critical_path_seconds(schedule, pp, m, v, times), rel=1e-12), (pp, m, v)
 
 
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_deep_pipeline_step_equals_critical_path_of_torch_order(schedule):
+    """The bubble of pp 5, 8 and 16 pipelines with 2-4 stages per rank and p2p hops, as torch's order runs them."""
+    rng = random.Random(23)
+    for _, pp, m, v in [case for case in DEEP if case[0] == schedule]:
+        times = random_times(rng, len(stage_ranks(schedule, pp, v)), p2p=True)
+        # Tolerance: the two sum the same floats in different orders.
+        assert pipeline_time(schedule, pp, m, v=v, times=times).step == \
+            pytest.approx(critical_path_seconds(schedule, pp, m, v, times), rel=1e-12), (pp, m, v)
+
+
 @pytest.mark.parametrize(("schedule", "pp", "m"), [(s, pp, m) for s in (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
                                                    for pp in (2, 3, 4, 8) for m in (8, 9, 16, 32)])
 def test_equal_stages_bubble_fraction_is_pp_minus_1_over_m_plus_pp_minus_1(schedule, pp, m):
@@ -303,7 +332,7 @@ def test_equal_stages_bubble_fraction_is_pp_minus_1_over_m_plus_pp_minus_1(sched
     assert result.bubble == pytest.approx((pp - 1) * (f + b), rel=1e-12)
 
 
-@pytest.mark.parametrize(("pp", "v", "rounds"), list(itertools.product((2, 4), (2, 3), (1, 2))))
+@pytest.mark.parametrize(("pp", "v", "rounds"), list(itertools.product((2, 4, 8, 16), (2, 3, 4), (1, 2))))
 def test_interleaved_equal_stages_bubble_shrinks_by_v(pp, v, rounds):
     """Interleaved 1F1B, chunks of 1/v of a rank's layers, pp dividing m: bubble (pp - 1)(f + b) / v
     (Narayanan et al. 2021, section 2.2.1)."""

@@ -20,7 +20,7 @@ import pytest
 
 from costmodels import Engine, Optimizer, Precision
 from costmodels.config import ContextParallel
-from costmodels.pipeline_schedule import SINGLE_STAGE, TORCH_CLASS, Schedule, stage_ranks
+from costmodels.pipeline_schedule import SINGLE_STAGE, TORCH_CLASS, Schedule, local_stages, stage_ranks
 from graphs import Checkpoint, FitplanError, lower, resolve
 from solver import solve
 from solver.plan.launchers import emit, megatron, torchtitan
@@ -126,6 +126,21 @@ def test_llama_405b_recompute_blocks_are_read_back_per_stage(small, tmp_path, mo
         emit(bad, "megatron")
 
 
+def titan_micro_batches(config: Any, d: Any) -> int:
+    """The micro-batches of rank 0's schedule as torchtitan's `_build_pipeline_schedule` builds it from the parsed
+    job (local_batch_size // pipeline_parallel_microbatch_size), on stand-in stages."""
+    from torchtitan.distributed.pipeline_parallel import _build_pipeline_schedule
+
+    from tests.costmodels.test_pipeline_schedule import RecordingStage
+
+    v = local_stages(d.pp_schedule, d.pp_virtual)
+    stages = [RecordingStage(k * d.pp, d.pp * v, d.pp) for k in range(v)]
+    schedule = _build_pipeline_schedule(parallelism=config.parallelism, stages=stages,
+                                        local_batch_size=config.training.local_batch_size,
+                                        loss_fn=lambda *args: (None, None))
+    return schedule._n_microbatches
+
+
 def torchtitan_checked(plan: Plan, folder: Path, monkeypatch) -> Any:
     """torchtitan's parsed Trainer.Config of the emitted job, checked against the plan's pipeline decisions and by
     the model's own update_from_config (weight tying under PP, TP heads, RoPE length)."""
@@ -143,8 +158,8 @@ def torchtitan_checked(plan: Plan, folder: Path, monkeypatch) -> Any:
     assert (par.pipeline_parallel_degree, par.tensor_parallel_degree, par.data_parallel_shard_degree) == \
         (d.pp, d.tp, d.dp)
     assert "Schedule" + par.pipeline_parallel_schedule == TORCH_CLASS[d.pp_schedule]
-    # torchtitan's micro-batches per step: local_batch_size / pipeline_parallel_microbatch_size = m
-    assert config.training.local_batch_size // par.pipeline_parallel_microbatch_size == d.grad_accum
+    # torchtitan's micro-batches per step, as its own schedule builder splits local_batch_size: m
+    assert titan_micro_batches(config, d) == d.grad_accum
     assert par.pipeline_parallel_microbatch_size == d.micro_batch
     parts = par.module_fqns_per_model_part
     assert tuple(sum(name.startswith("layers.") for name in part) for part in parts) == d.pp_split
