@@ -533,15 +533,24 @@ def best_recompute(found: PipelineCandidate, modes: tuple[Checkpoint, ...], runs
     return block_recompute(found, modes, runs), True
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineMemos:
+    """What a pipeline search computes whatever the memory budget: each setting's fastest compute, its edge stages'
+    compute and its rank slices' time terms. Only for one set of configurations, cluster and workload."""
+    fastest: dict[tuple[object, ...], FastestCompute] = field(default_factory=dict)
+    edges: dict[tuple[object, ...], EdgeCompute] = field(default_factory=dict)
+    sliced: dict[tuple[object, ...], TimeTerms] = field(default_factory=dict)
+
+
 def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
                     workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...], incumbent: int | None,
-                    deadline: float, runs: Runs | None = None) -> PipelineResult:
+                    deadline: float, runs: Runs | None = None, memos: PipelineMemos | None = None) -> PipelineResult:
     """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any): configurations
     in the order of `compute_bound`, each built (`candidate`) and its ranks solved only while its bounds are below
-    the best step so far."""
-    memo: dict[tuple[object, ...], FastestCompute] = {}
-    edges: dict[tuple[object, ...], EdgeCompute] = {}
-    sliced: dict[tuple[object, ...], TimeTerms] = {}
+    the best step so far. `memos`: what an earlier search of these configurations on this cluster and workload
+    computed (at another headroom)."""
+    memos = memos if memos is not None else PipelineMemos()
+    memo, edges, sliced = memos.fastest, memos.edges, memos.sliced
     bounds = compute_bounds(outers, graph_of, cluster, workload, modes=modes, memo=memo, deadline=deadline)
     if bounds is None:  # no bound for some: none of them is searched
         return PipelineResult("UNKNOWN", None, (), None, 0, 0)

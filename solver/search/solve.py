@@ -13,6 +13,7 @@ from costmodels.estimator import estimate
 from costmodels.identity_memo import IdentityMemo
 from costmodels.lowering import shared_lowering
 from costmodels.pipeline_stages import stage_layers
+from costmodels.timing import TimeTerms
 from graphs import Checkpoint, FitplanError, LayerGraph
 from graphs.variant import Variant, lower_all
 from solver.plan import capability
@@ -24,7 +25,7 @@ from solver.search.diagnose import Infeasible, NoPlanInTime, diagnose
 from solver.search.model import SolveResult, work_budget
 from solver.search.pin_rules import check_memory_savers
 from solver.search.pins import Pins
-from solver.search.pipeline_search import PipelineResult, pipeline_infeasible, pipeline_search
+from solver.search.pipeline_search import PipelineMemos, PipelineResult, pipeline_infeasible, pipeline_search
 from solver.search.request import Request, plan_inputs
 from solver.search.route import TITAN_LOSSES, Lowerings, Route
 from solver.search.schedules import schedule_options
@@ -77,6 +78,28 @@ def solve_request(request: Request, pins: Pins) -> Plan:
 
 # The spaces of recent searches: a plan's side searches (other headrooms, `risk`) search the same space again.
 _SPACES: IdentityMemo[Space] = IdentityMemo(limit=16)
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceCosts:
+    """What pricing a space computes whatever the memory budget: the tables' time terms by (graph, config), the
+    pipeline search's compute bounds and slices (`PipelineMemos`), and whether its variants are lowered. A plan's
+    side searches (other headrooms, `risk`) search the same space object, so they reuse these instead of pricing
+    every configuration again."""
+    time_terms: dict[tuple[LayerGraph, Config], TimeTerms]
+    pipeline: PipelineMemos
+    lowered: dict[Route, bool]
+    """Routes whose variants are lowered, with whether megatron-core's layers built the model."""
+
+
+_COSTS: IdentityMemo[SpaceCosts] = IdentityMemo(limit=4)
+
+
+def space_costs(prepared: Prepared) -> SpaceCosts:
+    """The shared costs of `prepared`'s space under its cluster and workload (fresh for a new space)."""
+    request = prepared.request
+    return _COSTS.get((prepared.space,), (request.cluster, request.workload),
+                      lambda: SpaceCosts({}, PipelineMemos(), {}))
 
 
 def prepare(request: Request, pins: Pins) -> Prepared:
@@ -142,6 +165,10 @@ def lower_needed(prepared: Prepared) -> None:
     """Lower every variant the space's configurations are priced on, before the time limit starts (a compiled
     configuration's table may keep it eager, `tables.build_table`, so its eager variant too)."""
     space, lowerings = prepared.space, prepared.lowerings
+    lowered = space_costs(prepared).lowered
+    if lowerings.route in lowered:  # a side search of a plan whose variants are lowered: they load on first use
+        lowerings.megatron = lowered[lowerings.route]
+        return
     megatron = lowerings.megatron
     first: dict[Variant, Outer] = {}  # one configuration per variant lowers it for all
     for outer in (*space.outers, *space.pipelines):
@@ -160,6 +187,7 @@ def lower_needed(prepared: Prepared) -> None:
         lowerings(outer)
     if lowerings.megatron != megatron:  # megatron-core refused the model: the HF code prices those configurations
         lower_needed(prepared)
+    lowered[lowerings.route] = lowerings.megatron
 
 
 def run_searches(prepared: Prepared, *, lowering_seconds: float) -> Searched:
@@ -177,8 +205,9 @@ def _searches(prepared: Prepared, *, begin: float, lowering_seconds: float) -> S
     """`run_searches` from `begin`, its clock's start."""
     request, space, pins = prepared.request, prepared.space, prepared.pins
     limit = math.inf if request.deterministic else request.time_limit  # the work budget bounds CP-SAT instead
+    costs = space_costs(prepared)
     tables = build_tables(space, prepared.lowerings, request.cluster, request.workload, headroom=request.headroom,
-                          deadline=begin + 0.5 * limit)
+                          deadline=begin + 0.5 * limit, memo=costs.time_terms)
     kinds = [layer.kind for layer in prepared.any_graph.decoder_layers()]
     found = search(tables, kinds, space.modes, time_limit=max(0.01, begin + 0.85 * limit - time.perf_counter()),
                    configurations=len(space.outers))
@@ -195,7 +224,7 @@ def _searches(prepared: Prepared, *, begin: float, lowering_seconds: float) -> S
         incumbent = result.objective // found.weight if result.objective is not None else None
         piped = pipeline_search(space.pipelines, prepared.lowerings, request.cluster, request.workload,
                                 headroom=request.headroom, modes=space.modes, incumbent=incumbent,
-                                deadline=begin + 0.85 * limit, runs=runs)
+                                deadline=begin + 0.85 * limit, runs=runs, memos=costs.pipeline)
     return Searched(found, tables, piped, piped.status if piped else None, begin, lowering_seconds)
 
 

@@ -22,11 +22,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from costmodels import Cluster, Offload, Workload, precision
+from costmodels import Cluster, Config, Offload, Workload, precision
 from costmodels.activations import NodeMemory
 from costmodels.memory import others_at_most
 from costmodels.pipeline import Moment
 from costmodels.terms import MemoryTerms
+from costmodels.timing import TimeTerms
 from graphs import Checkpoint, LayerGraph
 from solver.search.count_search import best_below
 from solver.search.model import SolveResult, add_objective_cutoff, build_model, solve
@@ -61,10 +62,13 @@ def build_order(outers: tuple[Outer, ...]) -> list[int]:
 
 
 def build_tables(space: Space, graphs: Callable[[Outer], LayerGraph], cluster: Cluster, workload: Workload, *,
-                 headroom: float, deadline: float | None = None) -> list[Table]:
+                 headroom: float, deadline: float | None = None,
+                 memo: dict[tuple[LayerGraph, Config], TimeTerms] | None = None) -> list[Table]:
     """Tables built leanest first (`build_order`), stopping at `deadline` (perf_counter seconds) so the time
-    limit holds; returned in tie-break order with `rank` set (see `tie_break_ranks`)."""
-    tables, memo = [], {}
+    limit holds; returned in tie-break order with `rank` set (see `tie_break_ranks`). `memo`: time terms priced
+    before on this cluster and workload (by another search of the space at another headroom)."""
+    tables: list[Table] = []
+    memo = memo if memo is not None else {}
     for index in build_order(space.outers):
         if deadline is not None and tables and time.perf_counter() > deadline:
             break

@@ -92,3 +92,34 @@ def test_a_plan_kept_inside_the_estimates_error_says_so():
     assert risk.margin(plan) < risk.uncertainty(plan).under * plan.estimate.memory.allocated_peak
     assert risk.uncertainty(plan).method == "lora"
     assert any("memory risk" in note and "kept at that risk" in note for note in plan.inputs.assumed)
+
+
+@pytest.mark.slow
+def test_side_searches_reuse_the_plans_time_terms_and_find_what_fresh_searches_find(monkeypatch):
+    """A plan's side searches (other headrooms) search its space again: the budget-free costs its own search priced
+    (`solve.SpaceCosts`: time terms, pipeline bounds, lowered variants) are read, not priced again, and the plan is
+    the one found when every search prices afresh."""
+    import solver.search.tables as tables
+    from solver.search import solve as solving
+
+    phase = ["plan"]
+    priced: list[str] = []
+    real_terms, real_inside = tables.time_terms, risk.inside_headroom
+
+    def counted(*args, **kwargs):
+        priced.append(phase[0])
+        return real_terms(*args, **kwargs)
+
+    def inside(*args, **kwargs):
+        phase[0] = "side"
+        return real_inside(*args, **kwargs)
+
+    monkeypatch.setattr(tables, "time_terms", counted)
+    monkeypatch.setattr(risk, "inside_headroom", inside)
+    solving._COSTS.clear()
+    shared = _solve()
+    assert "plan" in priced and "side" not in priced  # the risky side search re-priced nothing
+    monkeypatch.setattr(solving, "space_costs", lambda prepared: solving.SpaceCosts({}, solving.PipelineMemos(), {}))
+    fresh = _solve()
+    assert (shared.decisions, shared.estimate, shared.alternatives) == \
+        (fresh.decisions, fresh.estimate, fresh.alternatives)
