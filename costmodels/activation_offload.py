@@ -24,7 +24,7 @@ from .activations import NodeMemory, evaluate
 from .cluster import Cluster
 from .compute import KernelSpeed, work_seconds
 from .config import Config
-from .offload import _host_link
+from .offload import host_link
 from .terms import MemoryTerms
 
 # torchtune `OffloadActivations(min_offload_size=1024)`: smaller saved tensors stay on the device.
@@ -118,7 +118,7 @@ def offload_seconds(graph: LayerGraph, cluster: Cluster, config: Config, speed: 
         cost = layer.cost(next(modes) if layer.index is not None else Checkpoint.NONE)
         transfers.append((moved, work_seconds(cost.forward, speed, **kwargs),
                           work_seconds(cost.backward, speed, **kwargs) + work_seconds(cost.recompute, speed, **kwargs)))
-    return config.grad_accum * exposed_seconds(transfers, _host_link(cluster))
+    return config.grad_accum * exposed_seconds(transfers, host_link(cluster))
 
 
 def step_seconds(graph: LayerGraph, cluster: Cluster, config: Config, speed: KernelSpeed, *, s: int,

@@ -68,7 +68,7 @@ def offload_seconds(cluster: Cluster, config: Config, *, partition: int, params:
 def copy_seconds(cluster: Cluster, config: Config, *, partition: int, params: int, grad_bytes: int) -> float:
     """Seconds per step of the PCIe and NVMe traffic of offloaded states, one copy after another."""
     ranks = min(cluster.gpus_per_node, config.world_size)
-    pcie = _host_link(cluster)
+    pcie = host_link(cluster)
     seconds = 0.0
     if config.optimizer_offload is not Offload.NONE:
         # DeepSpeed: gradients down, updated parameters up, once per step. FSDP2's CPUOffloadPolicy keeps the
@@ -96,7 +96,7 @@ def host_step_seconds(cluster: Cluster, config: Config, *, partition: int) -> fl
     return _cpu_step_seconds(cluster, config, partition * min(cluster.gpus_per_node, config.world_size))
 
 
-def _host_link(cluster: Cluster) -> float:
+def host_link(cluster: Cluster) -> float:
     """Host-to-device bytes/s: the profile's pinned copies, else the datasheet link at PCIE_EFFICIENCY."""
     measured = cluster.profile.rate("h2d_pinned") if cluster.profile is not None else None
     return measured or cluster.gpu.host_bandwidth * PCIE_EFFICIENCY

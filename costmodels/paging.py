@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from .cluster import Cluster
-from .offload import _host_link
+from .offload import host_link
 from .optimizers import PAGED_OPTIMIZERS, fixed_state_bytes, state_bytes
 from .terms import ModelStates
 
@@ -87,4 +87,4 @@ def paging_seconds(cluster: Cluster, paged: PagedStates | None) -> float:
     which is what excluding them from the device peak implies); 0 without a paged optimizer (None)."""
     if paged is None:
         return 0.0
-    return PAGING_TRIPS_PER_STEP * paged.paged / _host_link(cluster)
+    return PAGING_TRIPS_PER_STEP * paged.paged / host_link(cluster)

@@ -39,7 +39,7 @@ from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes, te_cast_bytes
 from .identity_memo import IdentityMemo
 from .loss import timed_layer
-from .offload import _host_link, host_step_seconds, moved_itemsize, offload_seconds, params_live_on_host
+from .offload import host_link, host_step_seconds, moved_itemsize, offload_seconds, params_live_on_host
 from .offload_schedule import Unit, exposed_copy_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
@@ -327,7 +327,7 @@ def fsdp2_offload_seconds(graph: LayerGraph, cluster: Cluster, config: Config, n
     ga = config.grad_accum
     layers = exposed_copy_seconds(units, blocking=config.optimizer_in_backward, **kwargs) + \
         (ga - 1) * exposed_copy_seconds(units, blocking=True, **kwargs)
-    link = _host_link(cluster)
+    link = host_link(cluster)
     itemsize = moved_itemsize(config, precision.compute_itemsize(config.precision))
     # the root unit holds what the decoder layers do not (embeddings, final norm, head)
     root_up = max(0.0, shard * itemsize / link - sum(u.up for u in units))
@@ -341,7 +341,7 @@ def offload_units(graph: LayerGraph, cluster: Cluster, config: Config,
     """Each decoder layer's FSDP2 unit in forward order (its micro-batch compute from `nodes`, collectives and
     PCIe copies of its shard), and the root's compute around them: forward before the first layer, backward after
     the last and before the first."""
-    group, link = dp_group(cluster, config.tp, shard_ranks(config)), _host_link(cluster)
+    group, link = dp_group(cluster, config.tp, shard_ranks(config)), host_link(cluster)
     replicas, split = _replicas(cluster, config), sharding(config)
     itemsize = moved_itemsize(config, precision.compute_itemsize(config.precision))
     param_itemsize, reduce_itemsize = precision.compute_itemsize(config.precision), _reduce_itemsize(config)
