@@ -16,9 +16,11 @@ from costmodels.config import Config, Engine
 from costmodels.estimator import estimate as estimate_config
 from costmodels.packing import Lengths
 from costmodels.tasks import PAIR_TASKS
-from graphs import Checkpoint, FitplanError, LoraSpec, resolve
+from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
 from solver.plan import capability
-from solver.plan.record import Plan
+from solver.plan.launchers.parallelism import parallelism_problems
+from solver.plan.launchers.support import runnable_by
+from solver.plan.record import LoraDecision, Plan, decisions_of
 from solver.search import post_training as post
 from solver.search import strategies
 from solver.search.pin_rules import pins_of, prepared
@@ -31,6 +33,7 @@ from solver.search.request import (
     Request,
     cluster_from,
     longest_batch,
+    plan_inputs,
     spec_of,
     with_batching,
     workload_for,
@@ -136,6 +139,11 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     group = 2 if post_training is not None and post_training.task in PAIR_TASKS else 1
     batch = global_batch or max(1, cfg.micro_batch * cfg.grad_accum * cfg.dp // group)
     workload, assumed = workload_for(resolved, cluster, seq_len, batch, None)
+    if launcher is not None:  # the model's facts from its HF lowering, as `solve` records them (search/solve.prepare)
+        facts = Lowerings(Route(resolved=resolved, lora=lora, attention=attention)).graph(Config()) if titan else graph
+        _check_launcher_layout(launcher, Request(resolved=resolved, cluster=cluster, workload=workload,
+                                                gpus=spec_of(gpus, cluster)), facts, cfg, lora=lora,
+                              attention=graph.attention)
     workload = post.estimated_workload(post_training, workload, assumed, lora=lora is not None)
     if cfg.micro_batch % workload.group or cfg.micro_batch < workload.min_micro_batch:
         raise FitplanError(f"micro_batch={cfg.micro_batch} sequences cannot run {post_training and post_training.task}"
@@ -152,6 +160,22 @@ def _check_launcher(launcher: str, config: Config, *, lora: bool) -> None:
     if problems:
         raise FitplanError(f"The {launcher} launcher cannot run this configuration: {'; '.join(problems)}.",
                            f"Launchers that can: {', '.join(capability.runnable_by(config, lora=lora)) or 'none'}.")
+
+
+def _check_launcher_layout(launcher: str, request: Request, graph: LayerGraph, config: Config, *,
+                          lora: LoraSpec | None, attention: str) -> None:
+    """A FitplanError naming what of the model's layout (`graph`: its HF lowering) keeps the launcher from running
+    `config`'s parallelism (a torchtitan pipeline over tied embeddings, experts that ep does not divide), as
+    `solve`'s launcher filter refuses it. A model with no torchtitan flavour is still priced on torchtitan's code at
+    its own dimensions (what the lowering builds; the reference tests use small ones): `solve` refuses it."""
+    decisions = decisions_of(config, config.checkpoint, lora=LoraDecision.of(lora) if lora is not None else None,
+                             attention=attention)
+    inputs = plan_inputs(request, Pins(), graph)
+    problems = parallelism_problems(launcher, decisions, inputs)
+    if problems:
+        raise FitplanError(f"The {launcher} launcher cannot run this configuration of {inputs.model}: "
+                           f"{'; '.join(problems)}.",
+                           f"Launchers that can: {', '.join(runnable_by(decisions, inputs)) or 'none'}.")
 
 
 def config_from(config: Config | dict[str, Any], *, layers: int | None) -> Config:

@@ -22,7 +22,7 @@ from costmodels import Engine, Optimizer, Precision
 from costmodels.config import ContextParallel
 from costmodels.pipeline_schedule import SINGLE_STAGE, TORCH_CLASS, Schedule, local_stages, stage_ranks
 from graphs import Checkpoint, FitplanError, lower, resolve
-from solver import solve
+from solver import estimate, solve
 from solver.plan.launchers import emit, megatron, torchtitan
 from solver.plan.launchers.support import unsupported
 from solver.plan.model_shape import model_shape
@@ -211,6 +211,14 @@ def test_torchtitan_refuses_a_pipeline_over_tied_embeddings(small):
     assert "Weight tying" in problem
     with pytest.raises(FitplanError, match="Weight tying"):
         emit(plan, "torchtitan")
+
+
+def test_estimate_for_torchtitan_refuses_the_pipeline_over_tied_embeddings_that_solve_refuses():
+    """`estimate --launcher torchtitan` checks the model as `solve`'s launcher filter does (it priced the pipeline)."""
+    config = {"engine": "fsdp2", "zero": 2, "pp": 2, "dp": 4, "grad_accum": 4}
+    with pytest.raises(FitplanError, match="Weight tying") as refused:
+        estimate("meta-llama/Llama-3.2-1B", "8xH100", config, seq_len=2048, launcher="torchtitan")
+    assert "Llama3Model" not in str(refused.value)  # the model is named by its HF facts, as a plan records them
 
 
 @pytest.mark.parametrize("tp", [1, 2])
