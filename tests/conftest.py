@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,8 +71,6 @@ def no_leaked_deepspeed_config() -> Iterator[None]:
     process-wide weak reference and then builds every model under `deepspeed.zero.Init` with that config's batch
     sizes, so a later module's plain `from_config` failed DeepSpeed's batch assertion (an order-dependent failure)."""
     yield
-    import sys
-
     if (deepspeed := sys.modules.get("transformers.integrations.deepspeed")) is not None:
         deepspeed.unset_hf_deepspeed_config()
 

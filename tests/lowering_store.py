@@ -22,6 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from graphs.cache import _digest  # the cache's own entry check (importing it reads no lowering code)
+
 STORE = Path(__file__).with_name("lowerings.json.gz")
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 # The libraries a lowering imports (graphs/: HF, PEFT, torchtitan, megatron-core, bitsandbytes, Liger, triton).
@@ -57,9 +59,8 @@ def lowering_code_stamp() -> str:
 
 
 def _intact(entry: Any) -> bool:
-    """A cache entry as graphs/cache.store_cached writes it: its graph's JSON hashes to its sha256."""
-    return (isinstance(entry, dict) and set(entry) == {"sha256", "graph"}
-            and hashlib.sha256(json.dumps(entry["graph"]).encode()).hexdigest() == entry["sha256"])
+    """A cache entry as graphs/cache.store_cached writes it: its graph's digest is its sha256."""
+    return isinstance(entry, dict) and set(entry) == {"sha256", "graph"} and _digest(entry["graph"]) == entry["sha256"]
 
 
 def read_store(path: Path = STORE) -> dict[str, Any] | None:

@@ -214,7 +214,8 @@ def test_torchtitan_refuses_a_pipeline_over_tied_embeddings(small):
 
 
 def test_estimate_for_torchtitan_refuses_the_pipeline_over_tied_embeddings_that_solve_refuses():
-    """`estimate --launcher torchtitan` checks the model as `solve`'s launcher filter does (it priced the pipeline)."""
+    """`estimate --launcher torchtitan` checks the model's layout as `solve`'s launcher filter does (it priced the
+    pipeline)."""
     config = {"engine": "fsdp2", "zero": 2, "pp": 2, "dp": 4, "grad_accum": 4}
     with pytest.raises(FitplanError, match="Weight tying") as refused:
         estimate("meta-llama/Llama-3.2-1B", "8xH100", config, seq_len=2048, launcher="torchtitan")
