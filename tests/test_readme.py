@@ -15,6 +15,8 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 from types import ModuleType
@@ -145,6 +147,15 @@ def test_installed_versions_satisfy_every_declared_floor():
     assert load_installed().missing_requirements(requirements) == []
     too_high = [*requirements, "torch>=99"]
     assert load_installed().missing_requirements(too_high) == ["torch>=99 (found " + version("torch") + ")"]
+
+
+def test_install_check_finds_this_clone_without_importing_torch():
+    """`./fitplan` runs the check before every command, `--help` included: it must not pay torch's import."""
+    script = (f"import runpy, sys; sys.argv = ['installed.py']\n"
+              f"try:\n    runpy.run_path({str(ROOT / '.ci' / 'installed.py')!r}, run_name='__main__')\n"
+              f"except SystemExit as done:\n    print(done.code, 'torch' in sys.modules, 'ortools' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["0", "False", "False"], done.stderr
 
 
 FENCE = re.compile(r"^ *```([^\n]*)\n(.*?)^ *```", flags=re.MULTILINE | re.DOTALL)
