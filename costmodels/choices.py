@@ -55,6 +55,19 @@ class Loss(_Choice):
     # Liger's whole patch (use_liger_kernel): LigerFusedLinearCrossEntropyLoss (no full logits, gradients in
     # forward) with its RMSNorm, SwiGLU and RoPE kernels in the layers (graphs/liger.py)
     FUSED_LINEAR = "fused-linear"
+    # Runtimes fitplan prices but emits no launcher for (estimate only; the search never opens them):
+    # Megatron's vocab-parallel cross-entropy on the 16-bit logits (Megatron-LM's --fp16-lm-cross-entropy in its
+    # legacy GPT model, core_r0.4.0; Mist's runtime, fp16_lm_cross_entropy): no fp32 copy, softmax saved, gradient
+    # in place. megatron-core 0.16 upcasts always, so fitplan's Megatron launcher cannot run it.
+    MEGATRON_FP16 = "megatron-fp16"
+    # flash-attn's fused CrossEntropyLoss (llm-foundry's default `loss_fn: fused_crossentropy`): the logits saved in
+    # their own dtype with the log-sum-exp, no fp32 copy; its backward writes a gradient like the logits.
+    FLASH = "flash"
+
+
+# The losses of runtimes no fitplan launcher runs: priced by estimate for those runtimes' configurations, never
+# searched, and refused by every launcher (solver/plan/capability.py).
+RUNTIME_ONLY_LOSSES = (Loss.MEGATRON_FP16, Loss.FLASH)
 
 
 class Engine(_Choice):

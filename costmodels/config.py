@@ -110,7 +110,9 @@ class Config:
     loss: Annotated[Loss, Knob("How the LM head's cross-entropy is computed: hf (full logits), chunked (torchtune's; "
                                "torchtitan's ChunkedLossWrapper under --launcher torchtitan) "
                                "or fused-linear (Liger's whole patch: no full logits, fused RMSNorm/SwiGLU/RoPE; needs "
-                               "liger-kernel); a pin lists the allowed ones.",
+                               "liger-kernel); a pin lists the allowed ones. megatron-fp16 (Megatron-LM's legacy "
+                               "--fp16-lm-cross-entropy, Mist) and flash (flash-attn's fused cross-entropy, "
+                               "llm-foundry) price runtimes no launcher here emits (estimate only).",
                                pin="set")] = Loss.HF
     activation_offload: Annotated[bool, Knob(
         "Offload saved activations to host memory between forward and backward (torchtune's "

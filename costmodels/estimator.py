@@ -7,6 +7,7 @@ from graphs import Checkpoint, FitplanError, LayerGraph, Role
 from . import activation_offload, context_parallel, expert_parallel, loss, precision
 from .attention_kernels import kernel_note
 from .breakdown import Estimate
+from .choices import RUNTIME_ONLY_LOSSES
 from .cluster import Cluster
 from .compilation import compile_credited
 from .compute import CAUSAL_FRACTION, EAGER_HOST_SECONDS_PER_KERNEL, KERNEL_LAUNCH_SECONDS
@@ -203,6 +204,11 @@ def _saver_notes(config: Config, *, titan: bool) -> tuple[str, ...]:
                      "cross-entropy per sequence chunk, each chunk's backward inside the loss call)"
                      if config.loss is Loss.CHUNKED else "plain CrossEntropyLoss over full fp32 logits, traced on "
                      "its own code"))
+    elif config.loss in RUNTIME_ONLY_LOSSES:
+        notes.append(f"{config.loss} loss: the head and cross-entropy allocate as "
+                     + ("Megatron-LM's legacy --fp16-lm-cross-entropy (and Mist's runtime)"
+                        if config.loss is Loss.MEGATRON_FP16 else "flash-attn's fused cross-entropy (llm-foundry)")
+                     + " does; its time is the lowered cross-entropy's; no launcher here emits it")
     elif config.loss is not Loss.HF:
         notes.append(f"{config.loss} loss: the head and cross-entropy allocate as "
                      f"{'torchtune' if config.loss is Loss.CHUNKED else 'liger-kernel'}'s code does; its time is "

@@ -19,7 +19,7 @@ from graphs.architectures import liger_fused_linear, liger_patched
 
 from . import precision
 from .activations import NodeMemory
-from .config import Config, Loss
+from .config import Config, Engine, Loss
 from .lowering import lowering_for
 from .terms import MemoryTerms
 
@@ -202,6 +202,52 @@ def fused_linear_loss(x: HeadShape) -> LossMemory:
     return LossMemory(forward=forward, released=released, saved=t * h * hw, backward=[])
 
 
+def vocab_parallel_loss(x: HeadShape, *, upcast: bool) -> LossMemory:
+    """Megatron's `vocab_parallel_cross_entropy` over a rank's (s, b, vocab/tp) logits (`x.vocab` is the rank's
+    share). `GPTModel` transposes the labels (`.contiguous()`); the autograd function keeps a max, a target mask,
+    a shifted target (`target.clone() - vocab_start_index`), an arange and the predicted logits per token,
+    exponentiates and normalises the shifted logits in place and saves them as the softmax, with the mask and
+    target; its backward subtracts one at the targets and scales the softmax in place: the gradient is the saved
+    tensor itself. `upcast`: megatron-core 0.16 (tensor_parallel/cross_entropy.py `calculate_logits_max`) takes
+    `.float()` of 16-bit logits and subtracts the max in place, and autograd casts the fp32 gradient back to the
+    logits' dtype; else Megatron-LM's `--fp16-lm-cross-entropy` through core_r0.4.0 (legacy
+    megatron/model/gpt_model.py; Mist's runtime, mist/modules/losses.py, likewise): the logits stay 16-bit and the
+    max is subtracted out of place (`vocab_parallel_logits - logits_max`), so the softmax is a 16-bit copy."""
+    t, v, h, c = x.tokens, x.vocab, x.hidden, x.itemsize
+    fresh = 4 * t * v if upcast and c != 4 else (0 if upcast else t * v * c)  # .float() copy or the shifted copy
+    softmax = fresh or t * v * c  # fp32 logits already: `.float()` is the same tensor, shifted in place
+    row = 4 if upcast else c  # the max, predicted logits, sums and loss are in the softmax's dtype
+    labels = LABEL_ITEMSIZE * t if x.b > 1 else 0  # (b, s) -> (s, b) is already contiguous for b = 1
+    forward: Events = [("logits", t * v * c), ("softmax copy", fresh), ("labels transposed", labels),
+                       ("logits max", row * t), ("target mask", t), ("masked target", LABEL_ITEMSIZE * t),
+                       ("arange", LABEL_ITEMSIZE * t), ("predicted", row * t), ("sum exp", row * t),
+                       ("arange", -LABEL_ITEMSIZE * t), ("loss", row * t)]
+    # Freed when the forward returns: the logits (unless they are the softmax), the labels, max, predicted, sum, loss
+    released = (t * v * c if fresh else 0) + labels + 4 * row * t
+    cast = t * v * c if upcast and c != 4 else 0  # autograd casts the fp32 gradient to the logits' dtype
+    # backward: the arange, float mask, `1 - mask` and indexed rows of the softmax update, then the gradient
+    backward: Events = [("softmax update", 20 * t), ("softmax update", -20 * t), ("gradient cast", cast),
+                        ("fp32 softmax", -softmax if cast else 0), ("mask and target", -(1 + LABEL_ITEMSIZE) * t)]
+    backward += _linear_backward(x, tokens=t, logits_grad=cast or softmax, saved_input=t * h * c)
+    return LossMemory(forward=forward, released=released, saved=softmax + (1 + LABEL_ITEMSIZE) * t + t * h * c,
+                      backward=backward)
+
+
+def flash_loss(x: HeadShape) -> LossMemory:
+    """flash-attn 2's fused `CrossEntropyLoss` (flash_attn/losses/cross_entropy.py, ops/triton/cross_entropy.py
+    `CrossEntropyLossFunction`) as llm-foundry's MPT calls it (`FusedCrossEntropyLoss(ignore_index=-100)`, so
+    `inplace_backward=False`) on labels rolled by one (`torch.roll`, the last set to -100): forward writes the
+    per-token losses and the fp32 log-sum-exp and saves the logits as they are, with the lse and labels; backward
+    writes `dlogits = torch.empty_like(logits)` and the logits go when the function's saved tensors do."""
+    t, v, h, c = x.tokens, x.vocab, x.hidden, x.itemsize
+    forward: Events = [("logits", t * v * c), ("rolled labels", LABEL_ITEMSIZE * t), ("losses", 4 * t),
+                       ("lse", 4 * t)]
+    released = 4 * t  # the per-token losses, once reduced
+    backward: Events = [("dlogits", t * v * c), ("saved logits, lse, labels", -(t * v * c + 12 * t))]
+    backward += _linear_backward(x, tokens=t, logits_grad=t * v * c, saved_input=t * h * c)
+    return LossMemory(forward=forward, released=released, saved=t * v * c + 12 * t + t * h * c, backward=backward)
+
+
 def loss_memory(loss: Loss, x: HeadShape, *, chunks: int = TORCHTUNE_CHUNKS) -> LossMemory:
     match loss:
         case Loss.HF:
@@ -210,6 +256,10 @@ def loss_memory(loss: Loss, x: HeadShape, *, chunks: int = TORCHTUNE_CHUNKS) -> 
             return chunked_loss(x, chunks)
         case Loss.FUSED_LINEAR:
             return fused_linear_loss(x)
+        case Loss.MEGATRON_FP16:
+            return vocab_parallel_loss(x, upcast=False)
+        case Loss.FLASH:
+            return flash_loss(x)
     raise ValueError(f"unknown loss {loss!r}")
 
 
@@ -238,6 +288,8 @@ def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
         reasons.append(f"{loss} loss with tp={config.tp}: the vocabulary-parallel head is not modelled (both run "
                        "on a whole-vocabulary head)")
 
+    if loss is Loss.MEGATRON_FP16 and config.engine is not Engine.MEGATRON:
+        reasons.append(f"the megatron-fp16 loss under {config.engine} (it is Megatron's and Mist's runtime's)")
     weights = lowering_for(config, lora=graph.lora is not None)[0]  # the lowering `config` runs, not `graph`'s
     if loss is Loss.CHUNKED and _ITEMSIZE[weights] != precision.compute_itemsize(config.precision):
         reasons.append("torchtune's chunked loss runs in one dtype (`dtype: bf16|fp32`), without autocast over "
@@ -263,12 +315,22 @@ def head_shape(graph: LayerGraph, config: Config, *, b: int, s: int) -> HeadShap
 def loss_terms(graph: LayerGraph, config: Config, terms: MemoryTerms, loss: Loss, *, seq_len: int,
                chunks: int = TORCHTUNE_CHUNKS) -> MemoryTerms:
     """`memory_terms(graph, workload, config)` with the lowered head and loss nodes replaced by `loss`'s."""
-    if loss is Loss.HF or not any(layer.role is Role.HEAD for layer in graph.nodes()):
+    if not any(layer.role is Role.HEAD for layer in graph.nodes()):
         return terms  # a pipeline stage without the head computes no loss
-    if graph.runtime == "torchtitan":
-        return terms  # torchtitan's own loss, traced with the model (graphs/titan.py: plain or chunked)
+    if graph.runtime == "torchtitan" or (loss is Loss.HF and not megatron_head(graph, config)):
+        return terms  # the traced loss: transformers' or torchtitan's own (graphs/titan.py: plain or chunked)
     x = head_shape(graph, config, b=config.micro_batch, s=seq_len)
-    return replace_head_nodes(terms, *loss_nodes(loss_memory(loss, x, chunks=chunks), x))
+    if megatron_head(graph, config) or loss is Loss.MEGATRON_FP16:  # megatron's head is vocabulary-parallel
+        x = replace(x, vocab=-(-x.vocab // config.tp), weight_grad=-(-x.weight_grad // config.tp))
+    memory = vocab_parallel_loss(x, upcast=True) if loss is Loss.HF else loss_memory(loss, x, chunks=chunks)
+    return replace_head_nodes(terms, *loss_nodes(memory, x))
+
+
+def megatron_head(graph: LayerGraph, config: Config) -> bool:
+    """Whether Megatron's engine runs a model lowered on the HF code: the Megatron launcher trains megatron-core's
+    GPTModel, whose loss is its `vocab_parallel_cross_entropy` (megatron-core 0.16, fp32 in place), not the traced
+    `ForCausalLMLoss` (a megatron-core lowering traces megatron's own loss)."""
+    return config.engine is Engine.MEGATRON and graph.runtime == "hf"
 
 
 def replace_head_nodes(terms: MemoryTerms, head: NodeMemory, loss: NodeMemory) -> MemoryTerms:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from costmodels import Config, Engine, Offload, Optimizer, Precision
+from costmodels.choices import RUNTIME_ONLY_LOSSES
 from costmodels.config import ContextParallel, Loss
 from costmodels.pipeline_schedule import Schedule
 from graphs import Checkpoint
@@ -334,6 +335,9 @@ def _memory_savers(launcher: str, d: Config) -> list[str]:
         problems.append("a chunked cross-entropy (launchers that run one: "
                         f"{', '.join(_TORCHTUNE_RUNNERS)} (torchtune's, without pipeline parallelism), "
                         f"{', '.join(_TITAN_CHUNKED)} (its own))")
+    elif d.loss in RUNTIME_ONLY_LOSSES:
+        problems.append(f"the {d.loss} loss (a runtime no launcher here emits: Megatron-LM's legacy "
+                        "--fp16-lm-cross-entropy or Mist for megatron-fp16, llm-foundry for flash)")
     elif d.loss is Loss.FUSED_LINEAR and launcher not in _FUSED_LOSS_RUNNERS:
         problems.append("Liger's fused linear cross-entropy (TrainingArguments' use_liger_kernel; launchers that "
                         f"run it: {', '.join(_FUSED_LOSS_RUNNERS)})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from costmodels.choices import RUNTIME_ONLY_LOSSES
 from costmodels.config import Config, Loss
 from costmodels.estimator import model_refusals
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec
@@ -18,7 +19,8 @@ from solver.search.pins import KNOBS, Pins
 # kernels or memory placement), chosen by the search jointly with every other knob. Optimizer-in-backward is the same
 # AdamW update for a step of one micro-batch per rank (`Config.in_backward_refusals`: no accumulation), without
 # gradient clipping (torchtune's optimizer_in_bwd refuses clipping; the plan says so where it is chosen).
-SAVER_CHOICES: dict[str, tuple[Any, ...]] = {"optimizer_in_backward": (False, True), "loss": tuple(Loss),
+SAVER_CHOICES: dict[str, tuple[Any, ...]] = {"optimizer_in_backward": (False, True),
+                                             "loss": tuple(loss for loss in Loss if loss not in RUNTIME_ONLY_LOSSES),
                                              "activation_offload": (False, True)}
 # An environment setting for quick, repeated searches (the test suite sets it): "off" leaves torch.compile out of an
 # unpinned search, which then lowers no compiled variant (each costs a second trace through AOTAutograd, about as
