@@ -20,6 +20,7 @@ from typing import Any
 
 from costmodels import Config, Engine, Estimate, Optimizer, Precision, Workload, estimate, lowering_for, parse_cluster
 from costmodels.cluster import Cluster
+from costmodels.config import Loss
 from costmodels.pipeline_schedule import Schedule
 from costmodels.verdict import fits
 from graphs import Checkpoint, LoraSpec, lower
@@ -50,9 +51,10 @@ def model_source(row: dict[str, Any], folder: Path) -> str:
                   "vocab_size": m["vocab"], "max_position_embeddings": m["seq_len"], "use_parallel_residual": False,
                   "rotary_pct": 0.25, "tie_word_embeddings": True}
     elif m["name"].startswith("gpt2"):
+        # Mist's gpt2 configs and its Megatron-LM baselines (--untie-embeddings-and-output-weights) untie the head
         values = {"model_type": "gpt2", "n_embd": m["hidden"], "n_head": m["heads"], "n_layer": m["layers"],
                   "n_positions": m["seq_len"], "vocab_size": m["vocab"], "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                  "attn_pdrop": 0.0}
+                  "attn_pdrop": 0.0, "tie_word_embeddings": False}
     else:
         values = {"model_type": "llama", "hidden_size": m["hidden"], "num_attention_heads": m["heads"],
                   "num_key_value_heads": m.get("kv_heads") or m["heads"], "num_hidden_layers": m["layers"],
@@ -79,8 +81,21 @@ def throughput_config(row: dict[str, Any], layers: int) -> tuple[Config, Workloa
     # forward_backward_pipelining_without_interleaving, which Mist's runtime reuses).
     config = Config(tp=tp, dp=dp, pp=pp, pp_schedule=Schedule.ONE_F_ONE_B, pp_split=split, engine=engine[0],
                     zero=engine[1], micro_batch=b["micro_batch"], grad_accum=grad_accum, checkpoint=modes,
-                    precision=precision, optimizer=Optimizer.ADAMW_FUSED)
+                    precision=precision, optimizer=Optimizer.ADAMW_FUSED, loss=loss_of(row))
     return config, Workload(seq_len=row["model"]["seq_len"], global_batch=b["micro_batch"] * grad_accum * dp)
+
+
+def loss_of(row: dict[str, Any]) -> Loss:
+    """The cross-entropy the row's runtime ran. Mist's runtime (its gpt2/llama configs set fp16_lm_cross_entropy)
+    and Mist's Megatron-LM baselines (core_r0.4.0, benchmark_gpt_bert_one_case.py passes --fp16-lm-cross-entropy)
+    keep the logits 16-bit; llm-foundry's MPT runs its default `loss_fn: fused_crossentropy` (flash-attn's); the
+    others their runtime's plain loss (Loss.HF: transformers', torchtitan's plain one, megatron-core's)."""
+    framework = row.get("framework", "")
+    if "Mist" in framework:
+        return Loss.MEGATRON_FP16
+    if row["model"]["name"].startswith("mpt"):
+        return Loss.FLASH
+    return Loss.HF
 
 
 def _engine(row: dict[str, Any]) -> tuple[Engine, int] | str:
@@ -127,17 +142,18 @@ def pipeline_split(row: dict[str, Any], layers: int) -> tuple[int, ...]:
 
 
 def lowered(row: dict[str, Any], config: Config, folder: Path) -> Any:
-    """The row's model lowered as its runtime runs it: torchtitan's rows on torchtitan's own model code with the loss
-    the measured release ran (its published runs predate ChunkedLossWrapper: plain cross-entropy over full logits,
-    issue 37 defect 1), the others on the HF code in the engine's dtype (op-level SAC traced where a row runs it)."""
-    dtype, autocast = lowering_for(config)
-    if runtime_of(row.get("framework", "")) == "torchtitan":
-        from graphs.titan import lower_titan
+    """The row's model lowered by the route `solve` and `estimate` take (`solver.search.route.Lowerings`): under
+    the torchtitan launcher for torchtitan's rows (its own model code, with the loss the row's `config.loss` names:
+    plain cross-entropy, as its published runs predate ChunkedLossWrapper), megatron-core's layers for Megatron's
+    engine where megatron-core lowers the model and the row ran flash attention, else the HF code in the engine's
+    dtype (eager attention where the row ran without flash attention; op-level SAC traced where a row runs it)."""
+    from graphs.sources import resolve
+    from solver.search.route import Lowerings, Route
 
-        return lower_titan(model_source(row, folder), dtype=dtype, loss="plain")
-    op_selective = Checkpoint.OP_SELECTIVE in config.checkpoint
-    return lower(model_source(row, folder), dtype=dtype, autocast=autocast, attention=attention_for(row),
-                 **({"op_selective": True} if op_selective else {}))
+    titan = runtime_of(row.get("framework", "")) == "torchtitan"
+    route = Route(resolved=resolve(model_source(row, folder)), attention=None if titan else attention_for(row),
+                  titan=titan, op_selective=not titan and Checkpoint.OP_SELECTIVE in config.checkpoint)
+    return Lowerings(route).graph(config)
 
 
 def attention_for(row: dict[str, Any]) -> str | None:

@@ -234,15 +234,15 @@ def vocab_parallel_loss(x: HeadShape, *, upcast: bool) -> LossMemory:
 
 
 def flash_loss(x: HeadShape) -> LossMemory:
-    """flash-attn 2's fused `CrossEntropyLoss` (flash_attn/losses/cross_entropy.py, ops/triton/cross_entropy.py
+    """flash-attn 2's fused `CrossEntropyLoss` (flash_attn/losses/cross_entropy.py over ops/triton/cross_entropy.py
     `CrossEntropyLossFunction`) as llm-foundry's MPT calls it (`FusedCrossEntropyLoss(ignore_index=-100)`, so
-    `inplace_backward=False`) on labels rolled by one (`torch.roll`, the last set to -100): forward writes the
-    per-token losses and the fp32 log-sum-exp and saves the logits as they are, with the lse and labels; backward
-    writes `dlogits = torch.empty_like(logits)` and the logits go when the function's saved tensors do."""
+    `inplace_backward=False`) on labels rolled by one (`torch.roll`, the last set to -100): forward writes fp32
+    per-token losses, log-sum-exp and z-losses and saves the logits as they are, with the lse and labels; backward
+    writes `dlogits = torch.empty_like(logits)`, and the logits go with the function's saved tensors."""
     t, v, h, c = x.tokens, x.vocab, x.hidden, x.itemsize
     forward: Events = [("logits", t * v * c), ("rolled labels", LABEL_ITEMSIZE * t), ("losses", 4 * t),
-                       ("lse", 4 * t)]
-    released = 4 * t  # the per-token losses, once reduced
+                       ("lse", 4 * t), ("z-losses", 4 * t)]
+    released = 8 * t  # the per-token losses and z-losses, once reduced
     backward: Events = [("dlogits", t * v * c), ("saved logits, lse, labels", -(t * v * c + 12 * t))]
     backward += _linear_backward(x, tokens=t, logits_grad=t * v * c, saved_input=t * h * c)
     return LossMemory(forward=forward, released=released, saved=t * v * c + 12 * t + t * h * c, backward=backward)

@@ -78,11 +78,14 @@ def master_itemsize(precision: Precision, engine: Engine, optimizer: Optimizer =
 def reduce_itemsize(precision: Precision, engine: Engine, optimizer: Optimizer = Optimizer.ADAMW) -> int:
     """Bytes per element gradients are accumulated and reduced in: the optimizer's gradient dtype where it sets
     one, fp32 under mixed precision where the engine reduces in fp32 (FSDP2's reduce_dtype, Megatron's
-    accumulate_allreduce_grads_in_fp32), else the dtype backward produces."""
+    accumulate_allreduce_grads_in_fp32, which Megatron-LM sets for --bf16 only), else the dtype backward
+    produces."""
     own = optimizers.grads_itemsize(optimizer)
     if own is not None:
         return own
-    if is_mixed(precision) and rules_of(engine).reduce_fp32_when_mixed:
+    rules = rules_of(engine)
+    if is_mixed(precision) and rules.reduce_fp32_when_mixed and not (
+            precision is Precision.FP16_MIXED and rules.fp16_keeps_16bit_grads):
         return 4
     return grad_itemsize(precision, engine)
 

@@ -193,7 +193,13 @@ def _grad_bytes(config: Config, full: int, partition: int, itemsize: int) -> tup
 
 
 def _step_temp(config: Config, local: list[tuple[int, ...]], itemsize: int) -> int:
-    """DeepSpeed runs its own fused Adam (no list-wide temporaries); torch optimizers use foreach on CUDA."""
-    if rules_of(config.engine).own_fused_optimizer:
+    """DeepSpeed runs its own fused Adam (no list-wide temporaries); torch optimizers use foreach on CUDA. An engine
+    that keeps 16-bit gradients under fp16 casts the ones it steps to fp32 first, all alive through the step:
+    megatron-core 0.16 `_copy_model_grads_to_main_grads`, `main_param.grad = model_param.main_grad.float()`
+    (optimizer.py) or `shard_main_param.grad = shard_model_grad.float()` (distrib_optimizer.py)."""
+    rules = rules_of(config.engine)
+    if rules.fp16_keeps_16bit_grads and config.precision is Precision.FP16_MIXED:
+        return 4 * sum(math.prod(shape) for shape in local)
+    if rules.own_fused_optimizer:
         return 0
     return optimizers.step_temp_bytes(config.optimizer, local, itemsize)

@@ -126,6 +126,9 @@ class EngineRules:
     16-bit module."""
     reduce_fp32_when_mixed: bool = False
     """Reduces gradients in fp32 under mixed precision (FSDP2's MixedPrecisionPolicy reduce_dtype)."""
+    fp16_keeps_16bit_grads: bool = False
+    """Under fp16 mixed precision it accumulates and reduces gradients in fp16 all the same, and its optimizer
+    casts the (shard of the) gradients it steps to fp32 at the step (Megatron-LM)."""
     fp32_grad_copy_when_mixed: bool = False
     """Keeps an fp32 gradient buffer beside the 16-bit gradients under mixed precision."""
     small_params_whole_stages: tuple[int, ...] = ()

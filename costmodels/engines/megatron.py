@@ -1,11 +1,13 @@
 """Megatron-LM's data parallelism (megatron-core 0.16.1 `DistributedDataParallel` and its optimizers): a 16-bit
-model whose gradients accumulate into one persistent fp32 buffer (`main_grad`), with fp32 main parameters and
-Adam moments in the optimizer; stage 1 is `--use-distributed-optimizer`, which shards only the optimizer's part.
+model whose gradients accumulate into one persistent buffer (`main_grad`: fp32 under --bf16, fp16 under --fp16),
+with fp32 main parameters and Adam moments in the optimizer; stage 1 is `--use-distributed-optimizer`, which shards
+only the optimizer's part.
 
 Its own memory estimate (megatron/training/theoretical_memory_usage.py, `compute_weight_and_optimizer_memory`)
 counts 18 bytes per parameter, or 6 + 12/dp with the distributed optimizer: 2 (bf16 weights) + 4 (fp32 gradient
-buffer) + 12 (fp32 main weights and both moments). DeepSpeed's ZeRO-0/1 keep 16-bit gradients beside an fp32 copy
-instead (`deepspeed.gradients`), which is why Megatron plans are not priced as DeepSpeed."""
+buffer) + 12 (fp32 main weights and both moments); under --fp16 the buffer is 2 bytes. DeepSpeed's ZeRO-0/1 keep
+16-bit gradients beside an fp32 copy instead (`deepspeed.gradients`), which is why Megatron plans are not priced as
+DeepSpeed."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ BUCKET_ELEMENTS_PER_RANK = 1_000_000
 
 
 def gradients(stage: int, sizes: GradientSizes) -> tuple[int, int]:
-    """The whole gradient buffer, at both stages, in the reduce dtype: fp32 under mixed precision. arguments.py sets
-    `accumulate_allreduce_grads_in_fp32` for --bf16; under --fp16 the buffer is fp16 and the optimizer copies its
-    (shard of the) gradients to fp32 at the step, 2 + 4/dp bytes, which these 4 bytes bound. The distributed optimizer
-    reduce-scatters into its shard of the same buffer (param_and_grad_buffer.py), so the buffer stays whole; the
-    16-bit `param.grad` of each parameter is added into it and freed in backward (or never made, with gradient
-    accumulation fusion), so nothing accumulates beside it."""
+    """The whole gradient buffer, at both stages, in the reduce dtype: fp32 under --bf16, for which arguments.py
+    sets `accumulate_allreduce_grads_in_fp32` (megatron-core's `grad_reduce_in_fp32`); fp16 under --fp16, which
+    leaves it unset (DistributedDataParallel: `grad_dtype = torch.float if ddp_config.grad_reduce_in_fp32 else
+    param.dtype`), the optimizer casting the gradients it steps to fp32 at the step (`states._step_temp`). The
+    distributed optimizer reduce-scatters into its shard of the same buffer (param_and_grad_buffer.py), so the
+    buffer stays whole; the 16-bit `param.grad` of each parameter is added into it and freed in backward (or never
+    made, with gradient accumulation fusion), so nothing accumulates beside it."""
     return sizes.full * sizes.reduce_itemsize, 0
 
 
@@ -39,6 +42,7 @@ RULES = EngineRules(
     # shard each rank steps (traffic), though the buffer itself stays whole (`gradients`).
     sharded_from=(None, 1, 1), per_tensor_dim_shards=False, reshard_stages=(),
     fp32_weights_when_mixed=False, fp32_grads_when_mixed=False, reduce_fp32_when_mixed=True,
+    fp16_keeps_16bit_grads=True,
     compile_stages=(),  # Megatron-LM's training loop does not torch.compile the model
     # --optimizer-cpu-offload needs the precision-aware optimizer (arguments.py), which fitplan does not price.
     optimizer_offload_stages=(), param_offload_stages=(),

@@ -33,6 +33,7 @@ from costmodels.loss import (
 )
 from costmodels.memory import allocated_peak, memory_terms
 from graphs import lower
+from graphs.megatron import cpu_runtime
 from tests.costmodels.test_loss import LiveBytes
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
@@ -47,33 +48,30 @@ LEGACY_EDITS = {"vocab_parallel_logits = vocab_parallel_logits.float()\n": "\n",
 
 @pytest.fixture(scope="module")
 def megatron_losses():
-    """megatron-core's `compute_language_model_loss` over its installed cross-entropy (upcast) and over the legacy
-    fp16 one (the source edits above), inside a one-rank runtime."""
-    from graphs.megatron import cpu_runtime
-
-    with cpu_runtime():
+    """megatron-core's `compute_language_model_loss` over its installed cross-entropy (upcast) or over the legacy
+    fp16 one (the source edits above); call them inside `graphs.megatron.cpu_runtime` (one rank)."""
+    with cpu_runtime():  # megatron-core warns on import that TE and apex are absent
         from megatron.core.models.common.language_module.language_module import LanguageModule
         from megatron.core.tensor_parallel import cross_entropy
+    source = inspect.getsource(cross_entropy)
+    for old, new in LEGACY_EDITS.items():
+        assert old in source, f"megatron-core changed: {old!r} not found"
+        source = source.replace(old, new)
+    legacy = {"__name__": cross_entropy.__name__}
+    exec(compile(source, cross_entropy.__file__, "exec"), legacy)
+    owner = SimpleNamespace(config=SimpleNamespace(cross_entropy_loss_fusion=False))
 
-        source = inspect.getsource(cross_entropy)
-        for old, new in LEGACY_EDITS.items():
-            assert old in source, f"megatron-core changed: {old!r} not found"
-            source = source.replace(old, new)
-        legacy = {"__name__": cross_entropy.__name__}
-        exec(compile(source, cross_entropy.__file__, "exec"), legacy)
-        owner = SimpleNamespace(config=SimpleNamespace(cross_entropy_loss_fusion=False))
+    def run(upcast: bool):
+        def loss(labels, logits):
+            if upcast:
+                return LanguageModule.compute_language_model_loss(owner, labels, logits)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr("megatron.core.tensor_parallel.vocab_parallel_cross_entropy",
+                              legacy["vocab_parallel_cross_entropy"])
+                return LanguageModule.compute_language_model_loss(owner, labels, logits)
+        return loss
 
-        def run(upcast: bool):
-            def loss(labels, logits):
-                if upcast:
-                    return LanguageModule.compute_language_model_loss(owner, labels, logits)
-                with pytest.MonkeyPatch.context() as patch:
-                    patch.setattr("megatron.core.tensor_parallel.vocab_parallel_cross_entropy",
-                                  legacy["vocab_parallel_cross_entropy"])
-                    return LanguageModule.compute_language_model_loss(owner, labels, logits)
-            return loss
-
-        yield run
+    return run
 
 
 @pytest.mark.parametrize(("dtype", "b", "upcast"), [(torch.bfloat16, 2, True), (torch.float32, 2, True),
@@ -85,7 +83,7 @@ def test_vocab_parallel_sequence_matches_megatron_core(dtype, b, upcast, megatro
     x0 = torch.randn(s, b, hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (b, s))
     compute = megatron_losses(upcast)
-    with LiveBytes(weight, x0, labels) as mode:
+    with cpu_runtime(), LiveBytes(weight, x0, labels) as mode:
         h = x0.clone()  # the final norm's output, (s, b, h) as megatron's layers pass it
         start = mode.reset_peak()
         loss = compute(labels, F.linear(h, weight)).sum()
@@ -127,3 +125,36 @@ def test_megatron_engine_prices_megatron_loss_on_the_hf_lowering(tmp_path):
     assert core - legacy >= logits
     ddp = Config(engine=Engine.DDP, precision=Precision.BF16_MIXED, micro_batch=2)
     assert refusals(Loss.MEGATRON_FP16, graph, ddp) and not refusals(Loss.MEGATRON_FP16, graph, config)
+
+
+def megatron_buffer_bytes(elements: int, dtype: torch.dtype, *, fp32_reduce: bool, distributed: bool) -> int:
+    """Bytes of megatron-core's own DistributedDataParallel gradient buffers over `elements` parameters of `dtype`
+    (one rank), with `grad_reduce_in_fp32` as Megatron-LM sets it: `accumulate_allreduce_grads_in_fp32`, which its
+    arguments.py turns on for --bf16 only."""
+    with cpu_runtime():
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import MegatronModule
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, params_dtype=dtype,
+                                   fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16)
+        module = MegatronModule(config)
+        module.weight = torch.nn.Parameter(torch.empty(elements, dtype=dtype))
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=fp32_reduce, use_distributed_optimizer=distributed), module)
+        return sum(buffer.grad_data.numel() * buffer.grad_data.element_size() for buffer in ddp.buffers)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_megatron_gradient_buffer_follows_the_precision(zero, tmp_path):
+    """Megatron-LM's fp16 runs (the Mist baselines, fitplan's --fp16 Megatron jobs) keep an fp16 gradient buffer,
+    its bf16 runs an fp32 one: fitplan's gradient bytes equal megatron-core's buffers for the graph's parameters."""
+    from costmodels import estimate, parse_cluster
+
+    for precision, dtype in ((Precision.FP16_MIXED, torch.float16), (Precision.BF16_MIXED, torch.bfloat16)):
+        config = Config(engine=Engine.MEGATRON, zero=zero, precision=precision, micro_batch=1)
+        graph = _graph(tmp_path, config)
+        priced = estimate(graph, parse_cluster("1xH100"), Workload(seq_len=64, global_batch=1), config)
+        reference = megatron_buffer_bytes(graph.param_count, dtype, fp32_reduce=dtype == torch.bfloat16,
+                                          distributed=zero == 1)
+        assert priced.memory.gradients == reference, precision
