@@ -158,9 +158,15 @@ def lowered(row: dict[str, Any], config: Config, folder: Path) -> Any:
 
 def attention_for(row: dict[str, Any]) -> str | None:
     """The attention to lower with: eager (scores materialised) where the row ran without flash attention (Mist's
-    flash_attn=False and Megatron's flash=False compute softmax(QK^T) explicitly), else the default SDPA."""
+    flash_attn=False and Megatron's flash=False compute softmax(QK^T) explicitly); SDPA pinned for Mist's Megatron-LM
+    core_r0.4.0 baselines with flash attention, whose legacy local layers (the default --transformer-impl then: a
+    Python SwiGLU, RMSNorm and RoPE around flash-attn's kernel) are not the Transformer Engine layers of megatron-core
+    0.16 that the route prices Megatron's engine on otherwise; else the route's default (Mist's runtime, with
+    flash-attn's fused dropout-add-norm kernels (mist/modules/rms_norm.py), keeps it)."""
     framework = row.get("framework", "").replace(" ", "")
-    return "eager" if "flash_attn=False" in framework or "flash=False" in framework else None
+    if "flash_attn=False" in framework or "flash=False" in framework:
+        return "eager"
+    return "sdpa" if "Megatron-LM" in framework else None
 
 
 def offload_caveat(row: dict[str, Any]) -> str | None:
