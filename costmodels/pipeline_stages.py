@@ -205,17 +205,24 @@ def rank_memory_terms(slice_: RankSlice, workload: Workload, config: Config) -> 
     own = rank_config(config, slice_)
     stage_configs = tuple(rank_config(config, slice_, stage=local) for local in range(len(slice_.stage_graphs))) \
         if len(slice_.stage_graphs) > 1 else ()
-    terms = _SLICE_TERMS.get((slice_.graph, *slice_.stage_graphs),
-                             (workload, *(_unscheduled(c) for c in (own, *stage_configs))),
-                             lambda: _slice_memory_terms(slice_, workload, own, stage_configs))
-    # receive buffers, and the parameters an engine that syncs once per step keeps gathered all step (FSDP2)
-    return replace(terms, moments=slice_.moments,
-                   buffers=terms.buffers + slice_.buffers + pipelined_gathered(slice_.graph, own))
+    graphs, unscheduled = (slice_.graph, *slice_.stage_graphs), tuple(_unscheduled(c) for c in (own, *stage_configs))
+
+    def scheduled() -> MemoryTerms:
+        terms = _SLICE_TERMS.get(graphs, (workload, *unscheduled),
+                                 lambda: _slice_memory_terms(slice_, workload, own, stage_configs))
+        # receive buffers, and the parameters an engine that syncs once per step keeps gathered all step (FSDP2)
+        return replace(terms, moments=slice_.moments,
+                       buffers=terms.buffers + slice_.buffers + pipelined_gathered(slice_.graph, own))
+
+    # one object per rank shape, schedule and position: its peaks are walked once (`tables.Table.peak_of`)
+    return _RANK_TERMS.get(graphs, (workload, *unscheduled, slice_.timeline, slice_.rank, slice_.buffers), scheduled)
 
 
 # A rank's terms before its schedule's moments and receive buffers, by its slice's and stages' graphs (identities)
-# and configurations: a search prices ranks of one shape, on the same graphs, under many schedules and splits.
+# and configurations: a search prices ranks of one shape, on the same graphs, under many schedules and splits; and
+# with them, by its schedule and position.
 _SLICE_TERMS: IdentityMemo[MemoryTerms] = IdentityMemo(limit=4096)
+_RANK_TERMS: IdentityMemo[MemoryTerms] = IdentityMemo(limit=4096)
 # What a slice's memory terms read of a configuration: all but the schedule, its stages per rank and the split (the
 # slice and its stages are those; their moments and buffers are added after).
 _SLICE_FIELDS = tuple(f.name for f in fields(Config) if f.name not in ("pp_schedule", "pp_virtual", "pp_split"))
