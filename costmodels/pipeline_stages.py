@@ -14,7 +14,7 @@ stages' count as allocated already (bounds, where the lowering has no finer numb
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
@@ -25,6 +25,7 @@ from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
 from .cluster import Cluster
 from .config import Config, Workload
+from .identity_memo import IdentityMemo
 from .memory import memory_breakdown, memory_terms, model_wide_bytes, pipelined_gathered
 from .pipeline import (
     Moment,
@@ -40,7 +41,7 @@ from .pipeline import (
     sets_in_flight,
 )
 from .pipeline_schedule import Schedule, stage_ranks
-from .stage_split import megatron_split
+from .stage_split import balanced_split, megatron_split, rank_balanced_split
 from .states import model_states
 from .tensor_parallel import rank_layer
 from .terms import MemoryTerms, Span
@@ -83,19 +84,26 @@ class RankSlice:
 
 
 def stage_layers(graph: LayerGraph, workload: Workload, config: Config) -> tuple[int, ...]:
-    """Decoder layers of each global stage: the configured split, else the split Megatron's arguments can express
-    (ends free, middle stages equal) that balances forward and backward FLOPs, the embedding riding with the
-    first stage and the norm, head and loss with the last (`stage_split.megatron_split`)."""
+    """Decoder layers of each global stage: the configured split, else the one that balances forward and backward
+    FLOPs, the embedding riding with the first stage and the norm, head and loss with the last. With one stage per
+    rank, the best split Megatron's first/last flags express (ends free, middle stages equal:
+    `stage_split.megatron_split`); with several, the split whose busiest rank is least busy
+    (`stage_split.rank_balanced_split`; the costliest stage's, `balanced_split`, where layers differ in kind), which
+    Megatron's `--pipeline-model-parallel-layout` and torchtitan's `module_fqns_per_model_part` both express: the
+    flags' form would load both end stages with the layers the pp x v - 2 middle stages cannot share evenly (80
+    layers over 32 stages: 11 and 9 layers at the ends, 2 in each middle stage)."""
     if config.pp_split:
         return config.pp_split
     stages = config.pp * config.pp_virtual
     if stages == 1:
         return (len(graph.decoder_layers()),)
-    return _balanced(graph, workload.seq_len, config.micro_batch, config.tp, stages)
+    ranks = stage_ranks(config.pp_schedule, config.pp, config.pp_virtual) if config.pp_virtual > 1 else None
+    return _balanced(graph, workload.seq_len, config.micro_batch, config.tp, stages, ranks)
 
 
 @lru_cache(maxsize=1024)
-def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages: int) -> tuple[int, ...]:
+def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages: int,
+              ranks: tuple[int, ...] | None) -> tuple[int, ...]:
     def flops(layer: Layer) -> float:
         cost = rank_layer(graph, layer, tp).cost()  # the head's FLOPs on one TP rank
         return float(sum(evaluate(work.flops, b=micro_batch, s=seq_len, tp=tp, sequence_parallel=False)
@@ -109,7 +117,12 @@ def _balanced(graph: LayerGraph, seq_len: int, micro_batch: int, tp: int, stages
     for i in decoders:
         if nodes[i].kind not in by_kind:
             by_kind[nodes[i].kind] = flops(nodes[i])
-    return megatron_split([by_kind[nodes[i].kind] for i in decoders], stages, first_extra=first, last_extra=last)
+    costs = [by_kind[nodes[i].kind] for i in decoders]
+    if ranks is None:
+        return megatron_split(costs, stages, first_extra=first, last_extra=last)
+    if len(by_kind) == 1:
+        return rank_balanced_split(costs[0], len(costs), ranks, first_extra=first, last_extra=last)
+    return balanced_split(costs, stages, first_extra=first, last_extra=last)
 
 
 def boundary_bytes(graph: LayerGraph, workload: Workload, config: Config) -> int:
@@ -190,27 +203,57 @@ def rank_memory_terms(slice_: RankSlice, workload: Workload, config: Config) -> 
     """The memory terms of a pipeline rank: its slice's, with its stages (when it runs several), the moments of
     its schedule and its receive buffers. `config` is the whole model's (its modes, if any, per model layer)."""
     own = rank_config(config, slice_)
+    stage_configs = tuple(rank_config(config, slice_, stage=local) for local in range(len(slice_.stage_graphs))) \
+        if len(slice_.stage_graphs) > 1 else ()
+    graphs, unscheduled = (slice_.graph, *slice_.stage_graphs), tuple(_unscheduled(c) for c in (own, *stage_configs))
+
+    def scheduled() -> MemoryTerms:
+        terms = _SLICE_TERMS.get(graphs, (workload, *unscheduled),
+                                 lambda: _slice_memory_terms(slice_, workload, own, stage_configs))
+        # receive buffers, and the parameters an engine that syncs once per step keeps gathered all step (FSDP2)
+        return replace(terms, moments=slice_.moments,
+                       buffers=terms.buffers + slice_.buffers + pipelined_gathered(slice_.graph, own))
+
+    # one object per rank shape, schedule and position: its peaks are walked once (`tables.Table.peak_of`)
+    return _RANK_TERMS.get(graphs, (workload, *unscheduled, slice_.timeline, slice_.rank, slice_.buffers), scheduled)
+
+
+# A rank's terms before its schedule's moments and receive buffers, by its slice's and stages' graphs (identities)
+# and configurations: a search prices ranks of one shape, on the same graphs, under many schedules and splits; and
+# with them, by its schedule and position.
+_SLICE_TERMS: IdentityMemo[MemoryTerms] = IdentityMemo(limit=4096)
+_RANK_TERMS: IdentityMemo[MemoryTerms] = IdentityMemo(limit=4096)
+# What a slice's memory terms read of a configuration: all but the schedule, its stages per rank and the split (the
+# slice and its stages are those; their moments and buffers are added after).
+_SLICE_FIELDS = tuple(f.name for f in fields(Config) if f.name not in ("pp_schedule", "pp_virtual", "pp_split"))
+
+
+def _unscheduled(config: Config) -> tuple[object, ...]:
+    return tuple(getattr(config, name) for name in _SLICE_FIELDS)
+
+
+def _slice_memory_terms(slice_: RankSlice, workload: Workload, own: Config,
+                        stage_configs: tuple[Config, ...]) -> MemoryTerms:
+    """The memory terms of a rank's slice (`own`: its configuration), with a span per stage when it runs several
+    (`stage_configs`: theirs)."""
     terms = memory_terms(slice_.graph, workload, own)
-    if len(slice_.stage_graphs) > 1:
-        s = context_parallel.rank_workload(workload, config).seq_len
-        total = terms.states.accumulating_grads
-        spans, first = [], 0
-        for local, stage in enumerate(slice_.stage_graphs):
-            stage_config = rank_config(config, slice_, stage=local)
-            nodes = stage.nodes()
-            start, forward_only = model_wide_bytes(stage, stage_config, b=config.micro_batch, s=s)
-            trains = [i for i, layer in enumerate(nodes) if any(p.trainable for p in layer.params)]
-            own_grads = model_states(stage, stage_config).accumulating_grads
-            spans.append(Span(first=first, stop=first + len(nodes), start=start, forward_only=forward_only,
-                              input_frees_from=first + (trains[-1] + 1 if trains else 0),
-                              other_grads=max(0, total - own_grads)))
-            first += len(nodes)
-        if first != len(terms.nodes):
-            raise ValueError(f"{slice_.rank=}'s stages have {first} nodes, its slice {len(terms.nodes)}")
-        terms = replace(terms, spans=tuple(spans))
-    # receive buffers, and the parameters an engine that syncs once per step keeps gathered all step (FSDP2)
-    return replace(terms, moments=slice_.moments,
-                   buffers=terms.buffers + slice_.buffers + pipelined_gathered(slice_.graph, own))
+    if not stage_configs:
+        return terms
+    s = context_parallel.rank_workload(workload, own).seq_len
+    total = terms.states.accumulating_grads
+    spans, first = [], 0
+    for stage, stage_config in zip(slice_.stage_graphs, stage_configs, strict=True):
+        nodes = stage.nodes()
+        start, forward_only = model_wide_bytes(stage, stage_config, b=own.micro_batch, s=s)
+        trains = [i for i, layer in enumerate(nodes) if any(p.trainable for p in layer.params)]
+        own_grads = model_states(stage, stage_config).accumulating_grads
+        spans.append(Span(first=first, stop=first + len(nodes), start=start, forward_only=forward_only,
+                          input_frees_from=first + (trains[-1] + 1 if trains else 0),
+                          other_grads=max(0, total - own_grads)))
+        first += len(nodes)
+    if first != len(terms.nodes):
+        raise ValueError(f"{slice_.rank=}'s stages have {first} nodes, its slice {len(terms.nodes)}")
+    return replace(terms, spans=tuple(spans))
 
 
 def rank_config(config: Config, slice_: RankSlice, *, stage: int | None = None) -> Config:

@@ -108,6 +108,33 @@ def megatron_split(layer_costs: Sequence[float], stages: int, *, first_extra: fl
     return best[1]
 
 
+def rank_balanced_split(layer_cost: float, layers: int, ranks: Sequence[int], *, first_extra: float = 0.0,
+                        last_extra: float = 0.0) -> tuple[int, ...]:
+    """Layers of each stage when the stages of several per rank (stage k on rank `ranks[k]`) take layers of one
+    cost: the split whose busiest rank is least busy, and within each rank whose costliest stage is cheapest. Under
+    an interleaved schedule a rank runs all its stages for every micro-batch, so its total bounds the steady phase
+    (the stages' own sizes only the warm-up); any contiguous split runs (Megatron's pipeline layout, torchtitan's
+    module names per part). Exact by water-filling: each layer goes to the rank, then the stage, that costs least
+    with it (ties to the later one: earlier ranks and stages hold more micro-batches in flight)."""
+    stages = len(ranks)
+    if layers < stages or not layer_cost >= 0 or not first_extra >= 0 or not last_extra >= 0:
+        raise ValueError(f"{layers} layers of cost {layer_cost} cannot fill {stages} stages of at least one layer")
+    extras = [0.0] * stages
+    extras[0] += first_extra
+    extras[-1] += last_extra
+    own = {r: [k for k in range(stages) if ranks[k] == r] for r in sorted(set(ranks))}
+    totals = {r: len(ks) for r, ks in own.items()}  # one layer per stage first
+    for _ in range(layers - stages):
+        cheapest = min(own, key=lambda r: (layer_cost * (totals[r] + 1) + sum(extras[k] for k in own[r]), -r))
+        totals[cheapest] += 1
+    sizes = [1] * stages
+    for r, ks in own.items():
+        for _ in range(totals[r] - len(ks)):
+            cheapest = min(ks, key=lambda k: (layer_cost * (sizes[k] + 1) + extras[k], -k))
+            sizes[cheapest] += 1
+    return tuple(sizes)
+
+
 @lru_cache(maxsize=256)
 def megatron_splits(layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
     """Every split Megatron's first/last flags express: each end any size, the middle stages equal, every stage

@@ -11,7 +11,9 @@ ranks' modes through the simulation on small instances, and the tests check the 
 Configurations are visited in the order of a lower bound (their compute in the fastest modes spread over the
 ranks) and the visit stops once the bound reaches the best step found, whole-model configurations included; a
 configuration whose split and bubble alone (`stage_bound`) or whose ranks in their fastest modes, simulated, reach
-that step is passed over.
+that step is passed over. An interleaved configuration stands for each count of stages per rank its schedule runs
+(`space.virtual_variants`): they share its compute bound, and are searched when it is reached, in the order of their
+`stage_bound`s.
 
 The split is searched too: with one stage per rank and decoder layers of one kind, every split Megatron's
 first/last flags express (ends free, middle stages equal; every launcher runs them), in the order of each split's
@@ -19,7 +21,9 @@ first/last flags express (ends free, middle stages equal; every launcher runs th
 first stage, which holds the most micro-batches under 1F1B, can recompute less or fit where the FLOP-balanced
 split does not. The splits share their ranks' tables and solutions by rank shape (`RankMemo`), and a rank found
 unable to hold n layers rules out every split that gives it as many. `reference.every_split_best` builds and
-solves every split alone, and the tests check the two agree.
+solves every split alone, and the tests check the two agree. Where the decoder layers are of one kind, the ranks are
+priced on one graph per shape (`shaped_slices`), so ranks, splits and schedules of one shape share their states and
+memory terms.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
     across configurations (`slice_terms`), `shapes` rank tables across the splits of one (`RankMemo`)."""
     config = outer.config()
     budget = memory_budget(cluster, config, headroom)  # (`whole_states_fit` is asked once per configuration first)
-    slices = rank_slices(graph, workload, config)
+    slices = shaped_slices(graph, rank_slices(graph, workload, config))
     for slice_ in slices:  # the states alone, before any timing: most configurations that cannot fit stop here
         if shapes is not None and shape(slice_) in shapes.tables:
             continue  # its table was built: its states fit
@@ -148,6 +152,24 @@ def candidate(outer: Outer, graph: LayerGraph, cluster: Cluster, workload: Workl
     fastest = [fastest_modes(r.table, r.kinds, table_modes(r.table, modes)) for r in ranks]
     return PipelineCandidate(outer, tuple(ranks), found.p2p, step_ticks(found, fastest),
                              stage_layers(graph, workload, config))
+
+
+def shaped_slices(graph: LayerGraph, slices: tuple[RankSlice, ...]) -> tuple[RankSlice, ...]:
+    """The slices, priced on one graph per shape where the model's decoder layers are of one kind: a rank's memory
+    and time then depend only on how many layers each of its stages holds and whether it holds the model's first
+    or last nodes (the graphs differ in their nodes' names alone), so ranks, splits and schedules of one shape share
+    their states and memory terms (memos keyed by the graphs' identities). Each keeps its own layer indices."""
+    if not one_kind(graph):
+        return slices
+    last = max(stage for slice_ in slices for stage in slice_.stages)
+    shaped = []
+    for slice_ in slices:
+        sizes = [len(g.decoder_layers()) for g in slice_.stage_graphs]
+        stages = tuple(sub_graph(graph, tuple(range(n)), first=s == 0, last=s == last)
+                       for n, s in zip(sizes, slice_.stages, strict=True))
+        whole = sub_graph(graph, tuple(range(sum(sizes))), first=0 in slice_.stages, last=last in slice_.stages)
+        shaped.append(replace(slice_, graph=whole, stage_graphs=stages))
+    return tuple(shaped)
 
 
 def whole_states_fit(graph: LayerGraph, config: Config, budget: int) -> bool:
@@ -542,63 +564,94 @@ class PipelineMemos:
     sliced: dict[tuple[object, ...], TimeTerms] = field(default_factory=dict)
 
 
+Variants = Callable[[Outer], tuple[Outer, ...]]
+"""A configuration at each count of stages per rank its schedule runs (`space.virtual_variants`), its own first."""
+
+
+@dataclass(slots=True)
+class _Best:
+    """What a pipeline search has found so far, and how much it has built and searched."""
+
+    incumbent: int | None
+    best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
+    explored: int = 0
+    searched: int = 0
+    complete: bool = True
+
+    @property
+    def bound(self) -> int | None:
+        """Step ticks a configuration must beat: the best found, else the incumbent."""
+        return self.best[0] if self.best is not None else self.incumbent
+
+
 def pipeline_search(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,
                     workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...], incumbent: int | None,
-                    deadline: float, runs: Runs | None = None, memos: PipelineMemos | None = None) -> PipelineResult:
+                    deadline: float, runs: Runs | None = None, memos: PipelineMemos | None = None,
+                    variants: Variants | None = None) -> PipelineResult:
     """The fastest pipeline configuration that fits and beats `incumbent` step ticks (None: any): configurations
     in the order of `compute_bound`, each built (`candidate`) and its ranks solved only while its bounds are below
-    the best step so far. `memos`: what an earlier search of these configurations on this cluster and workload
-    computed (at another headroom)."""
+    the best step so far. `variants` opens each configuration's other counts of stages per rank, which share its
+    compute bound, in the order of their `stage_bound`s. `memos`: what an earlier search of these configurations on
+    this cluster and workload computed (at another headroom)."""
     memos = memos if memos is not None else PipelineMemos()
-    memo, edges, sliced = memos.fastest, memos.edges, memos.sliced
-    bounds = compute_bounds(outers, graph_of, cluster, workload, modes=modes, memo=memo, deadline=deadline)
+    bounds = compute_bounds(outers, graph_of, cluster, workload, modes=modes, memo=memos.fastest, deadline=deadline)
     if bounds is None:  # no bound for some: none of them is searched
         return PipelineResult("UNKNOWN", None, (), None, 0, 0)
-    best: tuple[int, Outer, tuple[Checkpoint, ...]] | None = None
-    explored = searched = 0
-    complete = True
+    found = _Best(incumbent)
     for k in sorted(range(len(outers)), key=lambda i: (bounds[i], i)):
-        bound = best[0] if best is not None else incumbent
-        if bound is not None and bounds[k] >= bound:
+        if found.bound is not None and bounds[k] >= found.bound:
             break
         if time.perf_counter() > deadline:
-            complete = False
+            found.complete = False
             break
         outer = outers[k]
         graph = graph_of(outer)
         if not whole_states_fit(graph, outer.config(), memory_budget(cluster, outer.config(), headroom)):
             continue  # no split fits
         own = lowered_modes(graph, modes)
-        splits = searched_splits(outer, graph, workload, memo[compute_signature(outer)],
-                                 edge_compute(outer, graph, cluster, workload, edges), below=bound)
-        shapes = RankMemo() if len(splits) > 1 else None
-        for split_bound, split in splits:
-            bound = best[0] if best is not None else incumbent
-            if bound is not None and split_bound >= bound:
-                break  # this split's and the later ones' bubbles alone keep them from beating the best
-            if time.perf_counter() > deadline:
-                complete = False
-                break
-            if shapes is not None and shapes.excludes(split):
-                continue  # a rank holds at least as many layers as it was found unable to
-            found = candidate(replace(outer, pp_split=split), graph, cluster, workload, headroom=headroom, modes=own,
-                              memo=sliced, beat=bound, shapes=shapes)
-            explored += 1
-            if found is None or (bound is not None and found.lower >= bound):
-                continue
-            rank_modes, proved = best_recompute(found, own, runs or registry_runs(graph), deadline=deadline,
-                                                beat=bound, shapes=shapes)
-            searched += 1
-            complete = complete and proved
-            if rank_modes is None:
-                continue
-            step = step_ticks(found, rank_modes)
-            if bound is None or step < bound:
-                best = (step, found.outer, whole_model_modes(found, rank_modes))
+        fastest, edges = memos.fastest[compute_signature(outer)], edge_compute(outer, graph, cluster, workload,
+                                                                               memos.edges)
+        opened = [(splits, variant) for variant in (variants(outer) if variants else (outer,))
+                  if (splits := searched_splits(variant, graph, workload, fastest, edges, below=found.bound))]
+        for splits, variant in sorted(opened, key=lambda pair: pair[0][0][0]):  # the likeliest to win first
+            _search_splits(found, variant, splits, graph, cluster, workload, headroom=headroom, modes=own,
+                           runs=runs or registry_runs(graph), deadline=deadline, sliced=memos.sliced)
+    best = found.best
     if best is None:
-        status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if complete else "UNKNOWN"
-        return PipelineResult(status, None, (), None, explored, searched)
-    return PipelineResult("OPTIMAL" if complete else "FEASIBLE", best[1], best[2], best[0], explored, searched)
+        status = ("INFEASIBLE" if incumbent is None else "OPTIMAL") if found.complete else "UNKNOWN"
+        return PipelineResult(status, None, (), None, found.explored, found.searched)
+    return PipelineResult("OPTIMAL" if found.complete else "FEASIBLE", best[1], best[2], best[0], found.explored,
+                          found.searched)
+
+
+def _search_splits(found: _Best, outer: Outer, splits: list[tuple[int, tuple[int, ...]]], graph: LayerGraph,
+                   cluster: Cluster, workload: Workload, *, headroom: float, modes: tuple[Checkpoint, ...], runs: Runs,
+                   deadline: float, sliced: dict[tuple[object, ...], TimeTerms]) -> None:
+    """Search `outer`'s splits, in the order of their bounds, while those bounds are below the best step so far
+    (`found`, updated): each built (`candidate`) and its ranks solved."""
+    shapes = RankMemo() if len(splits) > 1 else None
+    for split_bound, split in splits:
+        bound = found.bound
+        if bound is not None and split_bound >= bound:
+            break  # this split's and the later ones' bubbles alone keep them from beating the best
+        if time.perf_counter() > deadline:
+            found.complete = False
+            break
+        if shapes is not None and shapes.excludes(split):
+            continue  # a rank holds at least as many layers as it was found unable to
+        built = candidate(replace(outer, pp_split=split), graph, cluster, workload, headroom=headroom, modes=modes,
+                          memo=sliced, beat=bound, shapes=shapes)
+        found.explored += 1
+        if built is None or (bound is not None and built.lower >= bound):
+            continue
+        rank_modes, proved = best_recompute(built, modes, runs, deadline=deadline, beat=bound, shapes=shapes)
+        found.searched += 1
+        found.complete = found.complete and proved
+        if rank_modes is None:
+            continue
+        step = step_ticks(built, rank_modes)
+        if bound is None or step < bound:
+            found.best = (step, built.outer, whole_model_modes(built, rank_modes))
 
 
 def compute_bounds(outers: tuple[Outer, ...], graph_of: Callable[[Outer], LayerGraph], cluster: Cluster,

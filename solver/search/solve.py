@@ -4,6 +4,7 @@ time limit, then the plan assembled from a fresh estimate of the winner."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -29,7 +30,7 @@ from solver.search.pipeline_search import PipelineMemos, PipelineResult, pipelin
 from solver.search.request import Request, plan_inputs
 from solver.search.route import TITAN_LOSSES, Lowerings, Route
 from solver.search.schedules import schedule_options
-from solver.search.space import Outer, Space, outer_space
+from solver.search.space import Outer, Space, outer_space, virtual_variants
 from solver.search.table_search import SearchResult, build_tables, search
 from solver.search.tables import TICK_SECONDS
 
@@ -224,7 +225,9 @@ def _searches(prepared: Prepared, *, begin: float, lowering_seconds: float) -> S
         incumbent = result.objective // found.weight if result.objective is not None else None
         piped = pipeline_search(space.pipelines, prepared.lowerings, request.cluster, request.workload,
                                 headroom=request.headroom, modes=space.modes, incumbent=incumbent,
-                                deadline=begin + 0.85 * limit, runs=runs, memos=costs.pipeline)
+                                deadline=begin + 0.85 * limit, runs=runs, memos=costs.pipeline,
+                                variants=functools.partial(virtual_variants, pins=pins,
+                                                           layers=len(prepared.any_graph.decoder_layers())))
     return Searched(found, tables, piped, piped.status if piped else None, begin, lowering_seconds)
 
 

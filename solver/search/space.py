@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
@@ -195,33 +196,47 @@ def expert_degrees(graph: LayerGraph, pins: Pins, ranks: int) -> list[int]:
     return [ep for ep in pins.keep("ep", divisors(ranks)) if experts % ep == 0]
 
 
-# Stages per rank tried for the interleaved schedules when not pinned: 2, the fewest that interleave (each more
-# stage per rank adds pp point-to-point hops per micro-batch); --pp-virtual opens others.
-VIRTUAL_STAGES = (2,)
 # Schedules searched when not pinned: GPipe runs forward all micro-batches before any backward, so it holds all m
 # in flight for the bubble 1F1B has with at most pp (Narayanan et al. 2021, section 2.2); --pp-schedule gpipe.
 DEFAULT_SCHEDULES = tuple(s for s in Schedule if s is not Schedule.GPIPE)
 
 
+def virtual_stages(schedule: Schedule, pp: int, m: int, layers: int, pins: Pins) -> tuple[int, ...]:
+    """Stages per rank that torch runs `schedule` with (`schedule_problem`), narrowed by the pins: one for 1F1B and
+    GPipe, two for zbv's V, and for the interleaved schedules two (any split, through Megatron's pipeline layout and
+    torchtitan's module names per part) and every larger count whose stages hold equal layers, pp x v dividing the
+    decoder layers (Megatron's --num-layers-per-virtual-pipeline-stage requires it: arguments.py). More stages per
+    rank shrink the bubble (by v, Narayanan et al. 2021 section 2.2) for v times the point-to-point hops and the
+    stages' own receive buffers and model-wide tensors, so the cost model decides."""
+    if schedule in SINGLE_STAGE:
+        options: Iterable[int] = (1,)
+    elif schedule is Schedule.ZBV:
+        options = (2,)
+    else:
+        pinned = pins.value("pp_virtual")
+        options = (pinned,) if pinned is not None else \
+            (2, *(v for v in range(3, layers // pp + 1) if layers % (pp * v) == 0))
+    return tuple(v for v in options if pins.allows("pp_virtual", v) and pp * v <= layers
+                 and schedule_problem(schedule, pp, m, v) is None)
+
+
 def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int) -> list[tuple[Schedule, int]]:
     """(schedule, stages per rank) pairs torch runs with `pp` ranks and `m` micro-batches; (1f1b, 1) stands for
-    no pipeline when pp is 1."""
+    no pipeline when pp is 1. Each schedule comes once, at its fewest stages per rank: the space would grow
+    tenfold with one configuration per count (a 405B over 1024 GPUs: pp=2 takes v up to 63), so the pipeline
+    search opens the other counts of a configuration (`virtual_variants`) only while its bound can still win."""
     if pp == 1:
         return [(Schedule.ONE_F_ONE_B, 1)]
     layers = len(graph.decoder_layers())
-    pinned_v = pins.value("pp_virtual")
-    pairs = []
-    for schedule in pins.allowed("pp_schedule") or DEFAULT_SCHEDULES:
-        if schedule in SINGLE_STAGE:
-            options: tuple[int, ...] = (1,)
-        elif schedule is Schedule.ZBV:
-            options = (2,)
-        else:
-            options = (pinned_v,) if pinned_v is not None else VIRTUAL_STAGES
-        for v in options:
-            if pins.allows("pp_virtual", v) and pp * v <= layers and schedule_problem(schedule, pp, m, v) is None:
-                pairs.append((schedule, v))
-    return pairs
+    return [(schedule, options[0]) for schedule in pins.allowed("pp_schedule") or DEFAULT_SCHEDULES
+            if (options := virtual_stages(schedule, pp, m, layers, pins))]
+
+
+def virtual_variants(outer: Outer, *, layers: int, pins: Pins) -> tuple[Outer, ...]:
+    """`outer` at every count of stages per rank its schedule runs (`virtual_stages`), `outer`'s own first: a
+    launcher that runs one interleaved count runs the others (their rules read v only to refuse v = 1)."""
+    counts = virtual_stages(outer.pp_schedule, outer.pp, outer.grad_accum, layers, pins)
+    return (outer, *(replace(outer, pp_virtual=v) for v in counts if v != outer.pp_virtual))
 
 
 def micro_batches(per_rank: int, pins: Pins) -> list[tuple[int, int]]:

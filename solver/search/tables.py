@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from costmodels import Cluster, Config, Workload, check
 from costmodels.compilation import COMPILE_MIN_SAVING
+from costmodels.identity_memo import IdentityMemo
 from costmodels.memory import allocated_peak, memory_terms, offload_bytes
 from costmodels.pipeline_stages import RankSlice, rank_memory_terms
 from costmodels.states import model_states
@@ -72,8 +73,16 @@ class Table:
     def peak_of(self, modes: tuple[Checkpoint, ...]) -> int:
         key = tuple(modes)
         if key not in self._peaks:
-            self._peaks[key] = allocated_peak(self.memory, key)[0]
+            memory = self.memory
+            walk = lambda: allocated_peak(memory, key)[0]  # noqa: E731
+            self._peaks[key] = _PEAKS.get((memory,), (key,), walk) if memory.moments else walk()
         return self._peaks[key]
+
+
+# Pipeline ranks' peaks by memory terms (identity) and modes, across tables: a rank's terms are one object per shape,
+# schedule and position (`pipeline_stages.rank_memory_terms`), shared by the splits and by a plan's side searches
+# at other headrooms, whose tables differ in their budgets only.
+_PEAKS: IdentityMemo[int] = IdentityMemo(limit=2**14)
 
 
 def build_table(graph: LayerGraph, cluster: Cluster, workload: Workload, outer: Outer, *, rank: int,

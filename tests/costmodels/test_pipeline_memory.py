@@ -75,6 +75,8 @@ def reference_peaks(graph, config: Config) -> list[int]:
 CASES = [
     (Schedule.INTERLEAVED_1F1B, 4, 8, 2, Engine.DDP),
     (Schedule.INTERLEAVED_1F1B, 2, 4, 4, Engine.MEGATRON),
+    (Schedule.INTERLEAVED_1F1B, 4, 8, 3, Engine.MEGATRON),  # 12 stages of 16 layers: uneven, rank-balanced
+    (Schedule.INTERLEAVED_1F1B, 2, 4, 8, Engine.DDP),  # a layer per stage: the most stages per rank
     (Schedule.INTERLEAVED_ZB, 4, 8, 2, Engine.DDP),
     (Schedule.ZBV, 4, 8, 2, Engine.DDP),
     (Schedule.ZBV, 2, 6, 2, Engine.FSDP2),
@@ -101,9 +103,9 @@ def test_interleaved_rank_0_holds_more_of_its_heavier_stage_than_whole_passes_pr
     """Rank 0 of interleaved 1F1B (pp=4, v=2, m=8) holds 11 stage sets at most. The earlier rule priced them as
     6 whole passes through both its stages (12 sets), yet that was not an upper bound: while the rank runs a
     backward it holds 7 micro-batches of stage 0 and 3 of stage 4, not 5 and 5, and stage 0 is the heavier (3
-    layers to 2: the FLOP-balanced split gives the last stage, with the head and loss, fewer)."""
+    layers to 2: the split gives the last stage, with the head and loss, fewer)."""
     config = Config(pp=4, pp_schedule=Schedule.INTERLEAVED_1F1B, pp_virtual=2, grad_accum=8, micro_batch=1,
-                    precision=Precision.BF16_MIXED)
+                    precision=Precision.BF16_MIXED, pp_split=(3, 2, 2, 2, 2, 2, 2, 1))
     slice_ = rank_slices(graph, WORKLOAD, config)[0]
     assert [len(g.decoder_layers()) for g in slice_.stage_graphs] == [3, 2]
     assert slice_.in_flight == 11

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from costmodels.stage_split import balanced_split, megatron_split, megatron_splits, stage_costs
+from costmodels.stage_split import balanced_split, megatron_split, megatron_splits, rank_balanced_split, stage_costs
 
 
 def compositions(n: int, k: int, least: int):
@@ -87,3 +87,33 @@ def test_bad_splits_are_refused_with_the_rule():
         balanced_split([1.0, -1.0], 2)
     with pytest.raises(ValueError, match="sum to"):
         stage_costs((1, 1), [1.0] * 3)
+
+
+def rank_costs(split, cost: float, ranks, first: float, last: float) -> list[float]:
+    """Each rank's cost: its stages' layers and the end stages' extras."""
+    stages = stage_costs(split, [cost] * sum(split), first_extra=first, last_extra=last)
+    return [sum(c for c, r in zip(stages, ranks, strict=True) if r == rank) for rank in sorted(set(ranks))]
+
+
+@pytest.mark.parametrize("shape", ["looped", "v"])
+def test_rank_balanced_split_minimises_the_busiest_rank_then_its_costliest_stage_like_brute_force(shape):
+    """Every split of n layers into pp x v stages (each stage on rank k mod pp, or a V for zbv), by the busiest
+    rank's cost, then the costliest stage among the splits that reach it."""
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(120):
+        pp, v = rng.choice([2, 3]), 2 if shape == "v" else rng.choice([2, 3])
+        n = rng.randint(pp * v, pp * v + 6)
+        cost, first, last = rng.choice([1.0, 2.5]), rng.choice([0.0, 0.3, 1.7]), rng.choice([0.0, 0.9, 3.2, 6.0])
+        ranks = tuple(range(pp)) + tuple(reversed(range(pp))) if shape == "v" else \
+            tuple(k % pp for k in range(pp * v))
+        every = list(compositions(n, pp * v, 1))
+        busiest = min(max(rank_costs(c, cost, ranks, first, last)) for c in every)
+        best = [c for c in every if max(rank_costs(c, cost, ranks, first, last)) == pytest.approx(busiest)]
+        costliest = min(max(stage_costs(c, [cost] * n, first_extra=first, last_extra=last)) for c in best)
+        split = rank_balanced_split(cost, n, ranks, first_extra=first, last_extra=last)
+        assert sum(split) == n and min(split) >= 1
+        assert max(rank_costs(split, cost, ranks, first, last)) == pytest.approx(busiest)
+        assert max(stage_costs(split, [cost] * n, first_extra=first, last_extra=last)) == pytest.approx(costliest)
+        checked += 1
+    assert checked == 120
