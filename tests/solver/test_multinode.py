@@ -120,7 +120,9 @@ def test_accelerate_two_node_config_and_launch_line_give_every_process_a_rank(de
 
 
 def test_slurm_script_starts_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
-    plan = solve("meta-llama/Llama-3.1-8B", "2x8xH100", engine="fsdp2", seq_len=2048, time_limit=10)
+    # launcher pinned: under a loaded machine the 10 s search can stop at an FSDP2 pipeline torchrun refuses
+    plan = solve("meta-llama/Llama-3.1-8B", "2x8xH100", engine="fsdp2", seq_len=2048, time_limit=10,
+                 launcher="torchrun")
     emit_files(plan, "torchrun", tmp_path)
     script = (tmp_path / "slurm_launch.sh").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
