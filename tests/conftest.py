@@ -6,8 +6,12 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.file_order import Timeline
 
 # The suite searches without torch.compile unless a test is about it (`compile_search`): an unpinned search then lowers
 # no compiled variant, which halves the cold lowering a test pays (solver/search/pin_rules.AUTO_COMPILE_SETTING).
@@ -15,6 +19,7 @@ import pytest
 os.environ.setdefault("FITPLAN_AUTO_COMPILE", "off")
 os.environ.setdefault("FITPLAN_LOWERING_WORKERS", "1")
 _SEEDED = pytest.StashKey[str]()
+_timeline: Timeline | None = None  # the controller's (pytest_configure)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,15 +30,38 @@ def pytest_configure(config: pytest.Config) -> None:
     from graphs.cache import cache_dir
     from tests.lowering_store import REFRESH, STORE, seed
 
+    global _timeline
+    from tests.file_order import Timeline
+
+    _timeline = Timeline()
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # the files' order is `pytest_collection_modifyitems`'s
     written = seed(cache_dir())
     config.stash[_SEEDED] = (f"lowering store: {written} lowerings seeded into {cache_dir()}" if written is not None
                              else f"lowering store {STORE.name} is stale (graphs/ or a lowering library changed), "
                                   f"so this run lowers afresh; after a cold run refresh it: {REFRESH}")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (tests/file_order.py); every worker sorts alike, as xdist requires."""
+    from tests.file_order import load_seconds, longest_first
+
+    items[:] = longest_first(items, load_seconds())
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _timeline is not None:
+        _timeline.add(report)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if _SEEDED in config.stash:
         terminalreporter.write_line(config.stash[_SEEDED])
+    if _timeline is not None:
+        if summary := _timeline.summary():
+            terminalreporter.write_line(summary)
+        if target := os.environ.get("FITPLAN_TEST_TIMES"):
+            _timeline.write(Path(target))
 
 # Native threads of a gloo process group's context (`comm` names as Linux shows them). A group that stays
 # referenced after `destroy_process_group` keeps them polling: megatron-core's groups did, thousands per xdist
