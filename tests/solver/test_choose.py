@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from importlib import resources
 
@@ -259,3 +261,13 @@ def test_cli_choose_bad_input_exits_2_with_message(args, message):
     result = CliRunner().invoke(app, ["choose", *[x for pair in base.items() for x in pair]])
     assert result.exit_code == 2, result.stdout
     assert message in result.stderr
+
+
+def test_the_sweeps_own_process_imports_no_search_before_its_workers_start():
+    # The workers import the search (OR-Tools, pandas, the cost models' search side) where they solve; the sweep's
+    # process starts them without paying those imports first (~2 s on a 2-core machine).
+    probe = ("import json, sys, solver.choose, solver.cli.choose_report; "
+             "print(json.dumps(sorted(m for m in ('ortools', 'pandas', 'solver.api', 'solver.search.solve') "
+             "if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
