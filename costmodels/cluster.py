@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from costmodels.config import require_positive_int
 from costmodels.hardware import GB, GIB, GPU, GPURecord, NodeRecord, find_gpu, gpu_from_record, load_gpus
+from costmodels.identity_memo import IdentityMemo
 from costmodels.profile import InvalidProfile, Profile
 from graphs.errors import FitplanError
 from graphs.files import UnreadableFile, check_depth, parse_yaml, read_text
@@ -79,6 +80,24 @@ class Cluster:
     def world_size(self) -> int:
         """Total GPUs (torch ranks)."""
         return self.nodes * self.gpus_per_node
+
+
+# The representatives `node_view` returns, by their own value (one per GPU, node shape, links and host).
+_VIEWS: dict[Cluster, Cluster] = {}
+_VIEW_OF: IdentityMemo[Cluster] = IdentityMemo(limit=256)
+
+
+def node_view(cluster: Cluster) -> Cluster:
+    """One representative of every cluster that differs from `cluster` only in its node count and notes: what a
+    cost that reads a node's GPUs, links and host, never `nodes`, is cached on, so that the clusters of a sweep
+    (`fitplan choose`: 16, 24, ... 64 GPUs in nodes of 8) share it. Of a cluster's fields the cost models read
+    `nodes` only for its world size (`estimator.check`, MFU); `tests/costmodels/test_node_view.py` checks that
+    the per-node costs cached on the view agree across node counts."""
+    def representative() -> Cluster:
+        view = replace(cluster, nodes=1, assumptions=())
+        return _VIEWS.setdefault(view, view)
+
+    return _VIEW_OF.get((cluster,), (), representative)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,7 @@ from . import activation_offload, context_parallel, precision
 from .alignment import alignment_factor
 from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
-from .cluster import Cluster
+from .cluster import Cluster, node_view
 from .collectives import (
     Group,
     all_gather_seconds,
@@ -89,7 +89,7 @@ class TimeTerms:
 
 
 # The configuration fields `speed_for` reads (a test checks it): its results are cached on them, with the graph and
-# cluster by identity.
+# the cluster's `node_view` by identity (kernel rates, like node times, read a node, not how many there are).
 SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode", "engine", "compile", "zero", "loss")
 _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 
@@ -97,7 +97,7 @@ _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
               head: bool = False) -> KernelSpeed:
     """Kernel rates for decoder layers (or, with `head`, for the LM head, whose GEMM spans the vocabulary)."""
-    return _SPEEDS.get((graph, cluster), (b, s, head, *(getattr(config, name) for name in SPEED_FIELDS)),
+    return _SPEEDS.get((graph, node_view(cluster)), (b, s, head, *(getattr(config, name) for name in SPEED_FIELDS)),
                        lambda: _speed_for(graph, cluster, config, b=b, s=s, head=head))
 
 
@@ -172,8 +172,9 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
 
 
 # The configuration fields `node_time` reads (a test checks it): its results are cached on them, with the graph,
-# cluster and layer by identity (held in the entry, so an id is not reused while cached). The solver prices the same
-# layers under many configurations that differ only in what node times do not read (sharding, offload, optimizer).
+# the cluster's `node_view` and the layer by identity (held in the entry, so an id is not reused while cached). The
+# solver prices the same layers under many configurations that differ only in what node times do not read
+# (sharding, offload, optimizer), and `choose` on clusters that differ only in their node count.
 NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum", "engine")
 _NODE_TIMES: IdentityMemo[NodeTime] = IdentityMemo()
 
@@ -181,7 +182,7 @@ _NODE_TIMES: IdentityMemo[NodeTime] = IdentityMemo()
 def cached_node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer, mode: Checkpoint,
                      speed: KernelSpeed, *, b: int, s: int, memory_speedup: float = 1.0) -> NodeTime:
     """`node_time`, looked up by what it reads first."""
-    return _NODE_TIMES.get((graph, cluster, layer),
+    return _NODE_TIMES.get((graph, node_view(cluster), layer),
                            (mode, speed, b, s, memory_speedup, *(getattr(config, name) for name in NODE_TIME_FIELDS)),
                            lambda: node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
                                              memory_speedup=memory_speedup))
@@ -225,7 +226,7 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     speed = speed_for(graph, cluster, config, b=b, s=s)
     memory_speedup = memory_bound_speedup(config)
     layers, fixed, nodes = _NODE_TERMS.get(
-        (graph, cluster), (b, s, memory_speedup, *(getattr(config, name) for name in NODE_TERMS_FIELDS)),
+        (graph, node_view(cluster)), (b, s, memory_speedup, *(getattr(config, name) for name in NODE_TERMS_FIELDS)),
         lambda: _node_terms(graph, cluster, config, speed, b=b, s=s, memory_speedup=memory_speedup))
     fwd, bwd = sum(f for f, _ in nodes), sum(b for _, b in nodes)
     group = dp_group(cluster, config.tp, shard_ranks(config))

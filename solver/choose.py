@@ -22,10 +22,8 @@ from typing import Any
 from costmodels import GPU, find_gpu
 from graphs import FitplanError, resolve
 from graphs.workers import spawn_context
-from solver.api import solve
 from solver.hardware.prices import GpuPrice, bundled_note, bundled_prices, load_prices
 from solver.search.bounds import MAX_DEADLINE_HOURS
-from solver.search.diagnose import Infeasible
 
 # Counts tried inside one node before whole nodes: the usual rentable shapes (1, 2, 4 or 8 GPUs per VM).
 WITHIN_NODE_COUNTS = (1, 2, 4, 8)
@@ -197,6 +195,11 @@ def unit_price(price: GpuPrice, *, spot: bool) -> tuple[float, str]:
 def plan_point(model: str, gpu: GPU, count: int, *, tokens: float, price: GpuPrice, spot: bool,
                **solve_options: Any) -> Point:
     """Solve one cluster with `solve()` and price it; a cluster where nothing runs becomes an infeasible point."""
+    # The search (OR-Tools, the cost models) is imported where a cluster is solved: a sweep's own process only
+    # starts the workers that solve them, without first paying their imports.
+    from solver.api import solve
+    from solver.search.diagnose import Infeasible
+
     usd, kind = unit_price(price, spot=spot)
     spec = f"{count}x{gpu.id}"
     base = {"gpu": gpu.id, "gpu_name": gpu.name, "gpus": count, "spec": spec, "usd_per_gpu_hour": usd,

@@ -101,10 +101,10 @@ def with_margin(request: Request, pins: Pins, found: Plan, search: Search) -> Pl
 def inside_headroom(request: Request, pins: Pins, found: Plan, search: Search) -> Plan:
     """`found` with, where memory binds it, the faster plan the headroom alone refuses (more than RISK_WORTH
     faster, keeping the estimate's error free) as its first alternative, with the card's memory it leaves and the
-    --headroom that plans it."""
+    --headroom that plans it. No side search when the caller asks for no alternatives (`choose`'s sweep)."""
     # Inside the headroom, the estimate's own error is still kept free: a plan within it is no risk to offer.
     error = _error_bytes(found) / found.inputs.cluster.gpu_memory_bytes
-    if error >= request.headroom or not found.binding.startswith("device memory"):
+    if request.alternatives <= 0 or error >= request.headroom or not found.binding.startswith("device memory"):
         return found
     risky = _searched_or_none(_side(request, error), pins, search)
     if risky is None or risky.estimate.time.step_time >= found.estimate.time.step_time * (1 - RISK_WORTH):

@@ -13,6 +13,11 @@ from solver.search.outer import Outer, mode_runs
 from solver.search.pins import KNOBS, Pins
 
 _CONFIG_DEFAULTS = {f.name: f.default for f in fields(Config) if f.default is not MISSING}
+# The marks of every family asked so far, by what else decides them (the allowed and pipelining launchers, the
+# searched modes, the model's adapters): launcher rules read no cluster, so the spaces of other GPUs (`choose`'s
+# sweep) ask them once. Emptied past `_MARKS_LIMIT` families.
+_MARKS: dict[tuple[object, ...], dict[tuple[object, ...], tuple[Marks, ...]]] = {}
+_MARKS_LIMIT = 2**16
 
 
 class Runnable:
@@ -33,7 +38,9 @@ class Runnable:
         self.allowed = (pins.launcher,) if pins.launcher else launchers
         self.pipelined = tuple(name for name in self.allowed if name in pipeline_launchers)
         self.modes, self.lora = modes, graph.lora
-        self.memo: dict[tuple[object, ...], tuple[Marks, ...]] = {}
+        if sum(map(len, _MARKS.values())) > _MARKS_LIMIT:
+            _MARKS.clear()
+        self.memo = _MARKS.setdefault((self.allowed, self.pipelined, self.modes, self.lora), {})
 
     def __call__(self, values: dict[str, object]) -> list[Outer]:
         """The outers of `values`, marked, or none where no launcher runs it or `Config` or the model refuses it."""

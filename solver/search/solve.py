@@ -9,6 +9,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+from costmodels.cluster import node_view
 from costmodels.config import Config, Offload
 from costmodels.estimator import estimate
 from costmodels.identity_memo import IdentityMemo
@@ -94,13 +95,27 @@ class SpaceCosts:
 
 
 _COSTS: IdentityMemo[SpaceCosts] = IdentityMemo(limit=4)
+# The pipeline search's compute by setting (`PipelineMemos.fastest`, `.edges`), by the cluster's `node_view`: a
+# setting's micro-batch compute has no data-parallel degree in it (`pipeline_search.compute_key`), so the clusters
+# of a sweep that differ only in their node count (`fitplan choose`) share it.
+_COMPUTE: IdentityMemo[PipelineMemos] = IdentityMemo(limit=16)
 
 
 def space_costs(prepared: Prepared) -> SpaceCosts:
-    """The shared costs of `prepared`'s space under its cluster and workload (fresh for a new space)."""
+    """The shared costs of `prepared`'s space under its cluster and workload (fresh for a new space, but for the
+    compute of its pipeline settings, which any cluster of the same nodes shares)."""
+    request, space = prepared.request, prepared.space
+    return _COSTS.get((space,), (request.cluster, request.workload), lambda: SpaceCosts({}, PipelineMemos(
+        fastest=(compute := compute_memos(prepared)).fastest, edges=compute.edges), {}))
+
+
+def compute_memos(prepared: Prepared) -> PipelineMemos:
+    """The pipeline compute of `prepared`'s settings priced so far on clusters of the same nodes: what it depends
+    on beyond the setting (`pipeline_search.compute_signature`) is the route that picks each setting's lowering,
+    the searched modes, the workload and a node's GPUs and links."""
     request = prepared.request
-    return _COSTS.get((prepared.space,), (request.cluster, request.workload),
-                      lambda: SpaceCosts({}, PipelineMemos(), {}))
+    return _COMPUTE.get((node_view(request.cluster),), (request.workload, prepared.lowerings.route,
+                                                         prepared.space.modes), PipelineMemos)
 
 
 def prepare(request: Request, pins: Pins) -> Prepared:

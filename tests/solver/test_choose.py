@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from importlib import resources
 
@@ -23,6 +25,7 @@ from solver.choose import (
     gpu_counts,
     pareto_front,
     parse_duration,
+    plan_point,
     unit_price,
 )
 from solver.cli.app import app
@@ -259,3 +262,33 @@ def test_cli_choose_bad_input_exits_2_with_message(args, message):
     result = CliRunner().invoke(app, ["choose", *[x for pair in base.items() for x in pair]])
     assert result.exit_code == 2, result.stdout
     assert message in result.stderr
+
+
+def test_the_sweeps_own_process_imports_no_search_before_its_workers_start():
+    # The workers import the search (OR-Tools, pandas, the cost models' search side) where they solve; the sweep's
+    # process starts them without paying those imports first (~2 s on a 2-core machine).
+    probe = ("import json, sys, solver.choose, solver.cli.choose_report; "
+             "print(json.dumps(sorted(m for m in ('ortools', 'pandas', 'solver.api', 'solver.search.solve') "
+             "if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_sweep_sharing_per_node_costs_equals_each_cluster_solved_with_empty_caches():
+    # One process solves the clusters in turn, so 8, 16 and 24 H100s (nodes of 8) share their per-node costs
+    # (`costmodels.cluster.node_view`: kernel speeds, node times, the pipeline search's compute bounds); each point
+    # must equal its cluster solved alone after every cache is emptied. Deterministic: no wall clock cuts a search.
+    import costmodels.timing as timing
+    import solver.search.solve as search
+
+    options = {**OPTIONS, "deterministic": True, "time_limit": 60}
+    shared = choose(MODEL, TOKENS, gpu_types=["H100"], max_gpus=24, workers=1, **options)
+    assert [p.gpus for p in shared.points] == [1, 2, 4, 8, 16, 24]
+    for point in shared.points:
+        for memo in (search._COMPUTE, search._COSTS, search._SPACES):
+            memo.clear()
+        timing.clear_caches()
+        gpu = find_gpu(point.gpu)
+        alone = plan_point(MODEL, gpu, point.gpus, tokens=TOKENS, price=bundled_prices()[gpu.id], spot=False,
+                           **options)
+        assert alone == point

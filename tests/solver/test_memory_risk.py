@@ -123,3 +123,19 @@ def test_side_searches_reuse_the_plans_time_terms_and_find_what_fresh_searches_f
     fresh = _solve()
     assert (shared.decisions, shared.estimate, shared.alternatives) == \
         (fresh.decisions, fresh.estimate, fresh.alternatives)
+
+
+@pytest.mark.slow
+def test_no_alternatives_asked_no_side_search_inside_the_headroom_and_the_same_plan(monkeypatch):
+    """The plan inside the headroom is offered as an alternative only: a caller that asks for none (`choose`'s
+    sweep) gets the same plan without that side search."""
+    asked = _solve()
+    assert "inside the 5% headroom" in asked.alternatives[0].why
+    side: list[float] = []
+    real = risk._searched_or_none
+    monkeypatch.setattr(risk, "_searched_or_none", lambda request, pins, search: side.append(request.headroom) or
+                        real(request, pins, search))
+    bare = _solve(alternatives_count=0)
+    assert not [headroom for headroom in side if headroom < asked.inputs.headroom]  # none inside the headroom
+    assert len(bare.alternatives) == 0
+    assert (bare.decisions, bare.estimate) == (asked.decisions, asked.estimate)
