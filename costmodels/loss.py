@@ -19,7 +19,8 @@ from graphs.architectures import liger_fused_linear, liger_patched
 
 from . import precision
 from .activations import NodeMemory
-from .config import Config, Engine, Loss
+from .config import Config, Loss
+from .engines import rules_of
 from .lowering import lowering_for
 from .terms import MemoryTerms
 
@@ -288,7 +289,7 @@ def refusals(loss: Loss, graph: LayerGraph, config: Config) -> list[str]:
         reasons.append(f"{loss} loss with tp={config.tp}: the vocabulary-parallel head is not modelled (both run "
                        "on a whole-vocabulary head)")
 
-    if loss is Loss.MEGATRON_FP16 and config.engine is not Engine.MEGATRON:
+    if loss is Loss.MEGATRON_FP16 and not rules_of(config.engine).vocab_parallel_loss:
         reasons.append(f"the megatron-fp16 loss under {config.engine} (it is Megatron's and Mist's runtime's)")
     weights = lowering_for(config, lora=graph.lora is not None)[0]  # the lowering `config` runs, not `graph`'s
     if loss is Loss.CHUNKED and _ITEMSIZE[weights] != precision.compute_itemsize(config.precision):
@@ -330,7 +331,7 @@ def megatron_head(graph: LayerGraph, config: Config) -> bool:
     """Whether Megatron's engine runs a model lowered on the HF code: the Megatron launcher trains megatron-core's
     GPTModel, whose loss is its `vocab_parallel_cross_entropy` (megatron-core 0.16, fp32 in place), not the traced
     `ForCausalLMLoss` (a megatron-core lowering traces megatron's own loss)."""
-    return config.engine is Engine.MEGATRON and graph.runtime == "hf"
+    return rules_of(config.engine).vocab_parallel_loss and graph.runtime == "hf"
 
 
 def replace_head_nodes(terms: MemoryTerms, head: NodeMemory, loss: NodeMemory) -> MemoryTerms:

@@ -164,6 +164,9 @@ class EngineRules:
     fail)."""
     quantized_base: bool = False
     """Runs a bitsandbytes-quantized (packed) base as fitplan prices it (whole on every rank)."""
+    vocab_parallel_loss: bool = False
+    """Trains its own GPT model, whose loss is its vocab-parallel cross-entropy (megatron-core's
+    `vocab_parallel_cross_entropy`), not the HF code's `ForCausalLMLoss` (`loss.megatron_head`)."""
     transformer_engine: bool = False
     """Runs Transformer Engine's modules: fused fp8 casts with cached fp8 weights (`fp8.te_cast_bytes`), cuDNN's
     fused attention from Hopper on, and their tensor-parallel overlap (`tensor_parallel`)."""

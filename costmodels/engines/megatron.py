@@ -61,4 +61,5 @@ RULES = EngineRules(
     # Megatron-LM's default --transformer-impl is transformer_engine (arguments.py, core_v0.16.1): its layers are
     # TE's modules (megatron/core/extensions/transformer_engine.py).
     transformer_engine=True,
+    vocab_parallel_loss=True,
 )

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster
+from costmodels import Config, Engine, Optimizer, Precision, Workload, estimate, parse_cluster, timing
 from costmodels import fp8 as fp8_module
 from costmodels.fp8 import CAST_BYTES_PER_ELEMENT, cast_elements, te_cast_bytes
 from costmodels.terms import Gemm
@@ -31,6 +31,15 @@ def llama():
     return lower("meta-llama/Llama-3.1-8B", dtype="bfloat16")
 
 
+@pytest.fixture(autouse=True)
+def fresh_timing_caches():
+    """The tests price with and without the casts by patching a constant: the node terms cached on an equal
+    cluster's node view would otherwise answer the second pricing, and keep the patched value for later tests."""
+    timing.clear_caches()
+    yield
+    timing.clear_caches()
+
+
 def step(graph, precision: Precision):
     cluster = parse_cluster("8xH100")
     config = Config(engine=Engine.FSDP2, zero=3, dp=8, micro_batch=2, grad_accum=2, precision=precision,
@@ -41,6 +50,7 @@ def step(graph, precision: Precision):
 def test_fp8_compute_includes_exactly_the_casts(llama, monkeypatch):
     with_casts, cluster, config = step(llama, Precision.FP8)
     monkeypatch.setattr(fp8_module, "CAST_BYTES_PER_ELEMENT", 0)
+    timing.clear_caches()  # priced afresh with the patched constant
     without, _, _ = step(llama, Precision.FP8)
     speed = speed_for(llama, cluster, config, b=2, s=4096)
     layers = llama.decoder_layers()
@@ -88,6 +98,7 @@ def test_a_megatron_fp8_step_pays_exactly_transformer_engines_casts(llama, monke
     with_casts, cluster, config = megatron_step(llama, grad_accum)
     monkeypatch.setattr(fp8_module, "TE_CAST_TRANSPOSE_BYTES_PER_ELEMENT", 0)
     monkeypatch.setattr(fp8_module, "TE_NORM_FED_BYTES_PER_ELEMENT", 0)
+    timing.clear_caches()  # priced afresh with the patched constant
     without, _, _ = megatron_step(llama, grad_accum)
     speed = speed_for(llama, cluster, config, b=2, s=4096)
     gemms = layer_gemms(llama.decoder_layers()[0], 1)

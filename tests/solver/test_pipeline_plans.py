@@ -28,7 +28,7 @@ def megatron_pipeline():
     """Llama-3.2-1B over 4 pipeline ranks, memory tight enough that stages recompute (Megatron runs it, priced on
     megatron-core's layers with TE's kernels)."""
     return solve("meta-llama/Llama-3.2-1B", "4xA100-40GB", seq_len=2048, global_batch=16, pp=4, tp=1,
-                 engine="megatron", zero=0, headroom=0.71)
+                 engine="megatron", zero=0, headroom=0.74)  # (0.71 before Megatron's own loss was priced)
 
 
 def test_a_pipeline_plan_records_its_split_and_runs_on_megatron_as_emitted():

@@ -52,7 +52,8 @@ def test_torchtitan_plan_is_priced_on_torchtitans_own_model(titan_plan):
 
     d = titan_plan["decisions"]
     knobs = {k: d[k] for k in ("tp", "dp", "engine", "zero", "micro_batch", "grad_accum", "precision", "optimizer",
-                               "optimizer_offload", "param_offload", "compile", "sequence_parallel", "loss")}
+                               "optimizer_offload", "param_offload", "compile", "sequence_parallel", "loss",
+                               "pp", "pp_schedule", "pp_virtual", "pp_split")}
     config = config_from({**knobs, "checkpoint": "op_selective"}, layers=32)
     cluster, workload = parse_cluster("8xH100"), Workload(seq_len=8192, global_batch=16)
     resolved = resolve("meta-llama/Llama-3.1-8B")
