@@ -45,11 +45,14 @@ def test_same_input_gives_the_same_plan():
 
 def test_time_limit_is_honoured_and_a_plan_still_comes_back():
     solve(MODEL, "64xH100", seq_len=2048, global_batch=512)  # lowering (outside the limit) is cached first
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     plan = solve(MODEL, "64xH100", seq_len=2048, global_batch=512, time_limit=0.3)
-    # the search is what the limit bounds (its own clock, lowering and reading the cache apart); the whole call adds
-    # the cache read and the final estimate, given room for a loaded 2-core machine
-    assert plan.solver.wall_seconds < 0.3 + 1.5
+    # the search is what the limit bounds (its own clock, lowering and reading the cache apart): it stops with most
+    # of the space unexplored. The work it did is measured in this process's CPU time (two CP-SAT workers within
+    # the limit, then the final estimate): on the wall clock, a 2-core machine shared with the other test worker's
+    # gloo ranks and data loaders can stall this process for seconds (CI once saw 1.8 s for a 0.3 s limit)
+    assert plan.solver.explored < plan.solver.configurations
+    assert time.process_time() - cpu < 2 * 0.3 + 1.0
     assert time.perf_counter() - start < 0.3 + 6.0
     assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
 
