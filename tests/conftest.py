@@ -90,7 +90,7 @@ def no_leaked_gloo_groups() -> Iterator[None]:
     if left > 0:
         pytest.fail(f"this module left {left} gloo threads running: a process group it created is still "
                     "referenced after destroy_process_group (run world-size-1 code on the 'fake' backend, or "
-                    "spawn ranks as tests/gloo.py does)", pytrace=False)
+                    "start ranks as tests/gloo.py does)", pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,17 +1,15 @@
 """Which forward TP collectives a checkpointed layer runs again in backward, against a real 2-rank gloo run.
 
-One launch runs this file as two worker processes. Each shards the tiny Llama with its HF TP plan (plain
-Colwise/RowwiseParallel, as the generated torchrun script does), takes one forward and backward per checkpoint
-mode (none; full; op-level SAC with `graphs.sac`'s policy, torchtitan's) and counts the functional collectives
-DTensor issues. What a mode adds to the backward over no checkpointing is what its recompute reran.
+One launch runs this file as two worker processes (tests/gloo.torchrun). Each shards the tiny Llama with its HF TP
+plan (plain Colwise/RowwiseParallel, as the generated torchrun script does), takes one forward and backward per
+checkpoint mode (none; full; op-level SAC with `graphs.sac`'s policy, torchtitan's) and counts the functional
+collectives DTensor issues. What a mode adds to the backward over no checkpointing is what its recompute reran.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 
 from costmodels.tensor_parallel import backward_allreduces, forward_allreduces, recomputed_allreduces
 from graphs import Checkpoint, lower
+from tests.gloo import torchrun
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -94,15 +93,8 @@ def worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "counts.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               str(out)]
-    for attempt in range(2):  # gloo ranks sometimes abort at teardown ("terminate called without an active
-        # exception", SIGABRT) on a loaded machine; the counts are deterministic, so one relaunch is fair
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-                              capture_output=True, text=True, timeout=240, check=False)
-        teardown_abort = "terminate called without an active exception" in done.stdout + done.stderr
-        if done.returncode == 0 or not teardown_abort or attempt:
-            break
+    # gloo ranks sometimes abort at teardown on a loaded machine: `torchrun` relaunches such a run once
+    done = torchrun(Path(__file__), str(out), ranks=2, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads(out.read_text())
 

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from solver import solve
 from solver.cli.commands import emit_files
+from tests.gloo import torchrun
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -24,10 +22,8 @@ RANKS = 4
 
 def run_script(script: Path, model_dir: Path, report: Path) -> tuple[list[dict], list[float]]:
     """The emitted script under torchrun on RANKS gloo processes for two steps: each rank's report and the losses."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-               str(script), "--model", str(model_dir), "--from-config", "--steps", "2", "--report", str(report)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = torchrun(script, "--model", str(model_dir), "--from-config", "--steps", "2", "--report", str(report),
+                    ranks=RANKS, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     reports = [json.loads((report / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     return reports, [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]

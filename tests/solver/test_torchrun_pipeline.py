@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +37,7 @@ from graphs.architectures import flagged
 from solver import solve
 from solver.cli.commands import emit_files
 from solver.hardware.check import plan_config, plan_graph, saved_activation_bytes
+from tests.gloo import torchrun
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -63,11 +61,8 @@ def pipeline_plan(model_dir: Path, schedule: Schedule, **pins):
 def run_script(plan, model_dir: Path, folder: Path, ranks: int = RANKS) -> tuple[list[dict], list[float]]:
     emit_files(plan, "torchrun", folder)
     report = folder / "report"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               str(folder / "train_fitplan.py"), "--model", str(model_dir), "--from-config", "--steps", "2",
-               "--report", str(report)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = torchrun(folder / "train_fitplan.py", "--model", str(model_dir), "--from-config", "--steps", "2",
+                    "--report", str(report), ranks=ranks)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     reports = [json.loads((report / f"rank{rank}.json").read_text()) for rank in range(ranks)]
     return reports, [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
@@ -206,10 +201,8 @@ def test_pipeline_stages_load_the_checkpoint_and_compute_the_models_loss(tmp_pat
     model.save_pretrained(tmp_path / "model")
     plan = pipeline_plan(tmp_path / "model", Schedule.ONE_F_ONE_B)
     emit_files(plan, "torchrun", tmp_path / "out")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-               str(tmp_path / "out" / "train_fitplan.py"), "--model", str(tmp_path / "model"), "--steps", "1"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = torchrun(tmp_path / "out" / "train_fitplan.py", "--model", str(tmp_path / "model"), "--steps", "1",
+                    ranks=RANKS)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     printed = float(re.findall(r"loss (\S+)", done.stdout)[0])
     # the script's tokens for data-parallel rank 0 (`pipeline_batches`), in the schedule's micro-batches

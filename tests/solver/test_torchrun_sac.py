@@ -7,10 +7,7 @@ import copy
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from graphs import Checkpoint
 from graphs.sac import GPU_EQUIVALENT_OPS, observed_policy, op_sac_policy, save_ops
 from solver import solve
 from solver.cli.commands import emit_files
+from tests.gloo import torchrun
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -110,11 +108,8 @@ def test_emitted_script_trains_two_ranks_with_op_level_sac(engine, tmp_path):
     plan = solve(str(model_dir), "2xCPU", seq_len=32, global_batch=4, time_limit=5, checkpoint="op_selective",
                  launcher="torchrun", engine=engine, offload="none", param_offload="none")
     emit_files(plan, "torchrun", tmp_path / "out")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "out" / "train_fitplan.py"), "--model", str(model_dir), "--from-config", "--steps", "2",
-               "--report", str(tmp_path / "r")]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = torchrun(tmp_path / "out" / "train_fitplan.py", "--model", str(model_dir), "--from-config", "--steps",
+                    "2", "--report", str(tmp_path / "r"), ranks=2)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     losses = [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

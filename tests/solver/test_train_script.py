@@ -6,10 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import torch.distributed as dist
 
 from solver import solve
 from solver.cli.commands import emit_files
+from tests.gloo import torchrun
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -40,11 +38,8 @@ def run(script: Path, model_dir: Path, report: Path, *extra: str, timeout: float
                                                                                                list[float]]:
     """The emitted script under torchrun on RANKS gloo processes for two steps: each rank's report and the losses
     it printed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-               str(script), "--model", str(model_dir), "--from-config", "--steps", "2", "--report", str(report),
-               *extra]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    done = torchrun(script, "--model", str(model_dir), "--from-config", "--steps", "2", "--report", str(report),
+                    *extra, ranks=RANKS, timeout=timeout)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     reports = [json.loads((report / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     return reports, [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
@@ -108,10 +103,8 @@ def peak_rss_growth(model_dir: Path, folder: Path, engine: str, baseline: int | 
 
 
 def run_steps(script: Path, model_dir: Path, report: Path, steps: int) -> tuple[list[dict], str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-               str(script), "--model", str(model_dir), "--from-config", "--steps", str(steps), "--report", str(report)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = torchrun(script, "--model", str(model_dir), "--from-config", "--steps", str(steps), "--report",
+                    str(report), ranks=RANKS, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return [json.loads((report / f"rank{rank}.json").read_text()) for rank in range(RANKS)], done.stdout
 
@@ -200,10 +193,7 @@ def test_fsdp2_lora_loads_the_checkpoint_into_its_shards_as_ddp_holds_it(tmp_pat
     for engine in ("ddp", "fsdp2"):
         _, script = emitted_script(model, tmp_path / engine, engine=engine, precision=("fp32",),
                                    lora=LoraSpec(rank=8, alpha=16), micro_batch=1, grad_accum=2)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-                   str(script), "--model", str(model), "--data", str(data), "--steps", "1"]
-        done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=300, check=False)
+        done = torchrun(script, "--model", str(model), "--data", str(data), "--steps", "1", ranks=RANKS, timeout=300)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         assert "random tokens" not in done.stdout
         first[engine] = float(re.findall(r"loss (\S+)", done.stdout)[0])
@@ -214,13 +204,10 @@ def test_fsdp2_lora_loads_the_checkpoint_into_its_shards_as_ddp_holds_it(tmp_pat
 def test_without_data_the_script_says_it_runs_a_smoke_test_and_a_bad_record_stops_it(model_dir, tmp_path):
     """Issue 35 item 9: random tokens are a smoke test, said as the run starts; --data's records are checked."""
     _, script = emitted_script(model_dir, tmp_path / "out", engine="ddp")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-               str(script), "--model", str(model_dir), "--from-config", "--steps", "1"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300, check=False)
+    args = ["--model", str(model_dir), "--from-config", "--steps", "1"]
+    done = torchrun(script, *args, ranks=RANKS, timeout=300)
     assert done.returncode == 0 and "smoke test" in done.stdout, (done.stdout + done.stderr)[-4000:]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2, 3]}\n{"tokens": [4]}\n')
-    done = subprocess.run([*command, "--data", str(bad)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = torchrun(script, *args, "--data", str(bad), ranks=RANKS, timeout=300)
     assert done.returncode != 0 and "bad.jsonl:2: a record needs input_ids or text" in done.stdout + done.stderr
