@@ -3,6 +3,7 @@ versioned JSON form. The JSON Schema is generated from these dataclasses (never 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,7 +331,7 @@ class Plan:
     """DPO/ORPO/KTO/GRPO (`--task`): reference strategy, generation engine and the whole step's time."""
 
     def to_json(self) -> dict[str, Any]:
-        return _ADAPTER.dump_python(self, mode="json")
+        return adapter().dump_python(self, mode="json")
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -340,7 +341,7 @@ class Plan:
         """The plan of `solve -o`; a 1.x plan is read with its pins renamed to the knob record's names, and a
         plan of a newer schema is refused (its fields may mean something this version does not know)."""
         major = check_schema_version(data.get("schema_version") if isinstance(data, dict) else None)
-        return _ADAPTER.validate_python(upgrade_1x(data) if major == 1 else data)
+        return adapter().validate_python(upgrade_1x(data) if major == 1 else data)
 
 
 # Schema 2.0 records pins by knob name (costmodels.knobs); 1.x used these names.
@@ -374,7 +375,11 @@ def check_schema_version(version: object) -> int:
     return theirs[0]
 
 
-_ADAPTER: TypeAdapter[Plan] = TypeAdapter(Plan)
+@functools.cache
+def adapter() -> TypeAdapter[Plan]:
+    """The plan's pydantic reader and writer, built on first use: building it takes ~0.1 s, which `--help` and
+    every command that never reads or writes a plan's JSON would pay at import."""
+    return TypeAdapter(Plan)
 
 
 def load_plan(path: Path) -> Plan:
@@ -388,7 +393,7 @@ def load_plan(path: Path) -> Plan:
 
 def json_schema() -> dict[str, Any]:
     """The plan's JSON Schema (published as solver/plan/schema/plan.schema.json)."""
-    schema = _ADAPTER.json_schema(mode="serialization")
+    schema = adapter().json_schema(mode="serialization")
     schema["$id"] = f"https://fitplan.dev/schema/plan-{SCHEMA_VERSION}.json"
     schema["title"] = "fitplan Plan"
     return schema
