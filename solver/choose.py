@@ -253,10 +253,12 @@ def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, 
                 spot: bool, progress: Callable[[Point], None] | None, workers: int | None,
                 **solve_options: Any) -> list[Point]:
     """Every cluster's point, in sweep order: the first cluster of each GPU type submitted first, then the others,
-    in `workers` processes where the caller allows them. A lowering is made once: a process that needs one another
-    is making waits for it and reads it from the disk cache (`graphs.cache.cached_or_lowered`)."""
+    largest first, in `workers` processes where the caller allows them. A lowering is made once: a process that
+    needs one another is making waits for it and reads it from the disk cache (`graphs.cache.cached_or_lowered`).
+    The largest clusters have the most layouts and pipeline splits to search: started first, they leave the quick
+    small ones to fill the workers at the end, instead of one long solve running alone."""
     first = {gpu.id: (gpu, count) for gpu, count in reversed(sweep)}  # the smallest count of each type
-    rest = [(gpu, count) for gpu, count in sweep if first[gpu.id] != (gpu, count)]
+    rest = sorted(((gpu, count) for gpu, count in sweep if first[gpu.id] != (gpu, count)), key=lambda p: -p[1])
     workers = min(len(sweep), workers or os.cpu_count() or 1)
     context = spawn_context()
     found: dict[tuple[str, int], Point] = {}

@@ -317,11 +317,12 @@ def _outers_of(runnable: Runnable, graph: LayerGraph, workload: Workload, pins: 
             continue  # KTO's KL term needs two examples in one
         if mb >= layout["cp"] > 1:
             continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
+        schedules = pipeline_schedules(graph, pins, layout["pp"], ga)
         for prec in precisions:
             for optimizer in _runnable_optimizers(optimizers, engine, zero, values["optimizer_offload"],
                                                   values["param_offload"]):
                 for sp in _sequence_parallel(layout, engine, pins):
-                    for schedule, v in pipeline_schedules(graph, pins, layout["pp"], ga):
+                    for schedule, v in schedules:
                         for saver in savers:
                             outers += runnable({**values, **dict(
                                 micro_batch=mb, grad_accum=ga, precision=prec, optimizer=optimizer,
