@@ -187,14 +187,16 @@ def lower_needed(prepared: Prepared) -> None:
         return
     megatron = lowerings.megatron
     first: dict[Variant, Outer] = {}  # one configuration per variant lowers it for all
+    # An outer is the `Config` of its knobs (no variant reads its undecided checkpoint modes): asked directly, the
+    # space's thousands of outers need no validated `Config` of their own here.
     for outer in (*space.outers, *space.pipelines):
-        first.setdefault(lowerings.variant(outer.config()), outer)
+        first.setdefault(lowerings.variant(outer), outer)
     if space.compile_auto:
         # a compiled variant's eager twin differs from it in `compiled` alone, so one configuration's twin stands
         # for every configuration of that variant
         for outer in [o for o in first.values() if o.compile]:
             eager = replace(outer, compile=False)
-            first.setdefault(lowerings.variant(eager.config()), eager)
+            first.setdefault(lowerings.variant(eager), eager)
     fresh = [v for v in first if v not in lowerings.graphs]
     if len(fresh) > 1:
         prepared.request.progress(f"Lowering {prepared.inputs.model}: {len(fresh)} variants")
