@@ -97,8 +97,22 @@ _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 def speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int,
               head: bool = False) -> KernelSpeed:
     """Kernel rates for decoder layers (or, with `head`, for the LM head, whose GEMM spans the vocabulary)."""
-    return _SPEEDS.get((graph, node_view(cluster)), (b, s, head, *(getattr(config, name) for name in SPEED_FIELDS)),
+    return _SPEEDS.get((graph, node_view(cluster)), (b, s, head, *kernel_key(config, SPEED_FIELDS)),
                        lambda: _speed_for(graph, cluster, config, b=b, s=s, head=head))
+
+
+# What kernel rates and node times read of the engine, its ZeRO stage and torch.compile: whether Transformer Engine's
+# kernels run (`EngineRules.transformer_engine`) and whether compile is credited (`compile_credited`). The caches
+# key on these two instead of the three fields, so configurations whose engines run the same kernels (DDP, FSDP2 and
+# DeepSpeed at any stage, compiled or not where compile is not credited) share their kernel rates and layer times.
+_KERNEL_FIELDS = ("engine", "zero", "compile")
+
+
+def kernel_key(config: Config, names: tuple[str, ...]) -> tuple[object, ...]:
+    """The cache key of `names` (a `*_FIELDS` tuple) for `config`, with the engine, stage and compile fields read
+    as the kernels they select."""
+    return (*(getattr(config, name) for name in names if name not in _KERNEL_FIELDS),
+            rules_of(config.engine).transformer_engine, compile_credited(config))
 
 
 def _speed_for(graph: LayerGraph, cluster: Cluster, config: Config, *, b: int, s: int, head: bool) -> KernelSpeed:
@@ -183,7 +197,7 @@ def cached_node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer:
                      speed: KernelSpeed, *, b: int, s: int, memory_speedup: float = 1.0) -> NodeTime:
     """`node_time`, looked up by what it reads first."""
     return _NODE_TIMES.get((graph, node_view(cluster), layer),
-                           (mode, speed, b, s, memory_speedup, *(getattr(config, name) for name in NODE_TIME_FIELDS)),
+                           (mode, speed, b, s, memory_speedup, *kernel_key(config, NODE_TIME_FIELDS)),
                            lambda: node_time(graph, cluster, config, layer, mode, speed, b=b, s=s,
                                              memory_speedup=memory_speedup))
 
@@ -226,7 +240,7 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
     speed = speed_for(graph, cluster, config, b=b, s=s)
     memory_speedup = memory_bound_speedup(config)
     layers, fixed, nodes = _NODE_TERMS.get(
-        (graph, node_view(cluster)), (b, s, memory_speedup, *(getattr(config, name) for name in NODE_TERMS_FIELDS)),
+        (graph, node_view(cluster)), (b, s, memory_speedup, *kernel_key(config, NODE_TERMS_FIELDS)),
         lambda: _node_terms(graph, cluster, config, speed, b=b, s=s, memory_speedup=memory_speedup))
     fwd, bwd = sum(f for f, _ in nodes), sum(b for _, b in nodes)
     group = dp_group(cluster, config.tp, shard_ranks(config))

@@ -24,7 +24,11 @@ DENSE = [dict(tp=2, dp=8, sequence_parallel=True), dict(tp=1, dp=8, cp=2),
          dict(tp=1, dp=16, engine=Engine.FSDP2, zero=3, micro_batch=2, grad_accum=2),
          dict(tp=1, dp=16, engine=Engine.FSDP2, zero=3, dp_replicate=2, micro_batch=2, grad_accum=2),
          dict(tp=1, dp=16, engine=Engine.DEEPSPEED, zero=3, optimizer_offload=Offload.CPU),
-         dict(tp=4, dp=4, engine=Engine.MEGATRON, zero=1, compile=True)]
+         dict(tp=4, dp=4, engine=Engine.MEGATRON, zero=1, compile=True),
+         # the FSDP2 layout above compiled, and under DeepSpeed ZeRO-3 (whose compile is not credited): the caches share
+         # kernel rates and layer times across engines that run the same kernels (`timing.kernel_key`)
+         dict(tp=1, dp=16, engine=Engine.FSDP2, zero=3, micro_batch=2, grad_accum=2, compile=True),
+         dict(tp=1, dp=16, engine=Engine.DEEPSPEED, zero=3, micro_batch=2, grad_accum=2, compile=True)]
 MOE = [dict(tp=1, dp=16, ep=8, engine=Engine.MEGATRON), dict(tp=1, dp=16, ep=4, engine=Engine.MEGATRON, zero=1)]
 # and the optimizers and offloads that change what the states hold
 STATES = [dict(dp=16, engine=Engine.DEEPSPEED, zero=2, optimizer_offload=Offload.CPU, grad_accum=4),
@@ -102,6 +106,23 @@ def test_time_terms_with_a_warm_cache_equal_those_with_an_empty_one(tmp_path_fac
     for k in itertools.chain(indices[::-1] if order else indices, indices):  # every case with the cache warmed
         graph, config = cases[k]
         assert timing.time_terms(graph, cluster, WORKLOAD, config) == fresh[k]
+
+
+def test_engines_that_run_other_kernels_keep_their_own_cached_times():
+    """On one graph (as a Megatron plan is priced on the HF code where megatron-core cannot build the model),
+    Transformer Engine's kernels and a credited compile do not share the kernel rates and layer times of the other
+    engines (`timing.kernel_key`): warm, each configuration's terms equal its own cold ones, and they differ."""
+    graph = Lowerings(Route(resolved=resolve("meta-llama/Llama-3.2-1B")))(Outer(tp=4, dp=4))
+    cluster = parse_cluster("2x8xH100")
+    configs = [Config(tp=4, dp=4, engine=Engine.FSDP2, zero=2), Config(tp=4, dp=4, engine=Engine.MEGATRON, zero=1),
+               Config(tp=4, dp=4, engine=Engine.FSDP2, zero=2, compile=True)]
+    fresh = []
+    for config in configs:
+        timing.clear_caches()
+        fresh.append(timing.time_terms(graph, cluster, WORKLOAD, config))
+    timing.clear_caches()
+    assert [timing.time_terms(graph, cluster, WORKLOAD, config) for config in configs] == fresh
+    assert fresh[0].layers != fresh[1].layers and fresh[0].layers != fresh[2].layers
 
 
 def test_model_states_read_only_the_fields_their_cache_keys_on(tmp_path_factory):
