@@ -111,10 +111,27 @@ def pass_fetches(graph: LayerGraph, cluster: Cluster, config: Config, group: Gro
     return fetches
 
 
+# Simulated passes by graph, cluster and node times (by identity: the time model's memoised tuples) and what they
+# read of a configuration: configurations that differ in offload or optimizer alone share them.
+_PASSES: IdentityMemo[tuple[float, float]] = IdentityMemo()
+
+
+def clear_caches() -> None:
+    """Empty the simulated passes (`timing.clear_caches` calls this: tests that change a constant price afresh)."""
+    _PASSES.clear()
+
+
 def zero3_seconds(graph: LayerGraph, cluster: Cluster, config: Config, group: Group, *,
                   nodes: Sequence[tuple[float, float]], itemsize: int, reduce_itemsize: int) -> tuple[float, float]:
     """(exposed, total) communication seconds of one micro-batch's forward and backward under DeepSpeed ZeRO-3:
     forward gathers every module; backward (reversed) gathers each again and reduce-scatters its gradients."""
+    return _PASSES.get((graph, cluster, nodes), (config.tp, config.engine, group, itemsize, reduce_itemsize),
+                       lambda: _zero3_seconds(graph, cluster, config, group, nodes=nodes, itemsize=itemsize,
+                                              reduce_itemsize=reduce_itemsize))
+
+
+def _zero3_seconds(graph: LayerGraph, cluster: Cluster, config: Config, group: Group, *,
+                   nodes: Sequence[tuple[float, float]], itemsize: int, reduce_itemsize: int) -> tuple[float, float]:
     bucket = prefetch_bucket_elements(graph.dims.hidden)
     forward = pass_fetches(graph, cluster, config, group, [f for f, _ in nodes], itemsize=itemsize)
     backward = pass_fetches(graph, cluster, config, group, [b for _, b in nodes], itemsize=itemsize,

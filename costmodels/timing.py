@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
-from . import activation_offload, context_parallel, precision
+from . import activation_offload, context_parallel, precision, prefetch
 from .alignment import alignment_factor
 from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
@@ -209,9 +209,11 @@ def column_gemm_seconds(layer: Layer, tp: int, speed: KernelSpeed, *, tokens: in
 
 
 def clear_caches() -> None:
-    """Empty the memos of node times, kernel speeds and layer GEMMs (tests compare warm against cold)."""
-    for memo in (_NODE_TIMES, _SPEEDS, _GEMMS, _NODE_TERMS):
+    """Empty the memos of node times, kernel speeds, layer GEMMs, element counts and ZeRO-3's simulated passes
+    (tests compare warm against cold)."""
+    for memo in (_NODE_TIMES, _SPEEDS, _GEMMS, _NODE_TERMS, _COUNTS):
         memo.clear()
+    prefetch.clear_caches()
 
 
 def fp8_cast_seconds(layer: Layer, config: Config, speed: KernelSpeed, *, b: int, s: int,
@@ -506,9 +508,18 @@ def gradient_reduce_seconds(cluster: Cluster, group: Group, replicas: Group, nby
     return reduce_scatter_seconds(cluster, group, nbytes) + all_reduce_seconds(cluster, replicas, nbytes / group.size)
 
 
+# A graph's element counts by what they read of a configuration (tp, engine, ep): the edge units' and the expert
+# stacks', asked for by every configuration's data-parallel time.
+_COUNTS: IdentityMemo[tuple[int, int]] = IdentityMemo()
+
+
 def _edge_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
     """(parameter, trainable) elements of the units at the edges of a pass: the root unit (every non-decoder
     node: embeddings, final norm, head) with the first decoder layer, unsharded within the TP shard."""
+    return _COUNTS.get((graph,), ("edge", config.tp, config.engine, config.ep), lambda: _edge_counts(graph, config))
+
+
+def _edge_counts(graph: LayerGraph, config: Config) -> tuple[int, int]:
     layers = graph.decoder_layers()
     edge = [p for layer in graph.nodes() if layer.role is not Role.DECODER for p in layer.params]
     edge += list(layers[0].params) if layers else []
@@ -523,6 +534,11 @@ def _expert_elements(graph: LayerGraph, config: Config) -> tuple[int, int]:
     shard; (0, 0) without EP."""
     if config.ep == 1:
         return 0, 0
+    return _COUNTS.get((graph,), ("experts", config.tp, config.engine, config.ep),
+                       lambda: _expert_counts(graph, config))
+
+
+def _expert_counts(graph: LayerGraph, config: Config) -> tuple[int, int]:
     stacks = [(t, n) for t, n in graph.tensor_groups() if is_expert_stack(t)]
     count = local_elements(stacks, tp=config.tp, dp=1, engine=config.engine, sharded=False, ep=config.ep)
     trainable = local_elements([(t, n) for t, n in stacks if t.trainable], tp=config.tp, dp=1,
