@@ -223,13 +223,15 @@ def rank_memory_terms(slice_: RankSlice, workload: Workload, config: Config) -> 
 # with them, by its schedule and position.
 _SLICE_TERMS: IdentityMemo[MemoryTerms] = IdentityMemo(limit=4096)
 _RANK_TERMS: IdentityMemo[MemoryTerms] = IdentityMemo(limit=4096)
-# What a slice's memory terms read of a configuration: all but the schedule, its stages per rank and the split (the
-# slice and its stages are those; their moments and buffers are added after).
-_SLICE_FIELDS = tuple(f.name for f in fields(Config) if f.name not in ("pp_schedule", "pp_virtual", "pp_split"))
+# A pipeline's schedule: the schedule, its stages per rank and the split.
+SCHEDULE_FIELDS = ("pp_schedule", "pp_virtual", "pp_split")
+# What a slice's memory and time terms read of a configuration: all but its schedule (the slice and its stages are
+# the split; their moments and buffers are added after).
+UNSCHEDULED_FIELDS = tuple(f.name for f in fields(Config) if f.name not in SCHEDULE_FIELDS)
 
 
 def _unscheduled(config: Config) -> tuple[object, ...]:
-    return tuple(getattr(config, name) for name in _SLICE_FIELDS)
+    return tuple(getattr(config, name) for name in UNSCHEDULED_FIELDS)
 
 
 def _slice_memory_terms(slice_: RankSlice, workload: Workload, own: Config,

@@ -40,6 +40,7 @@ from costmodels import Cluster, Config, Workload
 from costmodels.pipeline import DEFAULT_WEIGHT_SHARE, StageTimes, step_lower_bound
 from costmodels.pipeline_schedule import SPLIT_BACKWARD, local_stages
 from costmodels.pipeline_stages import (
+    UNSCHEDULED_FIELDS,
     RankSlice,
     pipeline_step,
     rank_slices,
@@ -196,17 +197,13 @@ def timed_bound(outer: Outer, timed: list[tuple[RankSlice, tuple[TimeTerms, ...]
     return max(0, ticks((bound + max(whole.outside for _, _, whole in timed)) * (1 - _BOUND_MARGIN)) - 1)
 
 
-# The configuration fields time terms read: all but the schedule, its stages per rank and the split.
-_TIMED_FIELDS = tuple(f.name for f in fields(Config) if f.name not in ("pp_schedule", "pp_virtual", "pp_split"))
-
-
 def slice_terms(model: LayerGraph, graph: LayerGraph, cluster: Cluster, workload: Workload, config: Config, *,
                 first: bool, last: bool, memo: dict[tuple[object, ...], TimeTerms]) -> TimeTerms:
     """`time_terms` of a slice of `model` (a stage's or a rank's), timed once per slice shape and setting: slices
     of the same decoder-layer kinds, with or without the model's first and last nodes, are the same nodes but for
     their names (layers of one kind cost the same), and no time term reads the schedule or the split."""
     key = (model, tuple(layer.kind for layer in graph.decoder_layers()), first, last,
-           *(getattr(config, name) for name in _TIMED_FIELDS))
+           *(getattr(config, name) for name in UNSCHEDULED_FIELDS))
     if key not in memo:
         memo[key] = time_terms(graph, cluster, workload, config)
     return memo[key]

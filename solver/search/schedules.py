@@ -10,7 +10,7 @@ from costmodels.breakdown import Estimate
 from costmodels.cluster import Cluster
 from costmodels.config import Config, Workload
 from costmodels.estimator import estimate
-from costmodels.pipeline_stages import stage_layers
+from costmodels.pipeline_stages import SCHEDULE_FIELDS, stage_layers
 from costmodels.verdict import fits
 from graphs import Checkpoint, LayerGraph
 from solver.plan.record import ScheduleOption
@@ -43,8 +43,7 @@ def schedule_options(space: Space, outer: Outer, modes: tuple[Checkpoint, ...], 
     return tuple(options)
 
 
-_SCHEDULE_FIELDS = ("pp_schedule", "pp_virtual", "pp_split")
-_LAYOUT_FIELDS = tuple(f.name for f in fields(Outer) if f.name not in _SCHEDULE_FIELDS)
+_LAYOUT_FIELDS = tuple(f.name for f in fields(Outer) if f.name not in SCHEDULE_FIELDS)
 
 
 def layout(outer: Outer) -> tuple[object, ...]:
