@@ -88,8 +88,9 @@ class TimeTerms:
     (what a pipeline rank spends after its schedule)."""
 
 
-# The configuration fields `speed_for` reads (a test checks it): its results are cached on them, with the graph and
-# the cluster's `node_view` by identity (kernel rates, like node times, read a node, not how many there are).
+# The configuration fields `speed_for` reads (a test checks it): its results are cached on them (the engine, stage
+# and compile as `kernel_key` reads them), with the graph and the cluster's `node_view` by identity (kernel rates,
+# like node times, read a node, not how many there are).
 SPEED_FIELDS = ("precision", "tp", "cp", "cp_mode", "engine", "compile", "zero", "loss")
 _SPEEDS: IdentityMemo[KernelSpeed] = IdentityMemo()
 
@@ -185,9 +186,9 @@ def node_time(graph: LayerGraph, cluster: Cluster, config: Config, layer: Layer,
                                                           s_local=s)[0])
 
 
-# The configuration fields `node_time` reads (a test checks it): its results are cached on them, with the graph,
-# the cluster's `node_view` and the layer by identity (held in the entry, so an id is not reused while cached). The
-# solver prices the same layers under many configurations that differ only in what node times do not read
+# The configuration fields `node_time` reads (a test checks it): its results are cached on them (`kernel_key`), with
+# the graph, the cluster's `node_view` and the layer by identity (held in the entry, so an id is not reused while
+# cached). The solver prices the same layers under many configurations that differ only in what node times do not read
 # (sharding, offload, optimizer), and `choose` on clusters that differ only in their node count.
 NODE_TIME_FIELDS = ("tp", "sequence_parallel", "precision", "cp", "cp_mode", "ep", "grad_accum", "engine")
 _NODE_TIMES: IdentityMemo[NodeTime] = IdentityMemo()
@@ -274,8 +275,8 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
 
 
 # The configuration fields `_node_terms` reads (a test checks it): its node times', its kernel speeds', the loss that
-# prices the head and the micro-batch it is timed on. Cached on them: the solver times the same layers under many
-# configurations that differ only in sharding, offload or optimizer.
+# prices the head and the micro-batch it is timed on. Cached on them (`kernel_key`): the solver times the same layers
+# under many configurations that differ only in sharding, offload or optimizer.
 NODE_TERMS_FIELDS = tuple(dict.fromkeys((*NODE_TIME_FIELDS, *SPEED_FIELDS, "micro_batch")))
 NodeTerms = tuple[tuple[tuple[tuple[Checkpoint, NodeTime], ...], ...], NodeTime, tuple[tuple[float, float], ...]]
 _NODE_TERMS: IdentityMemo[NodeTerms] = IdentityMemo(limit=2**12)
