@@ -14,16 +14,14 @@ import pytest
 
 # networkx too: LayerGraph draws its DiGraph only when asked (a few hundred ms of import a cached solve does not need)
 HEAVY = ("torch", "transformers", "megatron", "torchtitan", "peft", "bitsandbytes", "torchao", "networkx")
-# Run a command in-process after `python -c`, then report which heavy modules it imported.
+# Run a command as `fitplan` runs it (`main`), reporting which heavy modules it imported before the process ends.
 PROBE = """
 import json, sys
-from solver.cli.app import main
+from solver.cli.app import app, finish, run
 sys.argv = ["fitplan", *json.loads(sys.argv[1])]
-try:
-    main()
-except SystemExit:
-    pass
+code = run(app)
 print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)), file=sys.__stderr__)
+finish(code)
 """
 # What third-party output looks like: Python warnings, torch's and torchao's log lines.
 NOISE = ("Warning:", "warnings.warn", "W1204", "Failed to load", "FutureWarning", "DeprecationWarning", "WARNING ")
@@ -96,3 +94,20 @@ def test_other_commands_print_no_library_output(args, cache):
     result = run(args, cache)
     assert result.returncode in (0, 3), result.stderr
     assert not [line for line in result.stderr.splitlines()[:-1] if any(mark in line for mark in NOISE)]
+
+
+@pytest.mark.parametrize(("args", "code"), [
+    (["gpus"], 0),
+    (["solve", "--model", "no/such-model", "--gpus", "1xA100"], 2),
+])
+def test_the_command_exits_with_its_code_and_its_whole_output(args, code, tmp_path):
+    """`fitplan` ends its process without the interpreter's teardown (`app.finish`): the exit code and every line
+    written, also through a pipe, still reach the caller."""
+    env = {**os.environ, "FITPLAN_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "solver", *args], env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == code, result.stderr
+    if code == 0:
+        assert "H100" in result.stdout and result.stdout.endswith("\n")
+    else:
+        assert "no/such-model" in result.stderr
