@@ -10,6 +10,7 @@ a count above one node is whole nodes.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import math
 import os
 import re
@@ -284,8 +285,10 @@ def solve_sweep(model: str, sweep: Sequence[tuple[GPU, int]], *, tokens: float, 
 
 def _lower_in_process() -> None:
     """A sweep worker lowers in its own process: the sweep's workers already fill the cores
-    (`graphs.variant.lowering_workers`)."""
+    (`graphs.variant.lowering_workers`). Its cyclic garbage collector is paused, as the command's own
+    (`solver.cli.app.run`): the searches' short-lived records are freed by reference counting."""
     os.environ["FITPLAN_LOWERING_WORKERS"] = "1"
+    gc.disable()
 
 
 def _check_request(tokens: float, deadline_hours: float | None, budget_usd: float | None) -> None:
