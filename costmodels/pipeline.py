@@ -5,6 +5,7 @@ action order of `pipeline_schedule`. Weights, gradients and optimizer states of 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -115,9 +116,11 @@ class Moment:
         direction, and per stage as many full sets and as many sets in all (a set after its input step holds
         no more than a full one)."""
         return (self.stage == other.stage and self.forward == other.forward
-                and all(a >= b for a, b in zip(self.full, other.full, strict=True))
-                and all(a + c >= b + d for a, b, c, d in zip(self.full, other.full, self.after_input,
-                                                             other.after_input, strict=True)))
+                and all(map(operator.ge, self.held(), other.held())))
+
+    def held(self) -> tuple[int, ...]:
+        """Per stage its full sets, then per stage its sets in all: what `dominates` compares element-wise."""
+        return self.full + tuple(map(operator.add, self.full, self.after_input))
 
 
 @lru_cache(maxsize=1024)
@@ -131,16 +134,16 @@ def rank_moments(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[tu
         local = {s: k for k, s in enumerate(s for s, r in enumerate(ranks) if r == rank)}
         state: dict[tuple[int, int], str] = {}
         counts = {"F": [0] * len(local), "I": [0] * len(local)}  # sets held per local stage, by state
-        seen: dict[Moment, None] = {}
+        seen: dict[tuple[int, bool, tuple[int, ...], tuple[int, ...]], None] = {}  # a Moment's fields, in order
         for op in ops:
             key, stage = (op.stage, op.micro_batch), local[op.stage]
             if key in state:  # its own set is not among the others
                 counts[state.pop(key)][stage] -= 1
-            seen[Moment(stage, op.kind == "F", tuple(counts["F"]), tuple(counts["I"]))] = None
+            seen[stage, op.kind == "F", tuple(counts["F"]), tuple(counts["I"])] = None
             if op.kind in "FI":
                 state[key] = op.kind
                 counts[op.kind][stage] += 1
-        result.append(_undominated(list(seen)))
+        result.append(_undominated([Moment(*fields) for fields in seen]))
     return tuple(result)
 
 
@@ -151,12 +154,13 @@ def _undominated(moments: list[Moment]) -> tuple[Moment, ...]:
     def size(moment: Moment) -> tuple[int, int]:
         return sum(moment.full) + sum(moment.after_input), sum(moment.full)
 
-    kept: dict[tuple[int, bool], list[Moment]] = {}
+    kept: dict[tuple[int, bool], list[tuple[int, ...]]] = {}  # per stage and direction, the kept ones' `held`
+    survivors = set()
     for moment in sorted(moments, key=size, reverse=True):
-        group = kept.setdefault((moment.stage, moment.forward), [])
-        if not any(other.dominates(moment) for other in group):
-            group.append(moment)
-    survivors = {moment for group in kept.values() for moment in group}
+        group, held = kept.setdefault((moment.stage, moment.forward), []), moment.held()
+        if not any(all(map(operator.ge, other, held)) for other in group):  # `Moment.dominates`, in its group
+            group.append(held)
+            survivors.add(moment)
     return tuple(moment for moment in moments if moment in survivors)
 
 
