@@ -92,29 +92,34 @@ def walk_phases(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh
     `forward_only` are gone once the last decoder layer has run; `extra[i]` is the engine's (forward
     transient, kept from forward to backward, backward transient) bytes for node i.
     """
+    # the peaks are kept as (bytes, node, activations, grads) and named once at the end: a search walks them often
     live, kept, saved, grads = start, 0, start, 0
-    forward = Peak(bytes=start, at="start", activations=start, grads=0)
+    top, at, top_saved = start, -1, start
     last_decoder = max((i for i, node in enumerate(nodes) if node.decoder), default=-1)
     for i, (node, (fwd_extra, keep, _)) in enumerate(zip(nodes, extra, strict=True)):
         candidate = live + node.fwd_peak + fwd_extra + kept
-        if candidate > forward.bytes:
-            forward = Peak(bytes=candidate, at=f"forward {names[i]}", activations=saved, grads=0)
+        if candidate > top:
+            top, at, top_saved = candidate, i, saved
         live += node.fwd_net
         kept += keep
         saved += node.saved
         if i == last_decoder:
             live -= forward_only
             saved -= forward_only
+    forward = Peak(bytes=top, at="start" if at < 0 else f"forward {names[at]}", activations=top_saved, grads=0)
     live -= sum(node.released_after_forward for node in nodes)
-    backward: Peak | None = None
+    if not nodes:
+        return forward, Peak(bytes=live, at="end of forward", activations=saved, grads=0)
+    back: tuple[int, int, int, int] | None = None
     for i in reversed(range(len(nodes))):
         node, (_, keep, bwd_extra) = nodes[i], extra[i]
         node_peak = node.bwd_peak_fresh if fresh_grads else node.bwd_peak
         candidate = live + node_peak + bwd_extra + kept
-        if backward is None or candidate > backward.bytes:
-            backward = Peak(bytes=candidate, at=f"backward {names[i]}", activations=saved, grads=grads)
+        if back is None or candidate > back[0]:
+            back = (candidate, i, saved, grads)
         live += node.bwd_net + (node.grads if fresh_grads else 0)
         grads += node.grads if fresh_grads else 0
         kept -= keep
         saved -= node.saved
-    return forward, backward or Peak(bytes=live, at="end of forward", activations=saved, grads=0)
+    assert back is not None
+    return forward, Peak(bytes=back[0], at=f"backward {names[back[1]]}", activations=back[2], grads=back[3])
