@@ -4,6 +4,7 @@ runtime overhead outside PyTorch's allocator."""
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Poly, Role
@@ -147,10 +148,10 @@ def held_by_stage(terms: MemoryTerms, nodes: list[NodeMemory]) -> list[tuple[int
 def others_at_most(terms: MemoryTerms, nodes: list[NodeMemory]) -> dict[tuple[int, bool], int]:
     """Per (running stage, forward), the most bytes the other in-flight micro-batches hold over its moments."""
     held = held_by_stage(terms, nodes)
+    weights = tuple(full for full, _ in held) + tuple(after for _, after in held)  # per set: full, after input
     others: dict[tuple[int, bool], int] = {}
     for moment in terms.moment_list():
-        value = sum(f * full + a * after for f, a, (full, after) in
-                    zip(moment.full, moment.after_input, held, strict=True))
+        value = sum(map(operator.mul, moment.full + moment.after_input, weights))
         key = (moment.stage, moment.forward)
         others[key] = max(others.get(key, value), value)
     return others
