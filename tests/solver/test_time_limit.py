@@ -175,15 +175,16 @@ def test_lowering_is_reported_apart_and_never_eats_the_limit(monkeypatch):
     lower_needed = solve_module.lower_needed
 
     def slow_lowering(prepared):
-        time.sleep(1.5)  # longer than the whole limit
+        time.sleep(2.5)  # longer than the whole limit
         lower_needed(prepared)
 
     monkeypatch.setattr(solve_module, "lower_needed", slow_lowering)
-    plan = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, time_limit=1.0)
-    assert plan.solver.lowering_seconds >= 1.5
+    # 2 s: the search alone takes ~0.6 s on an idle core here, twice that beside CI's other worker
+    plan = solve(MODEL, "8xA100", seq_len=1024, global_batch=64, time_limit=2.0)
+    assert plan.solver.lowering_seconds >= 2.5
     assert plan.alternatives  # computed within the limit, which starts after the lowering
     summary = plan.solver.summary()
-    assert f"{plan.solver.wall_seconds:.2f} s of search (limit 1 s)" in summary
+    assert f"{plan.solver.wall_seconds:.2f} s of search (limit 2 s)" in summary
     assert f"after {plan.solver.lowering_seconds:.2f} s of lowering (outside the limit)" in summary
 
 
