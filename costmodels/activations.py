@@ -108,8 +108,6 @@ def walk_phases(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh
             saved -= forward_only
     forward = Peak(bytes=top, at="start" if at < 0 else f"forward {names[at]}", activations=top_saved, grads=0)
     live -= sum(node.released_after_forward for node in nodes)
-    if not nodes:
-        return forward, Peak(bytes=live, at="end of forward", activations=saved, grads=0)
     back: tuple[int, int, int, int] | None = None
     for i in reversed(range(len(nodes))):
         node, (_, keep, bwd_extra) = nodes[i], extra[i]
@@ -121,5 +119,6 @@ def walk_phases(nodes: list[NodeMemory], *, start: int, forward_only: int, fresh
         grads += node.grads if fresh_grads else 0
         kept -= keep
         saved -= node.saved
-    assert back is not None
+    if back is None:  # no nodes
+        return forward, Peak(bytes=live, at="end of forward", activations=saved, grads=0)
     return forward, Peak(bytes=back[0], at=f"backward {names[back[1]]}", activations=back[2], grads=back[3])

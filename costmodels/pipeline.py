@@ -111,21 +111,16 @@ class Moment:
     full: tuple[int, ...]
     after_input: tuple[int, ...]
 
-    def dominates(self, other: Moment) -> bool:
-        """Whether this moment holds at least what `other` does whatever the stages' bytes: same stage and
-        direction, and per stage as many full sets and as many sets in all (a set after its input step holds
-        no more than a full one)."""
-        return (self.stage == other.stage and self.forward == other.forward
-                and all(map(operator.ge, self.held(), other.held())))
-
     def held(self) -> tuple[int, ...]:
-        """Per stage its full sets, then per stage its sets in all: what `dominates` compares element-wise."""
+        """Per stage its full sets, then per stage its sets in all. A moment dominates another of the same stage
+        and direction, holding at least what it does whatever the stages' bytes, when each of these is at least
+        the other's (a set after its input step holds no more than a full one)."""
         return self.full + tuple(map(operator.add, self.full, self.after_input))
 
 
 @lru_cache(maxsize=1024)
 def rank_moments(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[tuple[Moment, ...], ...]:
-    """Per rank, the moments of its torch 2.13 action order that no other one dominates (`Moment.dominates`),
+    """Per rank, the moments of its torch 2.13 action order that no other one dominates (`Moment.held`),
     in the order they first occur: the peak of any per-stage bytes over the step is the peak over these. The same
     walk as `held_activation_bytes`: F makes its set full, I leaves it after its input step, B and W free it."""
     ranks = stage_ranks(schedule, pp, v)
@@ -158,7 +153,7 @@ def _undominated(moments: list[Moment]) -> tuple[Moment, ...]:
     survivors = set()
     for moment in sorted(moments, key=size, reverse=True):
         group, held = kept.setdefault((moment.stage, moment.forward), []), moment.held()
-        if not any(all(map(operator.ge, other, held)) for other in group):  # `Moment.dominates`, in its group
+        if not any(all(map(operator.ge, other, held)) for other in group):  # a kept one dominates it
             group.append(held)
             survivors.add(moment)
     return tuple(moment for moment in moments if moment in survivors)

@@ -424,6 +424,7 @@ def run(application: typer.Typer) -> int:
     meanwhile: a search allocates millions of short-lived tuples and records, which reference counting frees, and
     the collector's passes over them took ~12% of a 405B solve (issue 33). Peak resident memory: the same for that
     solve (305 MB), 5% more where the command lowers a model (Qwen2.5-32B on an empty cache: 680 against 649 MB)."""
+    collecting = gc.isenabled()
     gc.disable()
     try:
         application()
@@ -434,7 +435,8 @@ def run(application: typer.Typer) -> int:
         err.print("This is a bug in fitplan; please report it with the command line.")
         return 1
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
     return 0
 
 
