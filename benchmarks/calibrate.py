@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import costmodels.compute as compute
 from benchmarks import fidelity
+from costmodels import identity_memo
 
 # GEMM_HALF_TOKENS stays at or below 512 rows (GEMM benchmarks reach most of peak by then).
 # ATTENTION_SUSTAINED scales the kernel papers' attention curves (costmodels/data/attention_kernels.json), at most 1.
@@ -44,11 +45,13 @@ def grid_errors(data: Path = fidelity.DATA) -> Grid:
             chosen = dict(zip(GRID, values, strict=True))
             for name, value in chosen.items():
                 setattr(compute, name, value)
+            identity_memo.clear_all()  # the node times and kernel rates cached at the previous point's constants
             rows, _ = fidelity.time_fidelity(data, folder)
             points.append((chosen, rows))
     finally:
         for name, value in saved.items():
             setattr(compute, name, value)
+        identity_memo.clear_all()
     return points
 
 

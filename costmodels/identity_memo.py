@@ -4,10 +4,15 @@ call it saves. The solver prices the same few objects under thousands of configu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+# Every memo, so that a caller that changes what the cost functions read besides their arguments (the module
+# constants benchmarks/calibrate.py sweeps) can drop every cached cost at once (`clear_all`).
+_MEMOS: weakref.WeakSet[IdentityMemo] = weakref.WeakSet()
 
 
 class IdentityMemo(Generic[T]):
@@ -17,6 +22,7 @@ class IdentityMemo(Generic[T]):
     def __init__(self, limit: int = 2**16) -> None:
         self._entries: dict[tuple[object, ...], tuple[tuple[object, ...], T]] = {}
         self._limit = limit
+        _MEMOS.add(self)
 
     def get(self, objects: tuple[object, ...], values: tuple[object, ...], compute: Callable[[], T]) -> T:
         """The cached value for these objects and values, else `compute()` (then cached)."""
@@ -32,3 +38,10 @@ class IdentityMemo(Generic[T]):
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def clear_all() -> None:
+    """Empty every memo: the costs they hold were computed with the constants of the moment, which a sweep over
+    those constants changes (the memos key on their functions' arguments only)."""
+    for memo in list(_MEMOS):
+        memo.clear()

@@ -3,7 +3,7 @@ holds its objects so that their ids are not reused."""
 
 from __future__ import annotations
 
-from costmodels.identity_memo import IdentityMemo
+from costmodels.identity_memo import IdentityMemo, clear_all
 
 
 class _Box:
@@ -41,3 +41,14 @@ def test_a_full_memo_empties_and_recomputes():
     memo.clear()
     memo.get((box,), (3,), lambda: calls.append(3) or 3)
     assert calls[-1] == 3
+
+
+def test_clear_all_empties_every_memo():
+    memos: list[IdentityMemo[int]] = [IdentityMemo(), IdentityMemo(limit=4)]
+    box, calls = _Box(2), []
+    for memo in memos:
+        memo.get((box,), (1,), lambda: calls.append(1) or 1)
+    clear_all()
+    for memo in memos:
+        memo.get((box,), (1,), lambda: calls.append(1) or 1)
+    assert calls == [1, 1, 1, 1]
