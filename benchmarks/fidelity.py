@@ -44,17 +44,23 @@ def model_source(row: dict[str, Any], folder: Path) -> str:
     if m["name"] in CATALOG:
         return CATALOG[m["name"]]
     if m["name"].startswith("mpt"):
-        # MPT's block (LayerNorm, 4h GELU MLP, ALiBi) run with flash attention as MosaicML did; transformers'
-        # MPT has no SDPA path, so the same dimensions on a GPT-NeoX block (sequential residual) stand in.
-        values = {"model_type": "gpt_neox", "hidden_size": m["hidden"], "num_attention_heads": m["heads"],
-                  "num_hidden_layers": m["layers"], "intermediate_size": m.get("ffn") or 4 * m["hidden"],
-                  "vocab_size": m["vocab"], "max_position_embeddings": m["seq_len"], "use_parallel_residual": False,
-                  "rotary_pct": 0.25, "tie_word_embeddings": True}
+        # llm-foundry's MPT block is GPT-2's (llm-foundry 0.22, llmfoundry/models/mpt and layers/): pre-LayerNorm,
+        # one packed Wqkv, out_proj, a 4h MLP with exact GELU (`_FFN_ACT_FN_DEFAULT`), biases (`no_bias=False`),
+        # tied head and learned position embeddings (`learned_pos_emb=True`, `alibi=False`: the rows' parameter
+        # counts grow by seq_len x hidden with the sequence). Its flash path gathers q, k and v out of Wqkv's output
+        # (`index_first_axis`) and the kernel keeps those copies: the 3 x hidden per token GPT-2's SDPA keeps
+        # through its split views. transformers' MPT has no SDPA path, so GPT-2's layers with MPT's dimensions stand
+        # in (GPT-NeoX did, with rotary copies of q and k that MPT never makes).
+        values = {"model_type": "gpt2", "n_embd": m["hidden"], "n_head": m["heads"], "n_layer": m["layers"],
+                  "n_inner": m.get("ffn") or 4 * m["hidden"], "n_positions": m["seq_len"], "vocab_size": m["vocab"],
+                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+                  "activation_function": "gelu"}
     elif m["name"].startswith("gpt2"):
-        # Mist's gpt2 configs and its Megatron-LM baselines (--untie-embeddings-and-output-weights) untie the head
+        # Mist's gpt2 configs and its Megatron-LM baselines (--untie-embeddings-and-output-weights) untie the head;
+        # both run GELU as one kernel (`gelu_activation` below), not GPT-2's default gelu_new written out in ops
         values = {"model_type": "gpt2", "n_embd": m["hidden"], "n_head": m["heads"], "n_layer": m["layers"],
                   "n_positions": m["seq_len"], "vocab_size": m["vocab"], "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                  "attn_pdrop": 0.0, "tie_word_embeddings": False}
+                  "attn_pdrop": 0.0, "tie_word_embeddings": False, "activation_function": gelu_activation(row)}
     else:
         values = {"model_type": "llama", "hidden_size": m["hidden"], "num_attention_heads": m["heads"],
                   "num_key_value_heads": m.get("kv_heads") or m["heads"], "num_hidden_layers": m["layers"],
@@ -64,6 +70,16 @@ def model_source(row: dict[str, Any], folder: Path) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(values))
     return str(path)
+
+
+def gelu_activation(row: dict[str, Any]) -> str:
+    """transformers' name for the GELU the row's GPT-2 ran. Mist's gpt2 configs set `activation_function: gelu_fast`,
+    which its runtime runs as `F.gelu(approximate="tanh")` (mist/modules/utils.py `get_activation`): transformers'
+    `gelu_pytorch_tanh`. Mist's Megatron-LM baselines (--disable-bias-linear, so no bias-GELU fusion) run
+    megatron's default `F.gelu`: transformers' `gelu`. Either saves only its input for backward, where GPT-2's
+    default `gelu_new` (`NewGELUActivation`, written out in tensor ops) saves three more intermediates of the MLP's
+    width."""
+    return "gelu" if "Megatron-LM" in row.get("framework", "") else "gelu_pytorch_tanh"
 
 
 def throughput_config(row: dict[str, Any], layers: int) -> tuple[Config, Workload] | str:
@@ -198,7 +214,7 @@ def measured_tokens_per_gpu(row: dict[str, Any]) -> float | None:
 def runtime_of(framework: str) -> str:
     """The runtime a row ran on: torchtitan, Megatron-LM, Mist's runtime, DeepSpeed, else a model under torch's
     FSDP or DDP priced on the Hugging Face modeling code ("HF code": llm-foundry's MPT runs under Composer's FSDP,
-    priced on a GPT-NeoX stand-in, and fitplan's own torchrun scripts)."""
+    priced on GPT-2's layers, and fitplan's own torchrun scripts)."""
     for key, runtime in (("torchtitan", "torchtitan"), ("Megatron", "Megatron"), ("Mist", "Mist"),
                          ("DeepSpeed", "DeepSpeed")):
         if key in framework:
