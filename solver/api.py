@@ -102,7 +102,8 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
 
 def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *, seq_len: int | None = None,
              global_batch: int | None = None, lora: LoraSpec | None = None, attention: str | None = None,
-             launcher: str | None = None, post_training: PostRequest | None = None) -> Estimate:
+             launcher: str | None = None, post_training: PostRequest | None = None,
+             kbit_preparation: bool = False) -> Estimate:
     """Memory and time of one given configuration, priced on the lowering `solve` would price it on (the same
     route: torchtitan's model code for the torchtitan launcher or a torchtitan plan's attention, megatron-core's
     layers for Megatron's engine where they lower the model, else the HF code).
@@ -110,8 +111,11 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     `config` may be a `Config` or a dict of its fields; when `global_batch` is None it is micro_batch x
     grad_accum x dp. `launcher` (optional) must be able to run the configuration. `post_training` prices the
     training step of a TRL task as `solve` does (`global_batch` then counts examples, as in `solve`; the reference
-    is the one pinned, else the first `solve` searches).
+    is the one pinned, else the first `solve` searches). `kbit_preparation` prices a QLoRA script of the user's own
+    that calls PEFT's `prepare_model_for_kbit_training` (no launcher here emits that call).
     """
+    if kbit_preparation:
+        _check_kbit_preparation(lora, launcher)
     resolved = resolve(model)
     cluster = cluster_from(gpus)
     seq_len = post.sequence_length(post_training, seq_len)  # checks the task
@@ -131,7 +135,7 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     route = Route(resolved=resolved, lora=None if titan else lora, attention=None if titan else attention,
                   titan=titan, op_selective=not titan and (Checkpoint.OP_SELECTIVE in unsized.checkpoint
                                                            or str(mode) == Checkpoint.OP_SELECTIVE.value),
-                  axolotl=launcher == "axolotl")
+                  axolotl=launcher == "axolotl", peft_kbit=kbit_preparation)
     graph = Lowerings(route).graph(unsized)
     cfg = config_from(config, layers=len(graph.decoder_layers()))
     if launcher is not None:
@@ -149,7 +153,37 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
         raise FitplanError(f"micro_batch={cfg.micro_batch} sequences cannot run {post_training and post_training.task}"
                            f": TRL needs at least {workload.min_micro_batch} per micro-batch, whole examples of "
                            f"{workload.group} sequences.", "Pass --micro-batch as a multiple of that.")
-    return estimate_config(graph, cluster, workload, cfg)
+    result = estimate_config(graph, cluster, workload, cfg)
+    if lora is None or not lora.four_bit or launcher == "axolotl":
+        return result
+    return replace(result, notes=(*result.notes, KBIT_NOTE if kbit_preparation else NO_KBIT_NOTE))
+
+
+KBIT_NOTE = ("4-bit base as PEFT's prepare_model_for_kbit_training leaves it (--kbit-preparation): every 16-bit "
+             "parameter outside the 4-bit layers (embeddings, LM head, norms) in fp32, with the wider activations "
+             "that follow, traced on the model")
+NO_KBIT_NOTE = ("4-bit base without PEFT's prepare_model_for_kbit_training (fitplan's hf/accelerate files and TRL "
+                "1.16 do not call it): if your script calls it, --kbit-preparation prices the fp32 embeddings, head "
+                "and norms it leaves")
+
+# The launchers whose files a user's own training script reads: the script may call PEFT's k-bit preparation itself.
+USER_SCRIPT_LAUNCHERS = ("hf", "accelerate")
+
+
+def _check_kbit_preparation(lora: LoraSpec | None, launcher: str | None) -> None:
+    """A FitplanError where PEFT's k-bit preparation cannot be what the run does: no 4-bit base, or a launcher that
+    runs its own loader (axolotl prepares the base its own way; TRL 1.16's trainers and the other runtimes do not
+    call it)."""
+    if lora is None or not lora.four_bit:
+        raise FitplanError("--kbit-preparation prices PEFT's prepare_model_for_kbit_training on a 4-bit base, and "
+                           "this run has none.", "Add --lora-rank R --lora-quantization nf4, or drop "
+                           "--kbit-preparation.")
+    if launcher is not None and launcher not in USER_SCRIPT_LAUNCHERS:
+        raise FitplanError(f"--kbit-preparation prices a training script of your own; the {launcher} launcher runs "
+                           "its own loader" + (" (it prepares the base and casts norms and embeddings back)"
+                                               if launcher == "axolotl" else "") + ".",
+                           f"Drop --launcher, or use {' or '.join(USER_SCRIPT_LAUNCHERS)}, or drop "
+                           "--kbit-preparation.")
 
 
 def _check_launcher(launcher: str, config: Config, *, lora: bool) -> None:

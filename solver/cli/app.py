@@ -202,6 +202,10 @@ def estimate_command(
     seq_len: SeqLen = None,
     launcher: Annotated[Launcher | None, typer.Option(help="Price on the code this launcher runs (torchtitan: its own "
                                                       "model code), and refuse what it cannot express.")] = None,
+    kbit_preparation: Annotated[bool, typer.Option(
+        "--kbit-preparation", help="QLoRA: your script calls PEFT's prepare_model_for_kbit_training (every 16-bit "
+        "parameter outside the 4-bit layers in fp32, as PEFT's QLoRA examples and TRL's SFTTrainer before 1.0 do); "
+        "needs --lora-quantization.")] = False,
     adapters: AdapterOptions = NO_ADAPTERS, post_training: PostTrainingOptions = NO_POST,
     cluster: ClusterOptions = STRING_CLUSTER, as_json: AsJson = False, verbose: Verbose = False, **knobs: Any,
 ) -> None:
@@ -214,7 +218,8 @@ def estimate_command(
         with _quietly(f"Estimating {model} on {gpus}", verbose=verbose) as (log, _progress):
             report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora=lora, headroom=headroom,
                                      launcher=launcher.value if launcher else None,
-                                     cluster_options=cluster.as_dict(), post_training=post_training.spec())
+                                     cluster_options=cluster.as_dict(), post_training=post_training.spec(),
+                                     kbit_preparation=kbit_preparation)
     except Exception as error:
         _fail(error)
     if as_json:

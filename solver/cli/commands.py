@@ -68,11 +68,12 @@ class EstimateReport:
 def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict[str, Any], *, seq_len: int | None,
                     lora: LoraSpec | None = None, headroom: float | None = None,
                     cluster_options: dict[str, Any] | None = None, launcher: str | None = None,
-                    post_training: PostRequest | None = None) -> EstimateReport:
+                    post_training: PostRequest | None = None, kbit_preparation: bool = False) -> EstimateReport:
     """`lora`: the adapters of the CLI flags (over a plan's own); `launcher`: price on the lowering
     `solve --launcher` would, and refuse what that launcher cannot run; `post_training`: the TRL task's step, as
     `solve --task` prices it (a colocated vLLM engine's share is kept free beside the headroom, as `solve` keeps
-    it). A plan given as the config carries its own task."""
+    it). A plan given as the config carries its own task. `kbit_preparation`: the user's script calls PEFT's
+    `prepare_model_for_kbit_training` on the 4-bit base."""
     from solver.api import cluster_from, estimate
     from solver.search.post_training import colocated_share
 
@@ -80,7 +81,8 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
     values = read_config_file(config_file) if config_file else dict(flags)
     plan = _as_plan(values, config_file)
     if plan is not None:  # a plan written by `solve -o` round-trips: its decisions and workload
-        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora=lora, launcher=launcher)
+        report = _plan_report(plan, model, gpus, cluster, seq_len=seq_len, lora=lora, launcher=launcher,
+                              kbit_preparation=kbit_preparation)
         return report if headroom is None else replace(report, verdict=fits(report.estimate, cluster, headroom))
     if values.get("dp") is None:
         # the rest of the GPUs; a wrong type is reported by the Config check below, naming the field
@@ -97,7 +99,7 @@ def estimate_report(model: str, gpus: str, config_file: Path | None, flags: dict
         raise FitplanError(f"--headroom and the colocated vLLM share keep {kept:.0%} of each GPU: nothing is left "
                            "to train.", "Lower --vllm-gpu-memory-utilization or --headroom.")
     result = estimate(model, cluster, values, seq_len=seq_len, lora=lora, launcher=launcher,
-                      post_training=post_training)
+                      post_training=post_training, kbit_preparation=kbit_preparation)
     return EstimateReport(result, fits(result, cluster, kept), _title(model, gpus, post_training))
 
 
@@ -120,7 +122,8 @@ def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
 
 
 def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None,
-                 lora: LoraSpec | None = None, launcher: str | None = None) -> EstimateReport:
+                 lora: LoraSpec | None = None, launcher: str | None = None,
+                 kbit_preparation: bool = False) -> EstimateReport:
     """The estimate of a plan's decisions on `model`/`gpus`; seq_len and adapters given as flags override it."""
     from solver.api import estimate
     from solver.search.post_training import plan_request
@@ -130,7 +133,8 @@ def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len
     lora = lora or (None if d.lora is None else d.lora.spec())
     post_training, examples = plan_request(plan)
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len, global_batch=examples,
-                      lora=lora, attention=d.attention, launcher=launcher, post_training=post_training)
+                      lora=lora, attention=d.attention, launcher=launcher, post_training=post_training,
+                      kbit_preparation=kbit_preparation)
     return EstimateReport(result, fits(result, cluster, plan.inputs.headroom), _title(model, gpus, post_training))
 
 

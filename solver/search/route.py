@@ -43,13 +43,18 @@ class Route:
     """The axolotl launcher is pinned: its loader prepares a 4-bit base with PEFT's `prepare_model_for_kbit_training`
     (`axolotl.kbit_preparation`). The Trainer/accelerate launchers' files do not call it, nor do TRL 1.16's
     SFT/DPO/KTO/GRPO trainers, and the torchrun script runs no QLoRA."""
+    peft_kbit: bool = False
+    """The user's own training script calls PEFT's `prepare_model_for_kbit_training` on the 4-bit base and casts
+    nothing back (PEFT's QLoRA examples, TRL's SFTTrainer before 1.0): `estimate --kbit-preparation`."""
 
     def kbit(self, config: Config) -> tuple[str, ...] | None:
         """How the runtime leaves a 4-bit base for `config` (`graphs.variant.Variant.kbit`): None when it runs no
-        PEFT k-bit preparation."""
-        if not self.axolotl or self.lora is None or not self.lora.four_bit:
+        PEFT k-bit preparation, else the modules it casts back to the compute dtype afterwards."""
+        if self.lora is None or not self.lora.four_bit:
             return None
-        return kbit_preparation(self.resolved.model_type, config)
+        if self.axolotl:
+            return kbit_preparation(self.resolved.model_type, config)
+        return () if self.peft_kbit else None
 
     def megatron_lowers(self) -> bool:
         """Whether Megatron's engine is priced on megatron-core's own GPT layers with the kernels a default

@@ -1,13 +1,14 @@
 """The runtime decides how a 4-bit base is held: axolotl's loader calls PEFT's `prepare_model_for_kbit_training`
 (outside FSDP and ZeRO-3) and casts norms and embeddings back; the Trainer/accelerate launchers' files do not call
-it. `estimate` prices a QLoRA configuration on the lowering its launcher's runtime leaves."""
+it, and a user's own script may (`estimate --kbit-preparation`). `estimate` prices a QLoRA configuration on the
+lowering its runtime leaves (the lowerings themselves equal PEFT's own preparation: tests/graphs/test_quantized.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from graphs import LoraSpec, variant
-from solver.api import estimate
+from graphs import FitplanError, LoraSpec, variant
+from solver.api import KBIT_NOTE, NO_KBIT_NOTE, estimate
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 
@@ -25,12 +26,12 @@ def gpt2(tmp_path_factory) -> str:
     return str(write_config(tmp_path_factory.mktemp("gpt2"), tiny_values("gpt2")))
 
 
-def _priced(monkeypatch, model: str, config: dict, launcher: str):
+def _priced(monkeypatch, model: str, config: dict, launcher: str | None, **options):
     """The variant `estimate` lowered for the configuration, and the estimate."""
     seen: list[variant.Variant] = []
     original = variant._lower
     monkeypatch.setattr(variant, "_lower", lambda resolved, v: seen.append(v) or original(resolved, v))
-    result = estimate(model, "1xH100", config, seq_len=128, lora=QLORA, launcher=launcher)
+    result = estimate(model, "1xH100", config, seq_len=128, lora=QLORA, launcher=launcher, **options)
     return seen[-1], result
 
 
@@ -59,3 +60,26 @@ def test_axolotl_prepares_outside_fsdp_and_zero3(gpt2, engine, zero, kbit):
     route = Route(resolved=resolve(gpt2), lora=QLORA, axolotl=True)
     assert variant_for(config, route, megatron=False).kbit == kbit
     assert variant_for(config, Route(resolved=resolve(gpt2), lora=QLORA), megatron=False).kbit is None
+
+
+@pytest.mark.parametrize("launcher", [None, "hf", "accelerate"])
+def test_kbit_preparation_prices_a_script_that_calls_peft_on_the_base(gpt2, monkeypatch, launcher):
+    # A user's own script (reading the hf/accelerate files, or none) that calls PEFT's preparation and casts nothing
+    # back: every 16-bit parameter outside the 4-bit layers in fp32.
+    prepared, theirs = _priced(monkeypatch, gpt2, DDP, launcher, kbit_preparation=True)
+    plain, trainer = _priced(monkeypatch, gpt2, DDP, launcher)
+    assert prepared.kbit == () and plain.kbit is None
+    assert theirs.memory.parameters > trainer.memory.parameters
+    assert theirs.memory.activations > trainer.memory.activations
+    assert KBIT_NOTE in theirs.notes and NO_KBIT_NOTE in trainer.notes
+
+
+@pytest.mark.parametrize(("lora", "launcher", "phrase"), [
+    (None, None, "this run has none"),
+    (LoraSpec(rank=8), None, "this run has none"),
+    (QLORA, "axolotl", "casts norms and embeddings back"),
+    (QLORA, "trl", "runs its own loader"),
+])
+def test_kbit_preparation_is_refused_where_no_script_of_the_user_runs_it(gpt2, lora, launcher, phrase):
+    with pytest.raises(FitplanError, match=phrase):
+        estimate(gpt2, "1xH100", DDP, seq_len=128, lora=lora, launcher=launcher, kbit_preparation=True)
