@@ -38,7 +38,7 @@ from solver.search.request import (
     with_batching,
     workload_for,
 )
-from solver.search.route import MEGATRON_PRICED, TITAN_LOSSES, TITAN_PRICED, Lowerings, Route
+from solver.search.route import KBIT_NOTE, MEGATRON_PRICED, NO_KBIT_NOTE, TITAN_LOSSES, TITAN_PRICED, Lowerings, Route
 
 __all__ = ["DEFAULT_HEADROOM", "DEFAULT_TIME_LIMIT", "cluster_from", "config_from", "estimate", "solve"]
 
@@ -158,13 +158,6 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
         return result
     return replace(result, notes=(*result.notes, KBIT_NOTE if kbit_preparation else NO_KBIT_NOTE))
 
-
-KBIT_NOTE = ("4-bit base as PEFT's prepare_model_for_kbit_training leaves it (--kbit-preparation): every 16-bit "
-             "parameter outside the 4-bit layers (embeddings, LM head, norms) in fp32, with the wider activations "
-             "that follow, traced on the model")
-NO_KBIT_NOTE = ("4-bit base without PEFT's prepare_model_for_kbit_training (fitplan's hf/accelerate files and TRL "
-                "1.16 do not call it): if your script calls it, --kbit-preparation prices the fp32 embeddings, head "
-                "and norms it leaves")
 
 # The launchers whose files a user's own training script reads: the script may call PEFT's k-bit preparation itself.
 USER_SCRIPT_LAUNCHERS = ("hf", "accelerate")

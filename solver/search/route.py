@@ -23,7 +23,17 @@ from graphs.variant import Variant, lower_variant
 from solver.plan.launchers.axolotl import kbit_preparation
 from solver.plan.launchers.support import MEGATRON_PRICED, TITAN_PRICED
 
-__all__ = ["MEGATRON_PRICED", "TITAN_LOSSES", "TITAN_PRICED", "Lowerings", "Route", "titan_loss", "variant_for"]
+__all__ = ["KBIT_NOTE", "MEGATRON_PRICED", "NO_KBIT_NOTE", "TITAN_LOSSES", "TITAN_PRICED", "Lowerings", "Route",
+           "titan_loss", "variant_for"]
+
+# What a QLoRA estimate or plan says of the k-bit preparation it priced (none under fitplan's hf/accelerate files and
+# TRL 1.16; PEFT's with `estimate --kbit-preparation`; axolotl's loader says its own through its launcher).
+KBIT_NOTE = ("4-bit base as PEFT's prepare_model_for_kbit_training leaves it (--kbit-preparation): every 16-bit "
+             "parameter outside the 4-bit layers (embeddings, LM head, norms) in fp32, with the wider activations "
+             "that follow, traced on the model")
+NO_KBIT_NOTE = ("4-bit base without PEFT's prepare_model_for_kbit_training (fitplan's hf/accelerate files and TRL "
+                "1.16 do not call it): if your script calls it, `estimate --kbit-preparation` (with --config and "
+                "the plan) prices the fp32 embeddings, head and norms it leaves")
 
 
 

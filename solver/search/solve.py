@@ -29,7 +29,7 @@ from solver.search.pin_rules import check_memory_savers
 from solver.search.pins import Pins
 from solver.search.pipeline_search import PipelineMemos, PipelineResult, pipeline_infeasible, pipeline_search
 from solver.search.request import Request, plan_inputs
-from solver.search.route import TITAN_LOSSES, Lowerings, Route
+from solver.search.route import NO_KBIT_NOTE, TITAN_LOSSES, Lowerings, Route
 from solver.search.schedules import schedule_options
 from solver.search.space import Outer, Space, outer_space, virtual_variants
 from solver.search.table_search import SearchResult, build_tables, search
@@ -296,6 +296,8 @@ def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[
                    or len(pins.allowed("activation_offload") or ()) > 1, headroom=request.headroom)
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         priced = estimate(graph, cluster, workload, replace(config, compile=guide.compile))
+    if request.lora is not None and request.lora.four_bit and not prepared.lowerings.route.axolotl:
+        priced = replace(priced, notes=(*priced.notes, NO_KBIT_NOTE))  # a user's script may prepare the base
     adapters = LoraDecision.of(request.lora) if request.lora is not None else None
     decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),
                         compile=guide.compile, dataloader_num_workers=guide.workers)

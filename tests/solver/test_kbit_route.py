@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from graphs import FitplanError, LoraSpec, variant
-from solver.api import KBIT_NOTE, NO_KBIT_NOTE, estimate
+from solver.api import estimate
+from solver.search.route import KBIT_NOTE, NO_KBIT_NOTE
 from tests.graphs.reference import write_config
 from tests.graphs.tiny_configs import tiny_values
 

@@ -18,6 +18,7 @@ from solver.cli.app import app
 from solver.plan.launchers import emit
 from solver.plan.record import Plan
 from solver.search.diagnose import Infeasible
+from solver.search.route import NO_KBIT_NOTE
 
 MODEL, GPUS = "Qwen/Qwen2.5-0.5B", "1xL4"
 WORKLOAD = {"seq_len": 512, "global_batch": 4}
@@ -44,6 +45,12 @@ def test_the_plan_records_the_quantized_dora_adapters_and_prices_the_packed_base
                      lora=LoraSpec(rank=16, alpha=32, use_dora=True))
     # 4-bit packed (plus double-quantized scales) against 16-bit frozen weights: well under half the bytes
     assert again.memory.parameters < 0.5 * plain.memory.parameters
+
+
+def test_the_plan_says_it_priced_no_kbit_preparation(plan):
+    # Its hf/accelerate files leave the script to the user, who may call PEFT's prepare_model_for_kbit_training:
+    # the note says what was priced and how to price the other (tests/solver/test_kbit_route.py).
+    assert NO_KBIT_NOTE in plan.estimate.notes
 
 
 @pytest.mark.parametrize("launcher", ["hf", "accelerate"])
