@@ -19,7 +19,7 @@ from costmodels.tasks import PAIR_TASKS
 from graphs import Checkpoint, FitplanError, LayerGraph, LoraSpec, resolve
 from solver.plan import capability
 from solver.plan.launchers.parallelism import parallelism_problems
-from solver.plan.launchers.support import runnable_by
+from solver.plan.launchers.support import USER_SCRIPT_LAUNCHERS, runnable_by
 from solver.plan.record import LoraDecision, Plan, decisions_of
 from solver.search import post_training as post
 from solver.search import strategies
@@ -50,7 +50,7 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
           input_tokens_per_s: float | None = None, cluster_options: dict[str, Any] | None = None,
           pins: Pins | None = None, dataset_lengths: Lengths | None = None, packing: str = "none",
           progress: Callable[[str], None] | None = None, deterministic: bool = False,
-          post_training: PostRequest | None = None, **knobs: Any) -> Plan:
+          post_training: PostRequest | None = None, kbit_preparation: bool = False, **knobs: Any) -> Plan:
     """The fastest configuration that fits, proved optimal under fitplan's cost model when CP-SAT finishes.
 
     Pins: `pins`, or knob values by name (`costmodels.knobs`: tp=2, engine="fsdp2", precision=("bf16-mixed",
@@ -67,6 +67,8 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
     limit: the same request then gives the same plan under any load, for scripted use. `post_training`
     (`solver.search.post_training.PostRequest`) plans a TRL DPO/ORPO/KTO/GRPO job: `global_batch` then counts
     examples (pairs, or GRPO completions) and the plan's `post_training` holds the reference and vLLM decisions.
+    `kbit_preparation` plans a QLoRA script of the user's own that calls PEFT's `prepare_model_for_kbit_training`
+    (the hf and accelerate files, which leave the script to the user, run it).
     """
     if not 0 <= headroom < 1:
         raise FitplanError(f"headroom={headroom} must be in [0, 1)", "e.g. --headroom 0.1 keeps 10% free.")
@@ -85,12 +87,14 @@ def solve(model: str, gpus: str | Cluster, *, seq_len: int | None = None, global
             assumed.append(f"sequence length {workload.seq_len:,}: the longest in the dataset lengths (padding to "
                            f"the longest in each micro-batch; --seq-len {cap:,} caps it)")
     pin, notes = prepared(pins_of(pins, knobs), allow_savers=allow_savers, lora=lora)
+    if kbit_preparation:
+        _check_kbit_preparation(lora, pin.launcher, post_training)
     if post_training is not None:  # TRL's trainers extend the HF Trainer: search what it runs
         post.check_launcher(pin.launcher)
         pin = replace(pin, launcher=pin.launcher or "hf")
     request = Request(resolved=resolved, cluster=cluster, workload=workload, gpus=spec_of(gpus, cluster),
                       headroom=headroom, time_limit=time_limit, deterministic=deterministic, lora=lora,
-                      attention=attention,
+                      kbit_preparation=kbit_preparation, attention=attention,
                       assumed=(*assumed, *notes), alternatives=alternatives_count,
                       input_tokens_per_s=input_tokens_per_s, **({"progress": progress} if progress else {}))
     if post_training is not None:
@@ -112,10 +116,10 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     grad_accum x dp. `launcher` (optional) must be able to run the configuration. `post_training` prices the
     training step of a TRL task as `solve` does (`global_batch` then counts examples, as in `solve`; the reference
     is the one pinned, else the first `solve` searches). `kbit_preparation` prices a QLoRA script of the user's own
-    that calls PEFT's `prepare_model_for_kbit_training` (no launcher here emits that call).
+    that calls PEFT's `prepare_model_for_kbit_training` (as `solve` does with it).
     """
     if kbit_preparation:
-        _check_kbit_preparation(lora, launcher)
+        _check_kbit_preparation(lora, launcher, post_training)
     resolved = resolve(model)
     cluster = cluster_from(gpus)
     seq_len = post.sequence_length(post_training, seq_len)  # checks the task
@@ -159,14 +163,14 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
     return replace(result, notes=(*result.notes, KBIT_NOTE if kbit_preparation else NO_KBIT_NOTE))
 
 
-# The launchers whose files a user's own training script reads: the script may call PEFT's k-bit preparation itself.
-USER_SCRIPT_LAUNCHERS = ("hf", "accelerate")
-
-
-def _check_kbit_preparation(lora: LoraSpec | None, launcher: str | None) -> None:
+def _check_kbit_preparation(lora: LoraSpec | None, launcher: str | None, post_training: PostRequest | None) -> None:
     """A FitplanError where PEFT's k-bit preparation cannot be what the run does: no 4-bit base, or a launcher that
     runs its own loader (axolotl prepares the base its own way; TRL 1.16's trainers and the other runtimes do not
     call it)."""
+    if post_training is not None:
+        raise FitplanError("--kbit-preparation prices a training script of your own; --task runs TRL 1.16's "
+                           "trainers, which do not call PEFT's prepare_model_for_kbit_training.",
+                           "Drop --kbit-preparation, or --task.")
     if lora is None or not lora.four_bit:
         raise FitplanError("--kbit-preparation prices PEFT's prepare_model_for_kbit_training on a 4-bit base, and "
                            "this run has none.", "Add --lora-rank R --lora-quantization nf4, or drop "

@@ -261,6 +261,7 @@ ESTIMATES = [
     case("estimate-offload-params-unknown", [*ESTIMATE, "--offload-params", "ram"], 2, "'ram' is not one of"),
     case("estimate-kbit-preparation-without-4-bit", [*ESTIMATE, "--lora-rank", "8", "--kbit-preparation"], 2,
          "this run has none"),
+    case("estimate-kbit-preparation-without-adapters", [*ESTIMATE, "--kbit-preparation"], 2, "needs --lora-rank"),
     case("estimate-kbit-preparation-under-axolotl", [*ESTIMATE, "--lora-rank", "8", "--lora-quantization", "nf4",
                                                      "--kbit-preparation", "--launcher", "axolotl"], 2,
          "runs its own loader"),

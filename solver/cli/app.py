@@ -172,7 +172,8 @@ def solve_command(
                          allow_lora=allow_lora, allow_savers=allow_savers, attention=attention,
                          input_tokens_per_s=input_tokens_per_s,
                          cluster_options=cluster.as_dict(), pins=pins, dataset_lengths=lengths, packing=packing,
-                         progress=progress, post_training=post_training.spec())
+                         progress=progress, post_training=post_training.spec(),
+                         kbit_preparation=adapters.kbit_preparation)
         for line in write_outputs(plan, targets, force=outputs.force).lines():
             err.print(line, markup=False, highlight=False)
     except Exception as error:
@@ -202,10 +203,6 @@ def estimate_command(
     seq_len: SeqLen = None,
     launcher: Annotated[Launcher | None, typer.Option(help="Price on the code this launcher runs (torchtitan: its own "
                                                       "model code), and refuse what it cannot express.")] = None,
-    kbit_preparation: Annotated[bool, typer.Option(
-        "--kbit-preparation", help="QLoRA: your script calls PEFT's prepare_model_for_kbit_training (every 16-bit "
-        "parameter outside the 4-bit layers in fp32, as PEFT's QLoRA examples and TRL's SFTTrainer before 1.0 do); "
-        "needs --lora-quantization.")] = False,
     adapters: AdapterOptions = NO_ADAPTERS, post_training: PostTrainingOptions = NO_POST,
     cluster: ClusterOptions = STRING_CLUSTER, as_json: AsJson = False, verbose: Verbose = False, **knobs: Any,
 ) -> None:
@@ -219,7 +216,7 @@ def estimate_command(
             report = estimate_report(model, gpus, config, flags, seq_len=seq_len, lora=lora, headroom=headroom,
                                      launcher=launcher.value if launcher else None,
                                      cluster_options=cluster.as_dict(), post_training=post_training.spec(),
-                                     kbit_preparation=kbit_preparation)
+                                     kbit_preparation=adapters.kbit_preparation)
     except Exception as error:
         _fail(error)
     if as_json:

@@ -124,12 +124,14 @@ def _as_plan(values: dict[str, Any], path: Path | None) -> Plan | None:
 def _plan_report(plan: Plan, model: str, gpus: str, cluster: Cluster, *, seq_len: int | None,
                  lora: LoraSpec | None = None, launcher: str | None = None,
                  kbit_preparation: bool = False) -> EstimateReport:
-    """The estimate of a plan's decisions on `model`/`gpus`; seq_len and adapters given as flags override it."""
+    """The estimate of a plan's decisions on `model`/`gpus`; seq_len and adapters given as flags override it (a plan
+    for a script that prepares its 4-bit base is priced so)."""
     from solver.api import estimate
     from solver.search.post_training import plan_request
 
     d = plan.decisions
     config = {name: getattr(d, name) for name in KNOBS}  # every knob the record declares
+    kbit_preparation = kbit_preparation or (lora is None and d.lora is not None and d.lora.kbit_preparation)
     lora = lora or (None if d.lora is None else d.lora.spec())
     post_training, examples = plan_request(plan)
     result = estimate(model, cluster, config, seq_len=seq_len or plan.inputs.seq_len, global_batch=examples,

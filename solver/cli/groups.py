@@ -100,13 +100,17 @@ class AdapterOptions:
                                                 "e.g. lm_head,embed_tokens (LoraConfig(modules_to_save=...); their "
                                                 "gradients and optimizer states are priced; needs --lora-rank).",
                                                 "--modules-to-save")] = None
+    kbit_preparation: Annotated[bool, typer.Option(
+        "--kbit-preparation", help="QLoRA: your training script calls PEFT's prepare_model_for_kbit_training (every "
+        "16-bit parameter outside the 4-bit layers in fp32, as PEFT's QLoRA examples and TRL's SFTTrainer before "
+        "1.0 do); hf and accelerate files only; needs --lora-quantization.")] = False
 
     def spec(self) -> LoraSpec | None:
         """The adapters asked for, or None; a flag that describes adapters without --lora-rank is refused (it would
         be dropped silently)."""
         named = {"--lora-quantization": self.lora_quantization, "--double-quant": self.double_quant,
                  "--use-dora": self.use_dora, "--use-rslora": self.use_rslora,
-                 "--modules-to-save": self.modules_to_save}
+                 "--modules-to-save": self.modules_to_save, "--kbit-preparation": self.kbit_preparation}
         flags = [flag for flag, value in named.items() if value]
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets != "all-linear" or flags):
             given = "--lora-alpha" if self.lora_alpha is not None else flags[0] if flags else \

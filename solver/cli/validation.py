@@ -47,7 +47,8 @@ def validate_plan(plan: Plan) -> Estimate:
     post_training, examples = plan_request(plan)
     return estimate(plan.inputs.model, plan_cluster(plan.inputs.cluster), config, seq_len=plan.inputs.seq_len,
                     global_batch=examples, lora=None if d.lora is None else d.lora.spec(),
-                    attention=d.attention, post_training=post_training)
+                    attention=d.attention, post_training=post_training,
+                    kbit_preparation=d.lora is not None and d.lora.kbit_preparation)
 
 
 def plan_cluster(info: ClusterInfo) -> Cluster:

@@ -18,13 +18,13 @@ from graphs.files import parse_json, read_text
 from solver.plan.capability import engine_label
 from solver.plan.post_training import PostTrainingPlan
 
-SCHEMA_VERSION = "2.6"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+SCHEMA_VERSION = "2.7"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
 # megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
 # search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator); 2.4:
 # solver.deterministic (--deterministic: a fixed work budget instead of the wall clock) and the model's rope_scaling,
 # attention_dropout and hidden_dropout (what the Megatron and torchtitan files build); 2.5: post_training (--task:
 # DPO/ORPO/KTO/GRPO, the reference strategy, the vLLM engine and the step's time by phase); 2.6: dp_replicate (hybrid
-# sharding, FSDP2's HSDP)
+# sharding, FSDP2's HSDP); 2.7: lora.kbit_preparation (a QLoRA script that calls PEFT's k-bit preparation)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -156,6 +156,10 @@ class LoraDecision:
     """rsLoRA: adapters scaled by alpha/sqrt(rank) instead of alpha/rank (`LoraConfig(use_rslora=True)`; no cost)."""
     modules_to_save: tuple[str, ...] = ()
     """Modules trained in full beside the adapters, e.g. lm_head (`LoraConfig(modules_to_save=...)`)."""
+    kbit_preparation: bool = False
+    """The training script calls PEFT's `prepare_model_for_kbit_training` on the 4-bit base (`--kbit-preparation`:
+    every 16-bit parameter outside the 4-bit layers in fp32, priced so); only the hf and accelerate files, which leave
+    the script to the user, run such a plan."""
 
     def spec(self) -> LoraSpec:
         """The `graphs.LoraSpec` these adapters are lowered and emitted from."""
@@ -164,11 +168,11 @@ class LoraDecision:
                         use_rslora=self.use_rslora, modules_to_save=self.modules_to_save)
 
     @classmethod
-    def of(cls, spec: LoraSpec) -> LoraDecision:
+    def of(cls, spec: LoraSpec, *, kbit_preparation: bool = False) -> LoraDecision:
         return cls(rank=spec.rank, alpha=spec.alpha, targets=spec.targets, dropout=spec.dropout,
                    quantization=None if spec.quantization is None else spec.quantization.value,
                    double_quant=spec.double_quant, use_dora=spec.use_dora, use_rslora=spec.use_rslora,
-                   modules_to_save=spec.modules_to_save)
+                   modules_to_save=spec.modules_to_save, kbit_preparation=kbit_preparation)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,6 +44,9 @@ class Request:
     """Search the whole space with a fixed work budget instead of the wall clock: `time_limit` is then each CP-SAT
     model's budget in deterministic seconds, and the same request gives the same plan under any load."""
     lora: LoraSpec | None = None
+    kbit_preparation: bool = False
+    """The user's training script calls PEFT's `prepare_model_for_kbit_training` on the 4-bit base (`route.Route`
+    prices it; only the hf and accelerate files run such a plan)."""
     attention: str | None = None
     assumed: tuple[str, ...] = ()
     """The defaults the request assumed, each with the flag that changes it."""

@@ -26,14 +26,14 @@ from solver.plan.launchers.support import MEGATRON_PRICED, TITAN_PRICED
 __all__ = ["KBIT_NOTE", "MEGATRON_PRICED", "NO_KBIT_NOTE", "TITAN_LOSSES", "TITAN_PRICED", "Lowerings", "Route",
            "titan_loss", "variant_for"]
 
-# What a QLoRA estimate or plan says of the k-bit preparation it priced (none under fitplan's hf/accelerate files and
-# TRL 1.16; PEFT's with `estimate --kbit-preparation`; axolotl's loader says its own through its launcher).
+# What a QLoRA estimate or plan says of the k-bit preparation it priced (none by default, as TRL 1.16 runs; PEFT's
+# with --kbit-preparation; axolotl's loader, pinned by its launcher, prepares the base its own way).
 KBIT_NOTE = ("4-bit base as PEFT's prepare_model_for_kbit_training leaves it (--kbit-preparation): every 16-bit "
              "parameter outside the 4-bit layers (embeddings, LM head, norms) in fp32, with the wider activations "
              "that follow, traced on the model")
-NO_KBIT_NOTE = ("4-bit base without PEFT's prepare_model_for_kbit_training (fitplan's hf/accelerate files and TRL "
-                "1.16 do not call it): if your script calls it, `estimate --kbit-preparation` (with --config and "
-                "the plan) prices the fp32 embeddings, head and norms it leaves")
+NO_KBIT_NOTE = ("4-bit base without PEFT's prepare_model_for_kbit_training (TRL 1.16 does not call it): if your "
+                "script calls it, --kbit-preparation (solve or estimate) prices the fp32 embeddings, head and norms "
+                "it leaves")
 
 
 
@@ -55,7 +55,7 @@ class Route:
     SFT/DPO/KTO/GRPO trainers, and the torchrun script runs no QLoRA."""
     peft_kbit: bool = False
     """The user's own training script calls PEFT's `prepare_model_for_kbit_training` on the 4-bit base and casts
-    nothing back (PEFT's QLoRA examples, TRL's SFTTrainer before 1.0): `estimate --kbit-preparation`."""
+    nothing back (PEFT's QLoRA examples, TRL's SFTTrainer before 1.0): `--kbit-preparation`."""
 
     def kbit(self, config: Config) -> tuple[str, ...] | None:
         """How the runtime leaves a 4-bit base for `config` (`graphs.variant.Variant.kbit`): None when it runs no

@@ -20,7 +20,13 @@ from graphs import Checkpoint, FitplanError, LayerGraph
 from graphs.variant import Variant, lower_all
 from solver.plan import capability
 from solver.plan.advice import advise
-from solver.plan.launchers.support import model_launchers, model_problems, pipeline_launchers, runnable_by
+from solver.plan.launchers.support import (
+    USER_SCRIPT_LAUNCHERS,
+    model_launchers,
+    model_problems,
+    pipeline_launchers,
+    runnable_by,
+)
 from solver.plan.record import Inputs, LoraDecision, Plan, SolverStats, decisions_of
 from solver.search.alternatives import alternatives
 from solver.search.diagnose import Infeasible, NoPlanInTime, diagnose
@@ -29,7 +35,7 @@ from solver.search.pin_rules import check_memory_savers
 from solver.search.pins import Pins
 from solver.search.pipeline_search import PipelineMemos, PipelineResult, pipeline_infeasible, pipeline_search
 from solver.search.request import Request, plan_inputs
-from solver.search.route import NO_KBIT_NOTE, TITAN_LOSSES, Lowerings, Route
+from solver.search.route import KBIT_NOTE, NO_KBIT_NOTE, TITAN_LOSSES, Lowerings, Route
 from solver.search.schedules import schedule_options
 from solver.search.space import Outer, Space, outer_space, virtual_variants
 from solver.search.table_search import SearchResult, build_tables, search
@@ -129,6 +135,8 @@ def prepare(request: Request, pins: Pins) -> Prepared:
     hf_graph = hf(Outer())
     inputs = plan_inputs(request, pins, hf_graph)
     launchers = model_launchers(inputs, hf_graph.attention)
+    if request.kbit_preparation:  # only a script of the user's own prepares the base so
+        launchers = tuple(name for name in launchers if name in USER_SCRIPT_LAUNCHERS)
     if pins.launcher is not None and pins.launcher not in launchers:
         raise FitplanError(f"The {pins.launcher} launcher cannot run this model: "
                            f"{'; '.join(model_problems(pins.launcher, inputs, hf_graph.attention))}.",
@@ -156,7 +164,7 @@ def runtime_route(request: Request, pins: Pins, launchers: tuple[str, ...]) -> R
         allowed, all_layers=pins.value("checkpoint") is Checkpoint.OP_SELECTIVE))
     return Route(resolved=request.resolved, lora=None if titan else request.lora,
                  attention=None if titan else request.attention, titan=titan, op_selective=wanted,
-                 axolotl=allowed == ("axolotl",))
+                 axolotl=allowed == ("axolotl",), peft_kbit=request.kbit_preparation)
 
 
 def titan_priced(space: Space, *, lora: bool) -> Space:
@@ -297,8 +305,10 @@ def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         priced = estimate(graph, cluster, workload, replace(config, compile=guide.compile))
     if request.lora is not None and request.lora.four_bit and not prepared.lowerings.route.axolotl:
-        priced = replace(priced, notes=(*priced.notes, NO_KBIT_NOTE))  # a user's script may prepare the base
-    adapters = LoraDecision.of(request.lora) if request.lora is not None else None
+        # what the user's script does to the 4-bit base, as priced
+        priced = replace(priced, notes=(*priced.notes, KBIT_NOTE if request.kbit_preparation else NO_KBIT_NOTE))
+    adapters = LoraDecision.of(request.lora, kbit_preparation=request.kbit_preparation) \
+        if request.lora is not None else None
     decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),
                         compile=guide.compile, dataloader_num_workers=guide.workers)
     runners = runnable_by(decisions, prepared.inputs)  # a plan priced on torchtitan's code runs there only

@@ -84,3 +84,44 @@ def test_kbit_preparation_prices_a_script_that_calls_peft_on_the_base(gpt2, monk
 def test_kbit_preparation_is_refused_where_no_script_of_the_user_runs_it(gpt2, lora, launcher, phrase):
     with pytest.raises(FitplanError, match=phrase):
         estimate(gpt2, "1xH100", DDP, seq_len=128, lora=lora, launcher=launcher, kbit_preparation=True)
+
+
+def test_a_plan_for_a_script_that_prepares_the_base_is_priced_recorded_and_run_so(gpt2, tmp_path):
+    import json
+    import math
+
+    from costmodels import Config
+    from solver.api import solve
+    from solver.cli.commands import estimate_report
+    from solver.cli.validation import validate_plan
+    from solver.plan.record import Plan
+
+    plan = solve(gpt2, "1xH100", seq_len=128, global_batch=4, lora=QLORA, kbit_preparation=True, time_limit=5,
+                 precision="bf16-mixed")  # in fp32 the preparation has nothing to upcast
+    assert plan.decisions.lora.kbit_preparation and plan.decisions.lora.spec() == QLORA
+    assert plan.launchers and set(plan.launchers) <= {"hf", "accelerate"}  # axolotl prepares the base its own way
+    assert KBIT_NOTE in plan.estimate.notes
+    config = {name: getattr(plan.decisions, name) for name in Config.__dataclass_fields__}
+    batch = plan.decisions.micro_batch * plan.decisions.grad_accum * plan.decisions.dp
+    prepared = estimate(gpt2, "1xH100", config, seq_len=128, global_batch=batch, lora=QLORA, kbit_preparation=True)
+    plain = estimate(gpt2, "1xH100", config, seq_len=128, global_batch=batch, lora=QLORA)
+    assert prepared.memory == plan.estimate.memory
+    assert math.isclose(prepared.time.step_time, plan.estimate.time.step_time)
+    assert plain.memory.parameters < plan.estimate.memory.parameters
+    # Written and read back, the plan is estimated as it was planned: for a script that prepares the base.
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    assert Plan.from_json(json.loads(path.read_text())).decisions.lora.kbit_preparation
+    report = estimate_report(gpt2, "1xH100", path, {}, seq_len=None)
+    assert report.estimate.memory == plan.estimate.memory and KBIT_NOTE in report.estimate.notes
+    assert validate_plan(plan).memory == plan.estimate.memory  # what --emit/explain of a plan file check
+
+
+@pytest.mark.parametrize(("options", "phrase"), [({"launcher": "axolotl"}, "casts norms and embeddings back"),
+                                                 ({"lora": LoraSpec(rank=8)}, "this run has none")])
+def test_solve_refuses_kbit_preparation_where_no_script_of_the_user_runs_it(gpt2, options, phrase):
+    from solver.api import solve
+
+    with pytest.raises(FitplanError, match=phrase):
+        solve(gpt2, "1xH100", seq_len=128, global_batch=4, kbit_preparation=True, time_limit=5,
+              **{"lora": QLORA, **options})

@@ -17,6 +17,9 @@ TITAN_PRICED = "flex"
 # `graphs.megatron.TE_ATTENTION`: the attention of a plan priced on megatron-core's layers with Transformer Engine's
 # kernels (Megatron's engine), which only the Megatron launcher runs.
 MEGATRON_PRICED = "te-flash"
+# The launchers whose files a training script of the user's own reads (the Trainer's arguments, the adapter and
+# quantization configs): that script may call PEFT's k-bit preparation itself (`LoraDecision.kbit_preparation`).
+USER_SCRIPT_LAUNCHERS = ("hf", "accelerate")
 
 
 def model_problems(launcher: str, inputs: Inputs, attention: str) -> list[str]:
@@ -57,4 +60,6 @@ def runnable_by(d: Decisions, inputs: Inputs | None = None) -> tuple[str, ...]:
     """The launchers that run the decisions (for the model of `inputs`), fewest caveats first."""
     allowed = LAUNCHERS if inputs is None else model_launchers(inputs, d.attention)
     runners = _runnable_by(d, checkpoint=d.checkpoint, lora=d.lora is not None, launchers=allowed)
+    if d.lora is not None and d.lora.kbit_preparation:
+        runners = tuple(n for n in runners if n in USER_SCRIPT_LAUNCHERS)
     return runners if inputs is None else tuple(n for n in runners if not parallelism_problems(n, d, inputs))
