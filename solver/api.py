@@ -38,7 +38,7 @@ from solver.search.request import (
     with_batching,
     workload_for,
 )
-from solver.search.route import KBIT_NOTE, MEGATRON_PRICED, NO_KBIT_NOTE, TITAN_LOSSES, TITAN_PRICED, Lowerings, Route
+from solver.search.route import MEGATRON_PRICED, TITAN_LOSSES, TITAN_PRICED, Lowerings, Route
 
 __all__ = ["DEFAULT_HEADROOM", "DEFAULT_TIME_LIMIT", "cluster_from", "config_from", "estimate", "solve"]
 
@@ -158,9 +158,8 @@ def estimate(model: str, gpus: str | Cluster, config: Config | dict[str, Any], *
                            f": TRL needs at least {workload.min_micro_batch} per micro-batch, whole examples of "
                            f"{workload.group} sequences.", "Pass --micro-batch as a multiple of that.")
     result = estimate_config(graph, cluster, workload, cfg)
-    if lora is None or not lora.four_bit or launcher == "axolotl":
-        return result
-    return replace(result, notes=(*result.notes, KBIT_NOTE if kbit_preparation else NO_KBIT_NOTE))
+    note = route.kbit_note()
+    return result if note is None else replace(result, notes=(*result.notes, note))
 
 
 def _check_kbit_preparation(lora: LoraSpec | None, launcher: str | None, post_training: PostRequest | None) -> None:

@@ -66,6 +66,13 @@ class Route:
             return kbit_preparation(self.resolved.model_type, config)
         return () if self.peft_kbit else None
 
+    def kbit_note(self) -> str | None:
+        """What a plan or estimate says of the user's script's k-bit preparation, as priced: None without a 4-bit
+        base or under axolotl (its loader, not the user's script, prepares the base)."""
+        if self.lora is None or not self.lora.four_bit or self.axolotl:
+            return None
+        return KBIT_NOTE if self.peft_kbit else NO_KBIT_NOTE
+
     def megatron_lowers(self) -> bool:
         """Whether Megatron's engine is priced on megatron-core's own GPT layers with the kernels a default
         Megatron-LM run uses (Transformer Engine's): Llama-style models, dense or MoE, without LoRA (Megatron runs

@@ -35,7 +35,7 @@ from solver.search.pin_rules import check_memory_savers
 from solver.search.pins import Pins
 from solver.search.pipeline_search import PipelineMemos, PipelineResult, pipeline_infeasible, pipeline_search
 from solver.search.request import Request, plan_inputs
-from solver.search.route import KBIT_NOTE, NO_KBIT_NOTE, TITAN_LOSSES, Lowerings, Route
+from solver.search.route import TITAN_LOSSES, Lowerings, Route
 from solver.search.schedules import schedule_options
 from solver.search.space import Outer, Space, outer_space, virtual_variants
 from solver.search.table_search import SearchResult, build_tables, search
@@ -304,9 +304,9 @@ def assemble(prepared: Prepared, searched: Searched, outer: Outer, modes: tuple[
                    or len(pins.allowed("activation_offload") or ()) > 1, headroom=request.headroom)
     if guide.compile != config.compile:  # not expected: the tables decide "auto" (tables.build_table)
         priced = estimate(graph, cluster, workload, replace(config, compile=guide.compile))
-    if request.lora is not None and request.lora.four_bit and not prepared.lowerings.route.axolotl:
-        # what the user's script does to the 4-bit base, as priced
-        priced = replace(priced, notes=(*priced.notes, KBIT_NOTE if request.kbit_preparation else NO_KBIT_NOTE))
+    note = prepared.lowerings.route.kbit_note()  # what the user's script does to the 4-bit base, as priced
+    if note is not None:
+        priced = replace(priced, notes=(*priced.notes, note))
     adapters = LoraDecision.of(request.lora, kbit_preparation=request.kbit_preparation) \
         if request.lora is not None else None
     decisions = replace(decisions_of(outer, modes, lora=adapters, attention=graph.attention),

@@ -7,35 +7,17 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
-
-import pytest
 
 from benchmarks import calibrate
-from costmodels import compute, identity_memo
-from costmodels.alignment import alignment_factor
-from costmodels.hardware import find_gpu
-
-DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "gpu" / "h200_kernels.json"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_memos():
-    """Kernel rates cached at another width (here or by an earlier test) must not answer for this one."""
-    identity_memo.clear_all()
-    yield
-    identity_memo.clear_all()
+from costmodels import compute
+from tests.costmodels.test_gemm_fp8 import DATA, rate
 
 
 def median_error() -> float:
-    gpu = find_gpu("H200")
+    """Median |error| of the law's rate (`compute.kernel_speed`, read afresh: it caches nothing) per GEMM."""
     rows = [r for r in json.loads(DATA.read_text())["gemm_bf16"] if "tflops" in r]
     assert len(rows) >= 200
-    errors = [compute.kernel_speed(gpu, matmul_dtype="bf16", attention_dtype="bf16", tokens=r["m"], width=r["k"],
-                                   seq_len=2048, head_dim=128,
-                                   alignment=alignment_factor(gpu, "bf16", (r["m"], r["n"], r["k"]))).matmul_flops
-              / 1e12 / r["tflops"] - 1 for r in rows]
-    return statistics.median(abs(e) for e in errors)
+    return statistics.median(abs(rate("bf16", r["m"], r["n"], r["k"]) / 1e12 / r["tflops"] - 1) for r in rows)
 
 
 def test_the_size_law_follows_the_h200_gemms():
@@ -46,5 +28,4 @@ def test_no_other_width_of_the_grid_follows_the_h200_gemms_better(monkeypatch):
     chosen = median_error()
     for width in calibrate.GRID["GEMM_HALF_WIDTH"]:
         monkeypatch.setattr(compute, "GEMM_HALF_WIDTH", width)
-        identity_memo.clear_all()
         assert median_error() >= chosen - 1e-12, width
