@@ -1,6 +1,6 @@
 """The runtime decides how a 4-bit base is held: axolotl's loader calls PEFT's `prepare_model_for_kbit_training`
 (outside FSDP and ZeRO-3) and casts norms and embeddings back; the Trainer/accelerate launchers' files do not call
-it, and a user's own script may (`estimate --kbit-preparation`). `estimate` prices a QLoRA configuration on the
+it, and a user's own script may (`--kbit-preparation`). `solve` and `estimate` price a QLoRA configuration on the
 lowering its runtime leaves (the lowerings themselves equal PEFT's own preparation: tests/graphs/test_quantized.py)."""
 
 from __future__ import annotations
