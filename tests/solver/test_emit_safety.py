@@ -43,7 +43,8 @@ ENVIRONMENT_FILE = "fitplan_env.sh"  # the HF launcher's variables, sourced befo
 TORCHRUN_ONE_NODE = ["--nnodes", "1", "--nproc_per_node", "8", "--node_rank", "0", "--master_addr", "127.0.0.1",
                      "--master_port", "29500"]
 # What the user sets for a Megatron run (`megatron.RUN_SETTINGS`): the launch script stops without them.
-MEGATRON_RUN = {"DATA_PATH": "/data/my-corpus_text_document", "LR": "2e-05", "TRAIN_ITERS": "100", "SAVE_DIR": "/ckpt"}
+MEGATRON_RUN = {"DATA_PATH": "/data/my-corpus_text_document", "LR": "2e-05", "TRAIN_ITERS": "100", "SAVE_DIR": "/ckpt",
+                "SAVE_INTERVAL": "50"}
 # The argv fitplan means each launch script to run, word for word; {model} is the plan's model path.
 EXPECTED_ARGV = {
     "deepspeed_launch.sh": ["deepspeed", "--num_nodes", "1", "--num_gpus", "8", "train.py", "--deepspeed",
@@ -169,7 +170,8 @@ def test_megatron_launch_stops_before_starting_when_a_run_setting_is_unset(missi
     calls, _, stderr = run_script(folder / "megatron_launch.sh", tmp_path / "unset", settings=settings, returncode=1)
     assert calls == [] and f"set {missing}:" in stderr
     (call,), _, _ = run_script(folder / "megatron_launch.sh", tmp_path / "set")
-    flags = {"--data-path": "DATA_PATH", "--lr": "LR", "--train-iters": "TRAIN_ITERS", "--save": "SAVE_DIR"}
+    flags = {"--data-path": "DATA_PATH", "--lr": "LR", "--train-iters": "TRAIN_ITERS", "--save": "SAVE_DIR",
+             "--save-interval": "SAVE_INTERVAL"}
     assert {flag: call[call.index(flag) + 1] for flag in flags} == {f: MEGATRON_RUN[n] for f, n in flags.items()}
     assert {name for _, name, _ in RUN_SETTINGS} == set(MEGATRON_RUN)
 

@@ -22,7 +22,8 @@ from tests.solver import megatron_args
 MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B", "gpt2", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen3-8B",
           "meta-llama/Meta-Llama-3-8B"]
 # The run's own settings the launch script passes (`megatron.RUN_SETTINGS`), as a user sets them.
-RUN = {"--data-path": "/data/corpus_text_document", "--lr": "2e-05", "--train-iters": "100", "--save": "/ckpt"}
+RUN = {"--data-path": "/data/corpus_text_document", "--lr": "2e-05", "--train-iters": "100", "--save": "/ckpt",
+       "--save-interval": "50"}
 
 
 def flag_values(arguments: list[str]) -> dict[str, str | bool]:

@@ -36,14 +36,16 @@ KNOWN_FLAGS = frozenset({
     "--use-rope-scaling", "--rope-scaling-factor", "--rotary-seq-len-interpolation-factor", "--attention-dropout",
     "--hidden-dropout",
     # the run's own settings (_add_data_args, _add_learning_rate_args, _add_training_args, _add_checkpointing_args)
-    "--data-path", "--train-iters", "--save",
+    "--data-path", "--train-iters", "--save", "--save-interval",
 })
 # What a run needs that fitplan does not decide: the launch script passes each from an environment variable and
 # stops before starting when one is unset (pretrain_gpt.py would train on nothing, or save nowhere).
 RUN_SETTINGS = (("--data-path", "DATA_PATH", "the data prefix Megatron-LM tools/preprocess_data.py wrote"),
                 ("--lr", "LR", "the peak learning rate, e.g. 2e-05"),
                 ("--train-iters", "TRAIN_ITERS", "the optimizer steps to run"),
-                ("--save", "SAVE_DIR", "the folder Megatron saves checkpoints to"))
+                ("--save", "SAVE_DIR", "the folder Megatron saves checkpoints to"),
+                # validate_args (core_v0.16.1) asserts a positive --save-interval whenever --save is given
+                ("--save-interval", "SAVE_INTERVAL", "optimizer steps between checkpoints, e.g. 1000"))
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling: Llama 3.x scaling with its factor from --rope-scaling-factor
 # and the other three parameters fixed at these values (models/common/embeddings/rotary_pos_embedding.py).
 MEGATRON_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positions": 8192}
