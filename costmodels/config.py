@@ -11,7 +11,7 @@ from typing import Annotated
 
 from graphs import Checkpoint
 
-from . import hybrid_shard
+from . import hybrid_shard, partial_offload
 from .choices import (
     BNB_OPTIMIZERS,
     ContextParallel,
@@ -87,6 +87,10 @@ class Config:
     optimizer_offload: Annotated[Offload, Knob("Where optimizer states (and fp32 master weights) live.",
                                                flag="offload", strategy=True, outside_compute=True)
                                      ] = Offload.NONE
+    optimizer_offload_fraction: Annotated[float, Knob(
+        "Share of the optimizer's states that --offload moves to the host, the rest stepped on the GPU "
+        "(Megatron's --optimizer-offload-fraction; other engines offload all: 1).", flag="offload-fraction",
+        strategy=True, outside_compute=True, searched=partial_offload.searched_fractions)] = 1.0
     param_offload: Annotated[Offload, Knob("Where sharded parameters live between uses (ZeRO-3 / FSDP2).",
                                            flag="offload-params", strategy=True, outside_compute=True)
                                  ] = Offload.NONE
@@ -162,6 +166,9 @@ class Config:
         if self.optimizer in BNB_OPTIMIZERS and not rules.bnb_optimizers:
             raise ValueError(f"optimizer={self.optimizer} cannot step {rules.runtime}'s sharded (DTensor) parameters: "
                              "bitsandbytes' kernels take plain tensors; use DeepSpeed or DDP, or adamw")
+        if (problem := partial_offload.problem(fraction=self.optimizer_offload_fraction, offload=self.optimizer_offload,
+                                               engine=self.engine, optimizer=self.optimizer)) is not None:
+            raise ValueError(problem)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         if self.optimizer is Optimizer.ADAMW_BF16 and (self.zero not in rules.bf16_state_optimizer_stages or

@@ -46,8 +46,8 @@ class Knob:
     at its default (`solver.search.pipeline_search.compute_key`)."""
     searched: Callable[[Mapping[str, Any], int], tuple[Any, ...]] | None = None
     """Where the search opens it when unpinned: the values worth trying given an outer configuration's layout,
-    engine and ZeRO stage (`tp`, `cp`, `pp`, `dp`, `ep`, `engine`, `zero`) and the GPUs per node. None: the
-    search keeps its pin, else its default (`solver.search.space.outer_space`)."""
+    engine, ZeRO stage and optimizer offload (`tp`, `cp`, `pp`, `dp`, `ep`, `engine`, `zero`, `optimizer_offload`)
+    and the GPUs per node. None: the search keeps its pin, else its default (`solver.search.space.outer_space`)."""
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
         """The JSON schema of a knob's field carries its help as the description."""

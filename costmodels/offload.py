@@ -6,7 +6,7 @@ import functools
 import json
 from importlib import resources
 
-from . import precision
+from . import partial_offload, precision
 from .cluster import Cluster
 from .config import Config, Offload, Optimizer
 from .engines import rules_of
@@ -70,6 +70,11 @@ def copy_seconds(cluster: Cluster, config: Config, *, partition: int, params: in
     ranks = min(cluster.gpus_per_node, config.world_size)
     pcie = host_link(cluster)
     seconds = 0.0
+    if steps_a_share(config):
+        # Megatron's hybrid optimizer: the host share's fp32 gradients down, its updated 16-bit parameters up.
+        moved = partial_offload.host_elements(host_share(config), partition) * \
+            (partial_offload.GRADIENT_DOWN_BYTES + grad_bytes)
+        return moved / pcie
     if config.optimizer_offload is not Offload.NONE:
         # DeepSpeed: gradients down, updated parameters up, once per step. FSDP2's CPUOffloadPolicy keeps the
         # parameters on the host (they go up in the fetch below, before each use) and reduce-scatters, then copies
@@ -93,7 +98,19 @@ def host_step_seconds(cluster: Cluster, config: Config, *, partition: int) -> fl
     it runs after backward's last gradient lands, beside nothing."""
     if config.optimizer_offload is Offload.NONE:
         return 0.0
-    return _cpu_step_seconds(cluster, config, partition * min(cluster.gpus_per_node, config.world_size))
+    stepped = partial_offload.host_elements(host_share(config), partition)
+    return _cpu_step_seconds(cluster, config, stepped * min(cluster.gpus_per_node, config.world_size))
+
+
+def host_share(config: Config) -> float:
+    """Share of the optimizer's elements stepped on the host (`partial_offload`: Megatron's fraction, else all or
+    none)."""
+    return partial_offload.host_share(config.optimizer_offload, config.engine, config.optimizer_offload_fraction)
+
+
+def steps_a_share(config: Config) -> bool:
+    """Whether the host steps a share beside the GPU's (Megatron's hybrid device optimizer)."""
+    return partial_offload.steps_a_share(config.optimizer_offload, config.engine)
 
 
 def host_link(cluster: Cluster) -> float:
@@ -113,11 +130,13 @@ def _cpu_step_seconds(cluster: Cluster, config: Config, params: int) -> float:
         measured = cluster.profile.rate(rules.host_optimizer)
         if measured:
             return params / measured
-    # DeepSpeed runs its own CPUAdam whatever was asked for; torch's host step runs the asked optimizer.
-    own = rules.offload_runs_own_optimizer
-    itemsize = 4 if own else precision.state_itemsize(config.precision)
+    # DeepSpeed runs its own CPUAdam whatever was asked for, Megatron's hybrid optimizer torch's fused AdamW on fp32
+    # states (`partial_offload`); FSDP2's host step runs the asked optimizer.
+    own, hybrid = rules.offload_runs_own_optimizer, rules.hybrid_offload
+    itemsize = 4 if own or hybrid else precision.state_itemsize(config.precision)
     step = params * CPU_ADAM_TENSORS_PER_PARAM * itemsize / host_memory_bandwidth(cluster.gpu.id)
-    return step * (1.0 if own else cpu_adam_slowdowns()[torch_cpu_optimizer(config.optimizer)])
+    implementation = "torch_fused" if hybrid else torch_cpu_optimizer(config.optimizer)
+    return step * (1.0 if own else cpu_adam_slowdowns()[implementation])
 
 
 def params_live_on_host(config: Config) -> bool:

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 
 from graphs import LayerGraph, ParamTensor
 
-from . import optimizer_in_backward, optimizers, paging, precision
+from . import optimizer_in_backward, optimizers, paging, partial_offload, precision
 from .config import Config, Offload, Precision
 from .engines import GradientSizes, rules_of
 from .expert_parallel import state_ranks
 from .identity_memo import IdentityMemo
+from .offload import host_share, steps_a_share
 from .terms import ModelStates
 from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding, syncs_once_pipelined
 
@@ -28,7 +29,8 @@ def _offloaded(kind: Offload, nbytes: int) -> tuple[int, int, int]:
 # The configuration fields the model states read (a test checks it): they are cached on these, with the graph by
 # identity, since the solver asks for one rank's states under many configurations that differ elsewhere.
 STATE_FIELDS = ("cp", "dp", "dp_replicate", "engine", "ep", "grad_accum", "optimizer", "optimizer_in_backward",
-                "optimizer_offload", "param_offload", "pp", "precision", "tp", "zero")
+                "optimizer_offload", "optimizer_offload_fraction", "param_offload", "pp", "precision", "tp",
+                "zero")
 _STATES: IdentityMemo[ModelStates] = IdentityMemo()
 
 
@@ -78,7 +80,9 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))
     offloaded = config.optimizer_offload is not Offload.NONE
     gpu_grads, host_grads = grads, 0
-    if offloaded and rules_of(engine).offload_moves_all_states:  # CPUOffloadPolicy: sharded grads on the CPU
+    if steps_a_share(config):
+        pass  # Megatron's gradient buffer stays whole on the GPU (`_hybrid_states`)
+    elif offloaded and rules_of(engine).offload_moves_all_states:  # CPUOffloadPolicy: sharded grads on the CPU
         gpu_grads, host_grads = 0, grads
     elif offloaded and rules_of(engine).sharded(config.zero)[1]:
         # ZeRO-Offload keeps the fp32 gradient partition on the host, and with accumulation also a 16-bit
@@ -88,16 +92,32 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     elif offloaded:
         gpu_grads, host_grads = grads - fp32_partition, fp32_partition
     gpu_master, cpu_opt, nvme_opt = _offloaded(config.optimizer_offload, master + opt)
+    local = [shape for shape, n in _optimizer_shapes(config, trainable) for _ in range(n)]
+    temp = 0 if offloaded else _step_temp(config, local, precision.state_itemsize(prec))
+    if steps_a_share(config):  # the GPU keeps its share's states and step temporaries, the host the rest
+        master, opt, temp, cpu_opt = _hybrid_states(
+            config, master=master, opt=opt, temp=_step_temp(config, local, precision.state_itemsize(prec)),
+            elements=count(trainable, shard.optimizer > 1))
+        gpu_master = master + opt
     # DeepSpeed keeps its persistent (small, unpartitioned) parameters on the GPU under parameter offload
     # (partition_parameters.py: `if param.ds_persist: device = self.local_device`).
     gpu_params, cpu_params, nvme_params = _offloaded(config.param_offload, sharded_params)
     gpu_params += persistent_params + fp8_weight_cache(graph, config)
-    local = [shape for shape, n in _optimizer_shapes(config, trainable) for _ in range(n)]
-    temp = 0 if offloaded else _step_temp(config, local, precision.state_itemsize(prec))
     return ModelStates(params=gpu_params, grads=gpu_grads, accumulating_grads=accumulating,
                        master=master if gpu_master else 0, optimizer=opt if gpu_master else 0, step_temp=temp,
                        cpu=cpu_opt + cpu_params + (host_grads if config.optimizer_offload is Offload.CPU else 0),
                        nvme=nvme_opt + nvme_params + (host_grads if config.optimizer_offload is Offload.NVME else 0))
+
+
+def _hybrid_states(config: Config, *, master: int, opt: int, temp: int, elements: int) -> tuple[int, int, int, int]:
+    """(GPU master, GPU optimizer states, GPU step temporaries, host bytes) of Megatron's hybrid optimizer, whose
+    GPU keeps at most 1 - fraction of the rank's `elements` (`partial_offload`): fp32 main parameters and moments,
+    and at the step, under --fp16, the fp32 copy of their gradients (`temp` of all of them); the host keeps the rest
+    with a pinned fp32 gradient copy. The gradient buffer stays whole on the GPU."""
+    on_host = partial_offload.host_elements(host_share(config), elements)
+    kept = (elements - on_host) / elements if elements else 0.0
+    return (math.ceil(kept * master), math.ceil(kept * opt), math.ceil(kept * temp),
+            on_host * partial_offload.HOST_BYTES_PER_ELEMENT)
 
 
 # FP8 training (Transformer Engine / torchao float8) keeps an fp8 copy of each linear weight (1 byte per

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from graphs import Checkpoint, Layer, LayerGraph, Role
 
-from . import activation_offload, context_parallel, precision, prefetch
+from . import activation_offload, context_parallel, partial_offload, precision, prefetch
 from .alignment import alignment_factor
 from .attention_kernels import kernel_for
 from .breakdown import TimeBreakdown
@@ -32,14 +32,23 @@ from .compute import (
     reduction_width,
     work_seconds,
 )
-from .config import Config, Offload, Precision, Workload
+from .config import Config, Precision, Workload
 from .engines import DataParallelTraffic, rules_of
 from .expert_parallel import expert_dp_group, is_expert_stack
 from .expert_parallel import layer_time as expert_layer_time
 from .fp8 import cast_bytes, te_cast_bytes
 from .identity_memo import IdentityMemo
 from .loss import timed_layer
-from .offload import host_link, host_step_seconds, moved_itemsize, offload_seconds, params_live_on_host
+from .offload import (
+    copy_seconds,
+    host_link,
+    host_share,
+    host_step_seconds,
+    moved_itemsize,
+    offload_seconds,
+    params_live_on_host,
+    steps_a_share,
+)
 from .offload_schedule import Unit, exposed_copy_seconds
 from .optimizer_launches import step_launch_seconds
 from .paging import paging_seconds
@@ -253,17 +262,25 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                                engine=config.engine, sharded=sharding(config).optimizer > 1, ep=config.ep)
     shard = local_elements(graph.tensor_groups(), tp=config.tp, dp=shard_ranks(config), engine=config.engine,
                            sharded=sharding(config).params > 1, ep=config.ep)
-    offload = fsdp2_offload_seconds(graph, cluster, config, nodes, partition=partition, shard=shard) \
-        if params_live_on_host(config) and config.pp == 1 else \
-        offload_seconds(cluster, config, partition=partition, params=shard,
-                        grad_bytes=precision.compute_itemsize(config.precision))
+    # The step streams its states, or waits on its kernel launches when they take longer (small models); under
+    # offload the GPU steps only the share it keeps (none but under Megatron's hybrid optimizer).
+    on_gpu = partition - partial_offload.host_elements(host_share(config), partition)
+    optimizer = 0.0 if not on_gpu else \
+        max(on_gpu * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth,
+            step_launch_seconds(sum(n for _, n in graph.tensor_groups(trainable=True)), config, elements=on_gpu))
+    grad_bytes = precision.compute_itemsize(config.precision)
+    if steps_a_share(config):  # the host share steps beside the GPU's
+        offload = partial_offload.exposed_host_seconds(
+            host_step=host_step_seconds(cluster, config, partition=partition),
+            copies=copy_seconds(cluster, config, partition=partition, params=shard, grad_bytes=grad_bytes),
+            gpu_step=optimizer)
+    elif params_live_on_host(config) and config.pp == 1:
+        offload = fsdp2_offload_seconds(graph, cluster, config, nodes, partition=partition, shard=shard)
+    else:
+        offload = offload_seconds(cluster, config, partition=partition, params=shard, grad_bytes=grad_bytes)
     # Memory savers' host traffic: paged optimizer states in and out, offloaded activations compute cannot hide.
     offload += paging_seconds(cluster, paged_split(graph, config)) + activation_offload.step_seconds(
         graph, cluster, config, speed, s=s, memory_speedup=memory_speedup)
-    # The step streams its states, or waits on its kernel launches when they take longer (small models).
-    optimizer = 0.0 if config.optimizer_offload is not Offload.NONE else \
-        max(partition * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth,
-            step_launch_seconds(sum(n for _, n in graph.tensor_groups(trainable=True)), config, elements=partition))
     communication = fixed.tp + ga * dp_mb + dp_step
     total = fixed.compute + fixed.recompute + communication + offload + optimizer
     return TimeTerms(

@@ -119,6 +119,10 @@ class EngineRules:
     """Under optimizer offload the step is the engine's own CPU optimizer, whatever optimizer was asked for."""
     host_optimizer: str = ""
     """The optimizer implementation that runs a host (offloaded) step (profile rate name)."""
+    hybrid_offload: bool = False
+    """Under optimizer offload it steps a share of the states on the host (torch's fused CPU AdamW) and the rest on
+    the GPU at the same time, the gradients staying in the GPU's buffer (megatron-core's HybridDeviceOptimizer:
+    `Config.optimizer_offload_fraction`, `costmodels.partial_offload`)."""
     buffers: Callable[[int, UnitBytes], Buffers] = _no_buffers
     """The engine's gather/reduce buffers per node at a stage."""
     runs_autocast: bool = False

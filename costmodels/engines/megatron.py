@@ -44,8 +44,10 @@ RULES = EngineRules(
     fp32_weights_when_mixed=False, fp32_grads_when_mixed=False, reduce_fp32_when_mixed=True,
     fp16_keeps_16bit_grads=True,
     compile_stages=(),  # Megatron-LM's training loop does not torch.compile the model
-    # --optimizer-cpu-offload needs the precision-aware optimizer (arguments.py), which fitplan does not price.
-    optimizer_offload_stages=(), param_offload_stages=(),
+    # --optimizer-cpu-offload (HybridDeviceOptimizer: a share of the states on the host, `partial_offload`) needs
+    # --use-precision-aware-optimizer (arguments.py validate_args), which needs the distributed optimizer
+    # (optimizer_config.py); parameters are never offloaded.
+    optimizer_offload_stages=(1,), param_offload_stages=(), hybrid_offload=True, host_optimizer="adamw_torch_fused",
     gradients=gradients, bucket_elements=bucket_elements,
     # Adam is Transformer Engine's or apex's FusedAdam (megatron/core/optimizer/__init__.py): multi-tensor kernels
     # over the whole group, no foreach temporaries.

@@ -127,4 +127,7 @@ def _option(knob: Declared, kind: Any, help: str, option: str = "") -> Any:
     if kind is int:
         parser = Bounded(int, knob.knob.low, knob.knob.high or 2**31)
         return typer.Option(option, parser=parser, help=f"{help} \\[{parser.allowed}]", rich_help_panel=PANEL)
+    if kind is float:  # a share (optimizer_offload_fraction)
+        parser = Bounded(float, 0, 1, lo_open=True)
+        return typer.Option(option, parser=parser, help=f"{help} \\[{parser.allowed}]", rich_help_panel=PANEL)
     return typer.Option(option, help=help, rich_help_panel=PANEL)

@@ -92,6 +92,7 @@ def decisions_table(plan: Plan) -> Table:
     table.add_column("value")
     modes = {m: sum(c.value == m for c in d.checkpoint) for m in ("none", "selective", "op_selective", "full")}
     op_level = f", op-level selective {modes['op_selective']}" if modes["op_selective"] else ""
+    share = f" ({d.optimizer_offload_fraction:.0%} of its states)" if d.optimizer_offload_fraction != 1 else ""
     rows = [
         ("model", f"{plan.inputs.model} ({plan.inputs.model_source})"),
         ("cluster", f"{plan.inputs.cluster.nodes}x{plan.inputs.cluster.gpus_per_node} {plan.inputs.cluster.gpu_name}"),
@@ -99,7 +100,7 @@ def decisions_table(plan: Plan) -> Table:
                      f"({plan.inputs.tokens_per_step:,} tokens)"),
         ("parallelism", d.layout() + (" +sequence-parallel" if d.sequence_parallel else "")),
         ("engine", engine_setting(d.engine, d.zero)),
-        ("offload", f"optimizer={d.optimizer_offload} params={d.param_offload}"),
+        ("offload", f"optimizer={d.optimizer_offload}{share} params={d.param_offload}"),
         ("batch", f"micro-batch {d.micro_batch} x grad-accum {d.grad_accum} x dp {d.dp}"),
         ("checkpointing", f"full {modes['full']}, selective {modes['selective']}{op_level}, none {modes['none']} "
                           f"of {len(d.checkpoint)} layers (first layers first)"),

@@ -265,7 +265,8 @@ def stored_states(graph: LayerGraph, config: Config) -> tuple[ModelStates, str]:
     configuration kept on the device, and the rows say they are on the host."""
     if config.optimizer_offload is Offload.NONE and config.param_offload is Offload.NONE:
         return model_states(graph, config), ""
-    on_device = replace(config, optimizer_offload=Offload.NONE, param_offload=Offload.NONE)
+    on_device = replace(config, optimizer_offload=Offload.NONE, optimizer_offload_fraction=1.0,
+                        param_offload=Offload.NONE)
     return model_states(graph, on_device), " (on the host)"
 
 

@@ -169,7 +169,8 @@ def _optimizer(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
 
 
 def _zero(config: Config, chosen: Estimate) -> str:
-    where = f"optimizer states {config.optimizer_offload}, parameters {config.param_offload}"
+    share = f" ({config.optimizer_offload_fraction:.0%} of them)" if config.optimizer_offload_fraction != 1 else ""
+    where = f"optimizer states {config.optimizer_offload}{share}, parameters {config.param_offload}"
     return (f"DeepSpeed ZeRO / FSDP: {engine_setting(config.engine, config.zero)}, offload: {where}; device peak "
             f"{chosen.memory.device_peak / GIB:.1f} GiB{_pipeline_stages(config)}")
 

@@ -242,8 +242,8 @@ def _megatron(_: str, d: Config, checkpoint: tuple[Checkpoint, ...], lora: bool)
     if d.optimizer in (Optimizer.ADAFACTOR, Optimizer.ADAMW_8BIT):  # the paged ones: _memory_savers
         # Megatron-LM arguments.py (core_v0.16.1): --optimizer adam (decoupled weight decay), sgd, muon, dist_muon
         problems.append(f"optimizer {d.optimizer} (Megatron-LM's --optimizer builds adam, sgd and muon only)")
-    if d.optimizer_offload is not Offload.NONE or d.param_offload is not Offload.NONE:
-        problems.append("offload")
+    if d.param_offload is not Offload.NONE:
+        problems.append("parameter offload (Megatron-LM offloads only the optimizer: --optimizer-cpu-offload)")
     if lora:
         problems.append("LoRA")
     if d.precision is Precision.BF16:

@@ -18,13 +18,14 @@ from graphs.files import parse_json, read_text
 from solver.plan.capability import engine_label
 from solver.plan.post_training import PostTrainingPlan
 
-SCHEMA_VERSION = "2.7"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
+SCHEMA_VERSION = "2.8"  # 2.1: pipeline, context and expert parallelism (pp, pp_schedule, ..., cp, ep); 2.2: engine
 # megatron (Megatron's own DDP and distributed optimizer) and optimizer adamw-bf16; 2.3: solver.lowering_seconds (the
 # search's time apart from the lowering's) and the estimate's memory.fragmentation_risk (classic allocator); 2.4:
 # solver.deterministic (--deterministic: a fixed work budget instead of the wall clock) and the model's rope_scaling,
 # attention_dropout and hidden_dropout (what the Megatron and torchtitan files build); 2.5: post_training (--task:
 # DPO/ORPO/KTO/GRPO, the reference strategy, the vLLM engine and the step's time by phase); 2.6: dp_replicate (hybrid
-# sharding, FSDP2's HSDP); 2.7: lora.kbit_preparation (a QLoRA script that calls PEFT's k-bit preparation)
+# sharding, FSDP2's HSDP); 2.7: lora.kbit_preparation (a QLoRA script that calls PEFT's k-bit preparation); 2.8:
+# optimizer_offload_fraction (Megatron's hybrid device optimizer: a share of the states on the host)
 _CONFIG = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -210,7 +211,8 @@ class Decisions(Config):
                  + (f"/op-sel {ckpt[Checkpoint.OP_SELECTIVE]}" if ckpt[Checkpoint.OP_SELECTIVE] else "")
                  + f"/{len(self.checkpoint)}"]
         if self.optimizer_offload is not Offload.NONE:
-            parts.append(f"opt-offload={self.optimizer_offload}")
+            share = f"({self.optimizer_offload_fraction:g})" if self.optimizer_offload_fraction != 1 else ""
+            parts.append(f"opt-offload={self.optimizer_offload}{share}")
         if self.param_offload is not Offload.NONE:
             parts.append(f"param-offload={self.param_offload}")
         savers = (("optimizer-in-backward", self.optimizer_in_backward), (f"loss={self.loss}", self.loss != "hf"),

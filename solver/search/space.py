@@ -287,7 +287,8 @@ def outer_space(graph: LayerGraph, cluster: Cluster, workload: Workload, pins: P
             for opt_off, param_off in offloads(cluster, engine, zero, pins):
                 if not zero_has_work(engine, zero, layout, (opt_off, param_off), pins):
                     continue
-                for opened in opened_knobs({**layout, "engine": engine, "zero": zero}, cluster, pins):
+                for opened in opened_knobs({**layout, "engine": engine, "zero": zero, "optimizer_offload": opt_off},
+                                           cluster, pins):
                     outers += _outers_of(runnable, graph, workload, pins, precisions, optimizers, savers, {
                         **pinned, **layout, **opened, "engine": engine, "zero": zero, "optimizer_offload": opt_off,
                         "param_offload": param_off, "compile": compiles})

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from costmodels import Engine, Optimizer, Precision, Workload, estimate, parse_cluster
+from costmodels import Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster
 from graphs import Checkpoint, lower
 from solver import solve
 from solver.plan.record import Plan
@@ -87,3 +87,17 @@ def test_precision_aware_optimizer_states_follow_megatrons_dtypes(small, tmp_pat
     assert states_of(plan) == pytest.approx(params * (per_param_whole + per_param_sharded / args.data_parallel_size),
                                             rel=1e-4)
     assert states_of(plan) < states_of(fp32) * 0.7
+
+
+@pytest.mark.slow
+def test_hybrid_optimizer_offload_reads_back_and_keeps_its_share_of_the_states(small, tmp_path, monkeypatch):
+    """--optimizer-cpu-offload passes Megatron-LM's validate_args only with the precision-aware optimizer's flag;
+    the parsed fraction is the plan's, and the GPU keeps 1 - fraction of the sharded 12 bytes per parameter of
+    Megatron's own estimate (`costmodels.partial_offload`), the 6 unsharded bytes whole."""
+    plan = megatron_plan(small, zero=1, optimizer_offload=Offload.CPU, optimizer_offload_fraction=0.25)
+    args, _ = megatron_checked(plan, tmp_path, monkeypatch)
+    assert args.optimizer_cpu_offload and args.use_precision_aware_optimizer and args.overlap_cpu_optimizer_d2h_h2d
+    assert args.optimizer_offload_fraction == 0.25
+    dp = args.data_parallel_size
+    params = weights_and_optimizer(args) / (6 + 12 / dp)
+    assert states_of(plan) == pytest.approx(params * (6 + 12 * (1 - 0.25) / dp), rel=1e-4)

@@ -3,16 +3,16 @@ input gives the same plan, and the plan's numbers are a fresh estimate of its ow
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
 import pytest
 
-from costmodels import Engine, Offload, Optimizer, Precision, Workload, estimate, parse_cluster, shared_lowering
-from costmodels.compilation import compile_credited
-from graphs import Checkpoint, FitplanError, lower
+from costmodels import Config, Engine, Offload, Optimizer, Precision, parse_cluster
+from graphs import Checkpoint, FitplanError
 from solver import Infeasible, solve
-from solver.api import config_from
+from solver.api import estimate as api_estimate
 from solver.search.tables import TICK_SECONDS
 
 MODEL = "meta-llama/Llama-3.2-1B"
@@ -106,15 +106,8 @@ def test_optimizer_never_changes_unless_allowed():
 def test_plan_estimate_is_a_fresh_estimate_of_its_decisions():
     plan = solve(MODEL, "2xL4", seq_len=1024, global_batch=16)
     d = plan.decisions
-    config = config_from({"tp": d.tp, "dp": d.dp, "engine": d.engine, "zero": d.zero,
-                          "optimizer_offload": d.optimizer_offload, "param_offload": d.param_offload,
-                          "micro_batch": d.micro_batch, "grad_accum": d.grad_accum,
-                          "checkpoint": [m.value for m in d.checkpoint], "precision": d.precision,
-                          "optimizer": d.optimizer, "compile": d.compile}, layers=len(d.checkpoint))
-    dtype, autocast = shared_lowering(config)
-    graph = lower(MODEL, dtype=dtype, autocast=autocast, compiled=compile_credited(config),  # as the plan runs
-                  op_selective=Checkpoint.OP_SELECTIVE in config.checkpoint)
-    again = estimate(graph, parse_cluster("2xL4"), Workload(seq_len=1024, global_batch=16), config)
+    config = {f.name: getattr(d, f.name) for f in dataclasses.fields(Config)}  # every knob the plan decided
+    again = api_estimate(MODEL, "2xL4", config, seq_len=1024, global_batch=16, attention=d.attention)  # its route
     assert again.memory.allocated_peak == plan.estimate.memory.allocated_peak
     assert again.time.step_time == pytest.approx(plan.estimate.time.step_time, rel=1e-12)
     assert plan.estimate.memory.device_peak <= parse_cluster("2xL4").gpu.memory_bytes

@@ -62,6 +62,8 @@ def _two_values(name: str) -> tuple[object, object]:
         return True, False
     if kind is int:
         return KNOBS[name].knob.low + 1, KNOBS[name].knob.low
+    if kind is float:
+        return 0.5, 1.0
     members = list(kind)
     return members[-1], members[0]
 

@@ -453,7 +453,7 @@ REFUSALS = [
     ("fsdp2-reshard", None, "deepspeed", "engine fsdp2"),
     ("zero3-accum", None, "torchrun", "engine deepspeed ZeRO-3"),
     ("lora", None, "megatron", "LoRA"),
-    ("zero2-offload", None, "megatron", "offload"),
+    ("zero3-offload-all", None, "megatron", "parameter offload"),
     # DeepSpeed 0.19 rejects bf16_master_weights_and_grads at stage 0 (runtime/config.py _do_error_check).
     ("zero3-accum", pure_bf16_zero0, "deepspeed", "pure bf16"),
     ("zero3-accum", pure_bf16_zero0, "hf", "pure bf16"),

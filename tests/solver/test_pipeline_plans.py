@@ -138,7 +138,9 @@ def test_a_131k_token_sequence_runs_with_context_parallelism_on_the_gpus_given()
     # Before CP: "nothing fits (223 GiB), try about 22 GPUs", which cannot help a batch of 2 sequences.
     plan = solve("meta-llama/Llama-3.1-8B", "8xH100", seq_len=131072, global_batch=2)
     d = plan.decisions
-    assert d.cp > 1 and d.optimizer_offload == "none" and d.param_offload == "none"
+    # Megatron's hybrid optimizer may keep the optimizer states on the host (its step beside the GPU's) where that
+    # saves more recompute than it costs; parameters stay on the GPUs.
+    assert d.cp > 1 and d.param_offload == "none"
     assert d.tp * d.cp * d.pp * d.dp == 8
     assert plan.estimate.memory.device_peak <= plan.inputs.cluster.gpu_memory_bytes * (1 - plan.inputs.headroom)
     assert plan.launchers

@@ -3,7 +3,7 @@ parse_args and validate_args at tag core_v0.16.1, the megatron-core release fitp
 
 from __future__ import annotations
 
-from costmodels import Optimizer
+from costmodels import Offload, Optimizer
 from graphs import Checkpoint, FitplanError
 from solver.plan.capability import MEGATRON_CP_COMM, block_recompute_layers
 from solver.plan.launchers.common import about, launch_environment
@@ -32,6 +32,8 @@ KNOWN_FLAGS = frozenset({
     "--moe-router-pre-softmax", "--qk-layernorm",
     # the precision-aware optimizer (_add_training_args; core_v0.16.1)
     "--use-precision-aware-optimizer", "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    # the hybrid device optimizer's offload (_add_training_args; core_v0.16.1)
+    "--optimizer-cpu-offload", "--optimizer-offload-fraction", "--overlap-cpu-optimizer-d2h-h2d",
     # RoPE scaling and dropout (_add_network_size_args, _add_regularization_args; core_v0.16.1)
     "--use-rope-scaling", "--rope-scaling-factor", "--rotary-seq-len-interpolation-factor", "--attention-dropout",
     "--hidden-dropout",
@@ -218,6 +220,10 @@ def arguments(plan: Plan) -> list[str]:
     if d.optimizer is Optimizer.ADAMW_BF16:  # Transformer Engine's FusedAdam; master remainders need TE >= 2.1
         args += ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
                  "--exp-avg-sq-dtype", "bf16"]
+    if d.optimizer_offload is Offload.CPU:  # the hybrid device optimizer (costmodels/partial_offload.py), which
+        # validate_args runs only with the precision-aware optimizer's code path; its copies beside the CPU step
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{d.optimizer_offload_fraction:g}",
+                 "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
     return args
 
 
