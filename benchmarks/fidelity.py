@@ -12,6 +12,7 @@ models, optimizer settings it does not have). Usage: python benchmarks/fidelity.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -19,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from costmodels import Config, Engine, Estimate, Optimizer, Precision, Workload, estimate, lowering_for, parse_cluster
+from costmodels.breakdown import MemoryBreakdown
 from costmodels.cluster import Cluster
-from costmodels.config import Loss
+from costmodels.config import Loss, Offload
 from costmodels.pipeline_schedule import Schedule
 from costmodels.verdict import fits
-from graphs import Checkpoint, LoraSpec, lower
+from graphs import Checkpoint, LayerGraph, LoraSpec, lower
 
 DATA = Path(__file__).resolve().parent / "data" / "calibration"  # a copy of shared/data/calibration
 GPU_RUNS = Path(__file__).resolve().parent / "data" / "gpu" / "h200_plans.json"  # the project's own H200 runs
@@ -186,8 +188,9 @@ def attention_for(row: dict[str, Any]) -> str | None:
 
 
 def offload_caveat(row: dict[str, Any]) -> str | None:
-    """Why the row's memory is not comparable: Mist's partial per-stage CPU offload, which fitplan does not price
-    (it keeps every stage's optimizer states on the GPU)."""
+    """Why the row's memory is not quite comparable: Mist's per-stage CPU offload, priced as Megatron's hybrid
+    optimizer keeps a host share (`offloaded_ranks`), while Mist swaps that share in for its GPU step (buffers not
+    priced)."""
     ratios = [r for stage in row.get("mist_stages", ()) for r in (stage["offload_w"], stage["offload_g"],
                                                                      stage["offload_o"], stage["offload_act"])]
     return f"Mist offloads part of the states to the CPU ({row['offload']})" if any(ratios) else None
@@ -266,20 +269,55 @@ def time_row(row: dict[str, Any], folder: Path) -> dict[str, Any]:
     est = estimate(graph, cluster, workload, config)
     measured = measured_tokens_per_gpu(row)
     predicted = est.tokens_per_second / row["hw"]["num_gpus"]
+    ranks = offloaded_ranks(row, graph, cluster, workload, config)
     return {"id": row["id"], "source": row["src"], "measured": measured, "predicted": predicted,
             "error": predicted / measured - 1, "mfu": est.mfu, "params": graph.param_count,
             "pp": config.pp, "runtime": runtime_of(row.get("framework", "")),
             "method": method_of(pp=config.pp, precision=row.get("precision"), lora=None),
-            **verdict_fields(est, cluster), **_pipeline_fields(row, est)}
+            **(verdict_fields(est, cluster) if ranks is None else stage_verdict_fields(ranks, cluster)),
+            **_pipeline_fields(row, est, ranks)}
 
 
-def _pipeline_fields(row: dict[str, Any], est: Estimate) -> dict[str, Any]:
-    """A pipeline row's step time, bubble, stage split, per-rank allocated peak and the measured one, if stated."""
+def offload_fractions(row: dict[str, Any]) -> list[float]:
+    """Mist's share of each stage's optimizer states kept on the host (`offload_o`; none offloads the weights,
+    gradients or activations in these rows)."""
+    return [stage["offload_o"] for stage in row.get("mist_stages", ())]
+
+
+def offloaded_ranks(row: dict[str, Any], graph: LayerGraph, cluster: Cluster, workload: Workload,
+                    config: Config) -> list[MemoryBreakdown] | None:
+    """Each pipeline rank's memory with its stage's optimizer-state share on the host, priced as Megatron's hybrid
+    optimizer keeps it (`costmodels.partial_offload`: the GPU holds the rest of the fp32 main parameters and moments
+    and the whole gradient buffer), or None for rows without offload. Mist steps the host share on the GPU, swapping
+    it in (mist/re_swap_manager/optimizer.py): the step's time stays priced with every state on the GPU."""
+    fractions = offload_fractions(row)
+    if not any(fractions):
+        return None
+    ranks = []
+    for stage, fraction in enumerate(fractions):
+        offloaded = dataclasses.replace(config, optimizer_offload=Offload.CPU, optimizer_offload_fraction=fraction) \
+            if fraction else config
+        ranks.append(estimate(graph, cluster, workload, offloaded).pipeline.ranks[stage].memory)
+    return ranks
+
+
+def stage_verdict_fields(ranks: list[MemoryBreakdown], cluster: Cluster) -> dict[str, Any]:
+    """`verdict_fields` of the busiest of these pipeline ranks."""
+    busiest = max(ranks, key=lambda memory: memory.device_peak)
+    whole = fits(busiest, cluster, headroom=0.0)
+    return {"device_peak": busiest.device_peak, "capacity": whole.capacity, "fits": whole.fits,
+            "fits_default_headroom": fits(busiest, cluster).fits}
+
+
+def _pipeline_fields(row: dict[str, Any], est: Estimate, ranks: list[MemoryBreakdown] | None) -> dict[str, Any]:
+    """A pipeline row's step time, bubble, stage split, per-rank allocated peak (`ranks`' where its stages offload)
+    and the measured one, if stated."""
     if est.pipeline is None:
         return {}
+    memories = ranks or [rank.memory for rank in est.pipeline.ranks]
     fields = {"step_time": est.time.step_time, "bubble": est.time.bubble,
               "stage_layers": list(est.pipeline.stage_layers),
-              "predicted_stage_alloc": [rank.memory.allocated_peak for rank in est.pipeline.ranks],
+              "predicted_stage_alloc": [memory.allocated_peak for memory in memories],
               "caveat": offload_caveat(row)}
     if "peak_alloc_mb_per_stage" in row["measured"]:
         fields["measured_stage_alloc"] = measured_stage_alloc(row["measured"]["peak_alloc_mb_per_stage"])
@@ -516,7 +554,7 @@ def print_stage_memory(stage_rows: list[dict]) -> None:
               f"{r['predicted'] / 2**20:7.0f} MiB error {r['error']:+6.1%}{' *' if r['caveat'] else ''}")
     print("  without CPU offload:")
     print_summary([r for r in stage_rows if not r["caveat"]])
-    print("  all stages (* offloaded states priced on the GPU):")
+    print("  all stages (* host share priced as Megatron's hybrid optimizer keeps it; Mist swaps it in to step):")
     print_summary(stage_rows)
 
 
