@@ -46,8 +46,9 @@ class Shard:
 
 
 def rank_shards(sizes: list[int], dp: int) -> list[int]:
-    """Rank 0's pieces of the parameters under the distributed optimizer: the gradient buffer holds them in reverse
-    order (megatron-core param_and_grad_buffer.py adds `params[::-1]`) and each rank owns 1/dp of it, contiguous."""
+    """Rank 0's pieces of the parameters under the distributed optimizer: each rank owns 1/dp of the gradient buffer,
+    contiguous, which holds the parameters in reverse order (megatron-core param_and_grad_buffer.py adds
+    `params[::-1]`). Here the graph's tensors reversed, grouped by kind: the bound checked holds for any order."""
     owned, pieces = math.ceil(sum(sizes) / dp), []
     for size in reversed(sizes):
         take = min(size, owned - sum(pieces))
