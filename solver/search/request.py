@@ -158,8 +158,8 @@ def plan_inputs(request: Request, pins: Pins, graph: LayerGraph) -> Inputs:
         defaults.append(f"local model recorded by its absolute path {resolved.id}, so that `fitplan check` and the "
                         "emitted scripts find it from any folder")
     if pins.allowed("precision") is None:
-        defaults.append("precisions: any the GPU supports among bf16-mixed, fp16-mixed, tf32, fp32 "
-                        "(pure bf16 and fp8 only when allowed: --precision)")
+        defaults.append("precisions: any the GPU supports among bf16-mixed, tf32, fp32, and fp16-mixed where it has "
+                        "no bf16 (fp16-mixed on bf16 GPUs, pure bf16 and fp8 only when allowed: --precision)")
     return Inputs(model=resolved.id, model_source=resolved.source, architecture=graph.architecture,
                   layer_class=graph.layer_class, hidden_size=graph.dims.hidden, num_layers=graph.dims.layers,
                   cluster=info, seq_len=workload.seq_len, global_batch=workload.global_batch,

@@ -39,9 +39,12 @@ DEFAULT_PRECISIONS = (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.TF32
 
 
 def default_precisions(cluster: Cluster) -> tuple[Precision, ...]:
-    """Mixed and full precisions the GPU runs; pure bf16 and fp8 change numerics and must be asked for."""
-    return tuple(p for p in DEFAULT_PRECISIONS
-                 if cluster.gpu.peak_flops(precision.matmul_dtype(p)) is not None)
+    """Mixed and full precisions the GPU runs, with one 16-bit format: bf16-mixed where the GPU has bf16 tensor cores,
+    else fp16-mixed (the HF guide's rule). Where bf16 runs, fp16's loss scaling and narrower range, and under
+    Megatron its fp16 gradient accumulation, change the training for a few bytes, so fp16-mixed, pure bf16 and fp8
+    must be asked for."""
+    runs = tuple(p for p in DEFAULT_PRECISIONS if cluster.gpu.peak_flops(precision.matmul_dtype(p)) is not None)
+    return tuple(p for p in runs if p is not Precision.FP16_MIXED or Precision.BF16_MIXED not in runs)
 
 
 def supported_precisions(cluster: Cluster, allowed: tuple[Precision, ...]) -> tuple[Precision, ...]:
