@@ -146,3 +146,14 @@ def test_plan_of_a_relative_local_model_records_and_says_its_absolute_path(tmp_p
     absolute = str((tmp_path / "tiny-llama").resolve())
     assert plan.inputs.model == absolute and plan.inputs.model_source == "local"
     assert any(absolute in line and "absolute path" in line for line in plan.inputs.assumed)
+
+
+def test_fp16_is_chosen_only_where_the_gpu_has_no_bf16():
+    """Megatron keeps an fp16 gradient buffer under --fp16 (half the bf16 run's fp32 one), which made fp16-mixed
+    the cheaper plan on an L4; on a GPU with bf16 it changes the training and must be asked for. A T4 has no bf16."""
+    on_l4 = solve("Qwen/Qwen2.5-1.5B", "1xL4", seq_len=2048, global_batch=16, launcher="megatron", time_limit=10)
+    assert on_l4.decisions.precision is Precision.BF16_MIXED
+    asked = solve("Qwen/Qwen2.5-1.5B", "1xL4", seq_len=2048, global_batch=16, launcher="megatron", time_limit=10,
+                  precision=("bf16-mixed", "fp16-mixed"))
+    assert asked.decisions.precision is Precision.FP16_MIXED
+    assert solve("gpt2", "1xT4", seq_len=512, global_batch=8).decisions.precision is Precision.FP16_MIXED
