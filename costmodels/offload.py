@@ -72,8 +72,7 @@ def copy_seconds(cluster: Cluster, config: Config, *, partition: int, params: in
     seconds = 0.0
     if steps_a_share(config):
         # Megatron's hybrid optimizer: the host share's fp32 gradients down, its updated 16-bit parameters up.
-        moved = partial_offload.host_elements(host_share(config), partition) * \
-            (partial_offload.GRADIENT_DOWN_BYTES + grad_bytes)
+        moved = host_stepped(config, partition) * (partial_offload.GRADIENT_DOWN_BYTES + grad_bytes)
         return moved / pcie
     if config.optimizer_offload is not Offload.NONE:
         # DeepSpeed: gradients down, updated parameters up, once per step. FSDP2's CPUOffloadPolicy keeps the
@@ -98,14 +97,15 @@ def host_step_seconds(cluster: Cluster, config: Config, *, partition: int) -> fl
     it runs after backward's last gradient lands, beside nothing."""
     if config.optimizer_offload is Offload.NONE:
         return 0.0
-    stepped = partial_offload.host_elements(host_share(config), partition)
-    return _cpu_step_seconds(cluster, config, stepped * min(cluster.gpus_per_node, config.world_size))
+    ranks = min(cluster.gpus_per_node, config.world_size)
+    return _cpu_step_seconds(cluster, config, host_stepped(config, partition) * ranks)
 
 
-def host_share(config: Config) -> float:
-    """Share of the optimizer's elements stepped on the host (`partial_offload`: Megatron's fraction, else all or
-    none)."""
-    return partial_offload.host_share(config.optimizer_offload, config.engine, config.optimizer_offload_fraction)
+def host_stepped(config: Config, elements: int) -> int:
+    """Elements of a rank's optimizer `elements` stepped on the host (`partial_offload`: Megatron's fraction of them,
+    else all or none)."""
+    share = partial_offload.host_share(config.optimizer_offload, config.engine, config.optimizer_offload_fraction)
+    return partial_offload.host_elements(share, elements)
 
 
 def steps_a_share(config: Config) -> bool:

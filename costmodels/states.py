@@ -13,7 +13,7 @@ from .config import Config, Offload, Precision
 from .engines import GradientSizes, rules_of
 from .expert_parallel import state_ranks
 from .identity_memo import IdentityMemo
-from .offload import host_share, steps_a_share
+from .offload import host_stepped, steps_a_share
 from .terms import ModelStates
 from .zero import local_elements, local_shape, persistence_threshold, shard_ranks, sharding, syncs_once_pipelined
 
@@ -78,9 +78,9 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     master = count(trainable, shard.optimizer > 1) * precision.master_itemsize(prec, engine, config.optimizer)
     opt = _optimizer_bytes(config, trainable)
     fp32_partition = _fp32_grad_partition(config, count(trainable, shard.optimizer > 1))
-    offloaded = config.optimizer_offload is not Offload.NONE
+    offloaded, hybrid = config.optimizer_offload is not Offload.NONE, steps_a_share(config)
     gpu_grads, host_grads = grads, 0
-    if steps_a_share(config):
+    if hybrid:
         pass  # Megatron's gradient buffer stays whole on the GPU (`_hybrid_states`)
     elif offloaded and rules_of(engine).offload_moves_all_states:  # CPUOffloadPolicy: sharded grads on the CPU
         gpu_grads, host_grads = 0, grads
@@ -94,7 +94,7 @@ def _held_states(graph: LayerGraph, config: Config) -> ModelStates:
     gpu_master, cpu_opt, nvme_opt = _offloaded(config.optimizer_offload, master + opt)
     local = [shape for shape, n in _optimizer_shapes(config, trainable) for _ in range(n)]
     temp = 0 if offloaded else _step_temp(config, local, precision.state_itemsize(prec))
-    if steps_a_share(config):  # the GPU keeps its share's states and step temporaries, the host the rest
+    if hybrid:  # the GPU keeps its share's states and step temporaries, the host the rest
         master, opt, temp, cpu_opt = _hybrid_states(
             config, master=master, opt=opt, temp=_step_temp(config, local, precision.state_itemsize(prec)),
             elements=count(trainable, shard.optimizer > 1))
@@ -114,7 +114,7 @@ def _hybrid_states(config: Config, *, master: int, opt: int, temp: int, elements
     GPU keeps at most 1 - fraction of the rank's `elements` (`partial_offload`): fp32 main parameters and moments,
     and at the step, under --fp16, the fp32 copy of their gradients (`temp` of all of them); the host keeps the rest
     with a pinned fp32 gradient copy. The gradient buffer stays whole on the GPU."""
-    on_host = partial_offload.host_elements(host_share(config), elements)
+    on_host = host_stepped(config, elements)
     kept = (elements - on_host) / elements if elements else 0.0
     return (math.ceil(kept * master), math.ceil(kept * opt), math.ceil(kept * temp),
             on_host * partial_offload.HOST_BYTES_PER_ELEMENT)

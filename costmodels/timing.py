@@ -42,8 +42,8 @@ from .loss import timed_layer
 from .offload import (
     copy_seconds,
     host_link,
-    host_share,
     host_step_seconds,
+    host_stepped,
     moved_itemsize,
     offload_seconds,
     params_live_on_host,
@@ -264,7 +264,7 @@ def time_terms(graph: LayerGraph, cluster: Cluster, workload: Workload, config: 
                            sharded=sharding(config).params > 1, ep=config.ep)
     # The step streams its states, or waits on its kernel launches when they take longer (small models); under
     # offload the GPU steps only the share it keeps (none but under Megatron's hybrid optimizer).
-    on_gpu = partition - partial_offload.host_elements(host_share(config), partition)
+    on_gpu = partition - host_stepped(config, partition)
     optimizer = 0.0 if not on_gpu else \
         max(on_gpu * OPTIMIZER_BYTES_PER_PARAM / speed.memory_bandwidth,
             step_launch_seconds(sum(n for _, n in graph.tensor_groups(trainable=True)), config, elements=on_gpu))
