@@ -236,12 +236,12 @@ def method_of(*, pp: int, precision: str | None, lora: dict | None) -> str:
     return "full"
 
 
-def verdict_fields(est: Estimate, cluster: Cluster) -> dict[str, Any]:
+def verdict_fields(memory: MemoryBreakdown, cluster: Cluster) -> dict[str, Any]:
     """What fitplan says of a run that ran: its device peak (the busiest pipeline rank's) against the whole card
     (`fits`: headroom 0, the honest test for a run that ran) and against the default 5% headroom."""
-    whole = fits(est, cluster, headroom=0.0)
-    return {"device_peak": est.memory.device_peak, "capacity": whole.capacity, "fits": whole.fits,
-            "fits_default_headroom": fits(est, cluster).fits}
+    whole = fits(memory, cluster, headroom=0.0)
+    return {"device_peak": memory.device_peak, "capacity": whole.capacity, "fits": whole.fits,
+            "fits_default_headroom": fits(memory, cluster).fits}
 
 
 def time_fidelity(data: Path, folder: Path) -> tuple[list[dict], list[dict]]:
@@ -274,7 +274,7 @@ def time_row(row: dict[str, Any], folder: Path) -> dict[str, Any]:
             "error": predicted / measured - 1, "mfu": est.mfu, "params": graph.param_count,
             "pp": config.pp, "runtime": runtime_of(row.get("framework", "")),
             "method": method_of(pp=config.pp, precision=row.get("precision"), lora=None),
-            **(verdict_fields(est, cluster) if ranks is None else stage_verdict_fields(ranks, cluster)),
+            **verdict_fields(est.memory if ranks is None else max(ranks, key=lambda m: m.device_peak), cluster),
             **_pipeline_fields(row, est, ranks)}
 
 
@@ -293,20 +293,10 @@ def offloaded_ranks(row: dict[str, Any], graph: LayerGraph, cluster: Cluster, wo
     fractions = offload_fractions(row)
     if not any(fractions):
         return None
-    ranks = []
-    for stage, fraction in enumerate(fractions):
-        offloaded = dataclasses.replace(config, optimizer_offload=Offload.CPU, optimizer_offload_fraction=fraction) \
-            if fraction else config
-        ranks.append(estimate(graph, cluster, workload, offloaded).pipeline.ranks[stage].memory)
-    return ranks
-
-
-def stage_verdict_fields(ranks: list[MemoryBreakdown], cluster: Cluster) -> dict[str, Any]:
-    """`verdict_fields` of the busiest of these pipeline ranks."""
-    busiest = max(ranks, key=lambda memory: memory.device_peak)
-    whole = fits(busiest, cluster, headroom=0.0)
-    return {"device_peak": busiest.device_peak, "capacity": whole.capacity, "fits": whole.fits,
-            "fits_default_headroom": fits(busiest, cluster).fits}
+    priced = {fraction: estimate(graph, cluster, workload, dataclasses.replace(
+        config, optimizer_offload=Offload.CPU, optimizer_offload_fraction=fraction) if fraction else config)
+        for fraction in set(fractions)}  # one estimate per share (stages often share one)
+    return [priced[fraction].pipeline.ranks[stage].memory for stage, fraction in enumerate(fractions)]
 
 
 def _pipeline_fields(row: dict[str, Any], est: Estimate, ranks: list[MemoryBreakdown] | None) -> dict[str, Any]:
@@ -406,7 +396,7 @@ def gpu_runs(path: Path = GPU_RUNS) -> tuple[list[dict], list[dict], list[dict]]
         labels = {"source": "H200_RUNS", "runtime": "HF code", "pp": 1,
                   "method": method_of(pp=1, precision=d["precision"], lora=d["lora"]),
                   "caveat": LORA_SCRIPT_CAVEAT if d["lora"] else None,
-                  **verdict_fields(est, parse_cluster(args["gpus"]))}
+                  **verdict_fields(est.memory, parse_cluster(args["gpus"]))}
         measured = run["measured"]["peak_allocated_bytes"]
         memory.append({"id": name, "measured": measured, "predicted": est.memory.allocated_peak,
                        "error": est.memory.allocated_peak / measured - 1, **labels})
