@@ -165,10 +165,15 @@ def sets_in_flight(moments: tuple[Moment, ...]) -> int:
 
 
 def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
-                         stages: Sequence[StageActivations]) -> tuple[int, ...]:
+                         stages: Sequence[StageActivations], per_message: bool = False) -> tuple[int, ...]:
     """Per rank, the receive buffers torch allocates once for every micro-batch of a step and keeps: each
     non-first stage's input (the previous stage's output) and each non-last stage's output gradient
-    (`_setup_forward_recv_info` and `_create_grad_recv_info`, per micro-batch, in torch 2.13)."""
+    (`_setup_forward_recv_info` and `_create_grad_recv_info`, per micro-batch, in torch 2.13).
+
+    `per_message`: a runtime that makes a tensor for each message instead (megatron-core's
+    `P2PCommunicator._communicate`). A stage input then lives with its micro-batch's activations until that
+    backward (the schedule's `input_tensors`; the stage's first layer saves it), so it belongs to the stage's
+    `saved` bytes, and an output gradient lives through the one backward that uses it: one at a time per rank."""
     ranks = stage_ranks(schedule, pp, v)
     if len(stages) != len(ranks):
         raise ValueError(f"stages has {len(stages)} entries; {schedule} with pp={pp}, v={v} has {len(ranks)} stages")
@@ -176,7 +181,10 @@ def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
     for s, rank in enumerate(ranks):
         inputs = stages[s - 1].output if s > 0 else 0
         gradients = stages[s].output if s < len(ranks) - 1 else 0
-        per_rank[rank] += m * (inputs + gradients)
+        if per_message:
+            per_rank[rank] = max(per_rank[rank], gradients)
+        else:
+            per_rank[rank] += m * (inputs + gradients)
     return tuple(per_rank)
 
 

@@ -25,6 +25,7 @@ from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
 from .cluster import Cluster
 from .config import Config, Workload
+from .engines import rules_of
 from .identity_memo import IdentityMemo
 from .memory import memory_breakdown, memory_terms, model_wide_bytes, pipelined_gathered
 from .pipeline import (
@@ -140,12 +141,13 @@ def rank_slices(graph: LayerGraph, workload: Workload, config: Config) -> tuple[
 
 def _key(config: Config) -> tuple[object, ...]:
     return (config.pp, config.pp_schedule, config.pp_virtual, config.pp_split, config.grad_accum,
-            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision)
+            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision,
+            rules_of(config.engine).receives_per_message)
 
 
 @lru_cache(maxsize=256)
 def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[object, ...]) -> tuple[RankSlice, ...]:
-    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec = key
+    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec, per_message = key
     config = Config(pp=pp, pp_schedule=schedule, pp_virtual=v, pp_split=split, grad_accum=m,  # type: ignore[arg-type]
                     micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sp, precision=prec)
     workload = Workload(seq_len=seq_len, global_batch=global_batch)
@@ -157,7 +159,8 @@ def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[objec
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     hidden = boundary_bytes(graph, workload, config)
     stage_bytes = [StageActivations(saved=0, output=hidden if s < len(sizes) - 1 else 0) for s in range(len(sizes))]
-    buffers = receive_buffer_bytes(schedule, pp, m, v=v, stages=stage_bytes)  # type: ignore[arg-type]
+    buffers = receive_buffer_bytes(schedule, pp, m, v=v, stages=stage_bytes,  # type: ignore[arg-type]
+                                   per_message=per_message)
     slices = []
     for rank in range(pp):
         stages = tuple(s for s, r in enumerate(ranks) if r == rank)

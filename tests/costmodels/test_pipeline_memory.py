@@ -15,7 +15,7 @@ from costmodels.activations import walk_phases
 from costmodels.memory import allocated_peak, held_by_stage, memory_terms, pipelined_gathered
 from costmodels.pipeline import Moment
 from costmodels.pipeline_schedule import Schedule, schedule_order
-from costmodels.pipeline_stages import rank_config, rank_memory_terms, rank_slices
+from costmodels.pipeline_stages import boundary_bytes, rank_config, rank_memory_terms, rank_slices
 from graphs import Checkpoint, resolve
 from graphs.lowering import lower_resolved
 
@@ -115,3 +115,19 @@ def test_interleaved_rank_0_holds_more_of_its_heavier_stage_than_whole_passes_pr
     passes = replace(memory_terms(slice_.graph, WORKLOAD, config), buffers=slice_.buffers,
                      moments=(Moment(0, True, (5,), (0,)), Moment(0, False, (5,), (0,))))
     assert exact > allocated_peak(passes, modes)[0]
+
+
+@pytest.mark.parametrize("m", [4, 16])
+def test_megatron_ranks_receive_one_gradient_message_torch_ranks_a_buffer_per_micro_batch(graph, m):
+    """torch.distributed.pipelining keeps an input and an output-gradient buffer per micro-batch all step;
+    megatron-core makes a tensor per message (its gloo test: tests/costmodels/test_megatron_pipeline_gloo.py), so a
+    Megatron rank holds one output gradient beside its in-flight micro-batches, whose inputs its first layer saves,
+    whatever the micro-batches (Llama-2-7B's Mist runs, 64 micro-batches: 2 GiB per middle rank priced before)."""
+    per_rank = {}
+    for engine in (Engine.MEGATRON, Engine.DDP):
+        config = Config(pp=4, pp_schedule=Schedule.ONE_F_ONE_B, grad_accum=m, micro_batch=1, engine=engine,
+                        precision=Precision.BF16_MIXED)
+        per_rank[engine] = [slice_.buffers for slice_ in rank_slices(graph, WORKLOAD, config)]
+    boundary = boundary_bytes(graph, WORKLOAD, Config(micro_batch=1, precision=Precision.BF16_MIXED))
+    assert per_rank[Engine.MEGATRON] == [boundary, boundary, boundary, 0]
+    assert per_rank[Engine.DDP] == [m * boundary, 2 * m * boundary, 2 * m * boundary, m * boundary]
