@@ -173,19 +173,25 @@ def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
     `per_message`: a runtime that makes a tensor for each message instead (megatron-core's
     `P2PCommunicator._communicate`). A stage input then lives with its micro-batch's activations until that
     backward (the schedule's `input_tensors`; the stage's first layer saves it), so it belongs to the stage's
-    `saved` bytes, and an output gradient lives through the one backward that uses it: one at a time per rank."""
+    `saved` bytes, and an output gradient lives through the one backward that uses it: one at a time per rank.
+    With several stages per rank, the interleaved schedule receives the next forward's input and the next
+    backward's gradient together after each backward (`send_forward_backward_recv_forward_backward`), so a rank
+    can hold one message more, received ahead of its use: priced on every such rank (megatron-core 0.16.1 over gloo
+    held it on one of three ranks at its peak)."""
     ranks = stage_ranks(schedule, pp, v)
     if len(stages) != len(ranks):
         raise ValueError(f"stages has {len(stages)} entries; {schedule} with pp={pp}, v={v} has {len(ranks)} stages")
-    per_rank = [0] * pp
+    per_rank, largest = [0] * pp, [0] * pp
     for s, rank in enumerate(ranks):
         inputs = stages[s - 1].output if s > 0 else 0
         gradients = stages[s].output if s < len(ranks) - 1 else 0
         if per_message:
             per_rank[rank] = max(per_rank[rank], gradients)
+            largest[rank] = max(largest[rank], inputs, gradients)
         else:
             per_rank[rank] += m * (inputs + gradients)
-    return tuple(per_rank)
+    ahead = largest if per_message and v > 1 else [0] * pp
+    return tuple(map(operator.add, per_rank, ahead))
 
 
 def activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
