@@ -172,8 +172,10 @@ def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
 
     `per_message`: a runtime that makes a tensor for each message instead (megatron-core's
     `P2PCommunicator._communicate`). A stage input then lives with its micro-batch's activations until that
-    backward (the schedule's `input_tensors`; the stage's first layer saves it), so it belongs to the stage's
-    `saved` bytes, and an output gradient lives through the one backward that uses it: one at a time per rank.
+    backward (the schedule's `input_tensors`), so it belongs to the stage's `saved` bytes (a layer graph counts a
+    kept input with the layer that made it: a stage's slice counts its last layer's output instead, the same
+    bytes, which Megatron frees once sent), and an output gradient lives through the one backward that uses it:
+    one at a time per rank.
     With several stages per rank, the interleaved schedule receives the next forward's input and the next
     backward's gradient together after each backward (`send_forward_backward_recv_forward_backward`), so a rank
     can hold one message more, received ahead of its use: priced on every such rank (megatron-core 0.16.1 over gloo
