@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,3 +49,20 @@ class _Box:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+
+
+def after(run: Callable, snapshot: Callable[[], None]) -> Callable:
+    """`run`, then `snapshot()`: a measuring point just after an action of the schedule."""
+    def wrapped(*args, **kwargs):
+        result = run(*args, **kwargs)
+        snapshot()
+        return result
+    return wrapped
+
+
+def before(run: Callable, snapshot: Callable[[], None]) -> Callable:
+    """`snapshot()`, then `run`: a measuring point just before an action of the schedule."""
+    def wrapped(*args, **kwargs):
+        snapshot()
+        return run(*args, **kwargs)
+    return wrapped

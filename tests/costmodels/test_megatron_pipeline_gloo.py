@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from costmodels.pipeline import StageActivations, held_activation_bytes, receive_buffer_bytes
 from costmodels.pipeline_schedule import Schedule
 from tests.gloo import run_ranks
-from tests.saved_tensors import SavedBytes
+from tests.saved_tensors import SavedBytes, after, before
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -164,21 +164,9 @@ def run_case(v: int, m: int, rank: int) -> dict[str, int]:
         alive = {(t.data_ptr(), t.numel() * t.element_size()) for t in (ref() for ref in received) if t is not None}
         everything[0] = max(everything[0], sum(nbytes for _, nbytes in tracker.live() | alive))
 
-    def after(run):
-        def wrapped(*args, **kwargs):
-            result = run(*args, **kwargs)
-            snapshot()
-            return result
-        return wrapped
-
-    def before(run):
-        def wrapped(*args, **kwargs):
-            snapshot()
-            return run(*args, **kwargs)
-        return wrapped
-
     originals = schedules.backward_step, schedules.deallocate_output_tensor
-    schedules.backward_step, schedules.deallocate_output_tensor = before(originals[0]), after(originals[1])
+    schedules.backward_step = before(originals[0], snapshot)
+    schedules.deallocate_output_tensor = after(originals[1], snapshot)
     try:
         step(tracker)
     finally:

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from costmodels.pipeline import StageActivations, activation_bytes, held_activation_bytes
 from costmodels.pipeline_schedule import TORCH_CLASS, Schedule, stage_ranks
 from tests.gloo import run_ranks
-from tests.saved_tensors import SavedBytes
+from tests.saved_tensors import SavedBytes, after
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -115,18 +115,11 @@ def watch(sched: object, stages: list[PipelineStage], tracker: SavedBytes, peak:
         held = tracker.live().union(*(stage_tensors(stage) for stage in stages))
         peak[0] = max(peak[0], sum(nbytes for _, nbytes in held))
 
-    def after(run):
-        def wrapped(*args, **kwargs):
-            result = run(*args, **kwargs)
-            snapshot()
-            return result
-        return wrapped
-
     for stage in stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(stage, name, after(getattr(stage, name)))
+            setattr(stage, name, after(getattr(stage, name), snapshot))
     # The schedule computes the loss after the last stage's forward returns.
-    sched._maybe_compute_loss = after(sched._maybe_compute_loss)
+    sched._maybe_compute_loss = after(sched._maybe_compute_loss, snapshot)
 
 
 def run_case(case: dict, rank: int) -> dict[str, int]:
