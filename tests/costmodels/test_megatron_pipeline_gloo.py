@@ -1,13 +1,16 @@
-"""Per-rank activation memory of megatron-core's own 1F1B pipeline schedule over gloo against `pipeline`.
+"""Per-rank activation memory of megatron-core's own pipeline schedules (1F1B, interleaved) over gloo against
+`pipeline`.
 
 Megatron-LM runs its pipelines with megatron-core's schedules, not torch.distributed.pipelining: its
 `P2PCommunicator` makes a tensor for each message it receives (`_communicate`), the schedule keeps a received stage
 input with its micro-batch until that backward and drops an output gradient once used, and Megatron-LM frees each
 stage output's data once sent (`deallocate_pipeline_outputs`, which its arguments.py sets). So a rank holds its
-in-flight micro-batches and one output gradient, not torch's receive buffer per micro-batch.
+in-flight micro-batches and one output gradient (interleaved, one message more), not torch's receive buffer per
+micro-batch.
 
 One launch runs this file as PP worker processes. Each runs megatron-core 0.16.1's
-`forward_backward_pipelining_without_interleaving` on its stage of a tiny residual MLP for two steps; during the
+`forward_backward_pipelining_without_interleaving` (and `_with_interleaving`, two stages per rank) on its stages of a
+tiny residual MLP for two steps; during the
 second, as each backward starts and after each stage output is freed, it takes the union of the tensors autograd
 has saved (saved-tensor hooks) and the received tensors still alive, and writes the peak of their bytes. The
 runtime is CPU-only here: a torch function mode sends the tensors megatron-core makes on "cuda" to the CPU.
