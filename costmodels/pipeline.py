@@ -176,24 +176,26 @@ def receive_buffer_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,
     kept input with the layer that made it: a stage's slice counts its last layer's output instead, the same
     bytes, which Megatron frees once sent), and an output gradient lives through the one backward that uses it:
     one at a time per rank.
-    With several stages per rank, the interleaved schedule receives the next forward's input and the next
-    backward's gradient together after each backward (`send_forward_backward_recv_forward_backward`), so a rank
-    can hold one message more, received ahead of its use: priced on every such rank (megatron-core 0.16.1 over gloo
-    held it on one of three ranks at its peak)."""
+    With several stages per rank (Megatron's interleaved schedule, which Megatron-LM runs with
+    --overlap-p2p-communication, its default), the receives for the next forward's input and the next backward's
+    gradient are posted while the current ones compute, and received tensors stay in the schedule's receive slots
+    (`fwd_recv_buffer`, `bwd_recv_buffer`) until the next replaces them: priced as two inputs and two gradients per
+    rank (megatron-core 0.16.1 over gloo, three ranks of two stages: four messages beside the saved tensors on the
+    last rank at its peak, three inputs and a gradient; two on the others)."""
     ranks = stage_ranks(schedule, pp, v)
     if len(stages) != len(ranks):
         raise ValueError(f"stages has {len(stages)} entries; {schedule} with pp={pp}, v={v} has {len(ranks)} stages")
-    per_rank, largest = [0] * pp, [0] * pp
+    per_rank, inputs_in, gradients_in = [0] * pp, [0] * pp, [0] * pp
     for s, rank in enumerate(ranks):
         inputs = stages[s - 1].output if s > 0 else 0
         gradients = stages[s].output if s < len(ranks) - 1 else 0
-        if per_message:
-            per_rank[rank] = max(per_rank[rank], gradients)
-            largest[rank] = max(largest[rank], inputs, gradients)
-        else:
-            per_rank[rank] += m * (inputs + gradients)
-    ahead = largest if per_message and v > 1 else [0] * pp
-    return tuple(map(operator.add, per_rank, ahead))
+        per_rank[rank] += m * (inputs + gradients)
+        inputs_in[rank], gradients_in[rank] = max(inputs_in[rank], inputs), max(gradients_in[rank], gradients)
+    if not per_message:
+        return tuple(per_rank)
+    if v == 1:
+        return tuple(gradients_in)
+    return tuple(2 * (i + g) for i, g in zip(inputs_in, gradients_in, strict=True))
 
 
 def activation_bytes(schedule: Schedule, pp: int, m: int, *, v: int = 1,

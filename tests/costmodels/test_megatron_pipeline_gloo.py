@@ -5,7 +5,7 @@ Megatron-LM runs its pipelines with megatron-core's schedules, not torch.distrib
 `P2PCommunicator` makes a tensor for each message it receives (`_communicate`), the schedule keeps a received stage
 input with its micro-batch until that backward and drops an output gradient once used, and Megatron-LM frees each
 stage output's data once sent (`deallocate_pipeline_outputs`, which its arguments.py sets). So a rank holds its
-in-flight micro-batches and one output gradient (interleaved, one message more), not torch's receive buffer per
+in-flight micro-batches and one output gradient (interleaved, up to four messages), not torch's receive buffer per
 micro-batch.
 
 One launch runs this file as PP worker processes. Each runs megatron-core 0.16.1's
@@ -44,8 +44,8 @@ HIDDEN, MICRO_BATCH, SEQ = 16, 2, 3
 FLOAT_BYTES = 4
 TENSOR_BYTES = SEQ * MICRO_BATCH * HIDDEN * FLOAT_BYTES  # Megatron's [s, b, h] hidden states
 BLOCKS = (2, 1, 3, 1, 2, 2)  # residual blocks of global stage s (up to PP x 2 stages): uneven on purpose
-# (stages per rank, micro-batches): a steady phase; none (as many micro-batches as stages); interleaved
-CASES = ((1, 5), (1, 3), (2, 6))
+# (stages per rank, micro-batches): a steady phase; none (as many micro-batches as stages); interleaved, two lengths
+CASES = ((1, 5), (1, 3), (2, 6), (2, 9))
 LAUNCH_TIMEOUT = 240
 
 
@@ -62,7 +62,7 @@ def predicted_saved(stage: int, stages: int) -> int:
 
 def predicted(v: int, m: int) -> tuple[int, ...]:
     """Per rank: in-flight micro-batches (their outputs freed once sent) plus the messages the runtime holds:
-    one output gradient, and interleaved one more received ahead (`pipeline.receive_buffer_bytes`)."""
+    one output gradient, interleaved four messages (`pipeline.receive_buffer_bytes`)."""
     count = PP * v
     held = held_activation_bytes(schedule_of(v), PP, m, v=v,
                                  stages=[StageActivations(saved=predicted_saved(s, count)) for s in range(count)])
@@ -118,12 +118,14 @@ def run_case(v: int, m: int, rank: int) -> dict[str, int]:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    # Megatron-LM's arguments.py sets deallocate_pipeline_outputs; batch_p2p_sync only adds a
-    # torch.cuda.synchronize() after the batched p2p (a CPU build has none)
+    # As Megatron-LM's arguments.py configures them: deallocate_pipeline_outputs; --overlap-p2p-communication on
+    # (its default) for the interleaved schedule, off without one, and batch_p2p_comm = not overlap_p2p_comm.
+    # batch_p2p_sync only adds a torch.cuda.synchronize() after a batched p2p (a CPU build has none).
     config = TransformerConfig(num_layers=PP * v, hidden_size=HIDDEN, num_attention_heads=1,
                                pipeline_dtype=torch.float32, pipeline_model_parallel_size=PP,
                                virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                               deallocate_pipeline_outputs=True, batch_p2p_sync=False)
+                               deallocate_pipeline_outputs=True, overlap_p2p_comm=v > 1, batch_p2p_comm=v == 1,
+                               batch_p2p_sync=False)
     chunks = [stage_model(k * PP + rank, config) for k in range(v)]  # Megatron's chunk k of rank r: stage k PP + r
     own = [dist.new_group(ranks=[r]) for r in range(PP)][rank]  # tp, cp, dp: this rank alone
     groups = ProcessGroupCollection()
@@ -207,13 +209,13 @@ def measured(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize(("v", "m"), CASES, ids=lambda value: str(value))
 def test_megatron_schedule_holds_in_flight_sets_and_its_messages_on_gloo(v, m, measured):
     """Exact bytes (both sides count whole fp32 tensors of the same shapes) with one stage per rank. Interleaved,
-    the model prices on every rank the message received ahead that the schedule held on one (the last) at its
-    peak: at most one message above the measured peak."""
+    the model prices on every rank the four messages the schedule held on the last rank at its peak (exact there),
+    two above what the other ranks held at theirs."""
     got, priced = tuple(rank[f"v{v}-m{m}"]["all"] for rank in measured), predicted(v, m)
     if v == 1:
         assert got == priced
     else:
-        assert all(0 <= p - g <= TENSOR_BYTES for p, g in zip(priced, got, strict=True)), (got, priced)
+        assert all(0 <= p - g <= 2 * TENSOR_BYTES for p, g in zip(priced, got, strict=True)), (got, priced)
         assert got[-1] == priced[-1]
 
 
