@@ -121,8 +121,8 @@ def test_interleaved_rank_0_holds_more_of_its_heavier_stage_than_whole_passes_pr
 def test_megatron_ranks_receive_one_gradient_message_torch_ranks_a_buffer_per_micro_batch(graph, m):
     """torch.distributed.pipelining keeps an input and an output-gradient buffer per micro-batch all step;
     megatron-core makes a tensor per message (its gloo test: tests/costmodels/test_megatron_pipeline_gloo.py), so a
-    Megatron rank holds one output gradient beside its in-flight micro-batches, whose inputs its first layer saves,
-    whatever the micro-batches (Llama-2-7B's Mist runs, 64 micro-batches: 2 GiB per middle rank priced before)."""
+    Megatron rank holds one output gradient beside its in-flight micro-batches (which keep their inputs), whatever
+    the micro-batches (Llama-2-7B's Mist runs, 64 micro-batches: 2 GiB per middle rank priced before)."""
     per_rank = {}
     for engine in (Engine.MEGATRON, Engine.DDP):
         config = Config(pp=4, pp_schedule=Schedule.ONE_F_ONE_B, grad_accum=m, micro_batch=1, engine=engine,
