@@ -203,7 +203,8 @@ class Config:
             raise ValueError("pp_schedule, pp_virtual and pp_split apply only with pp > 1")
         if self.pp > 1:
             # the schedule's micro-batches per step are the accumulation steps of one data-parallel rank
-            if (problem := schedule_problem(self.pp_schedule, self.pp, self.grad_accum, self.pp_virtual)) is not None:
+            if (problem := schedule_problem(self.pp_schedule, self.pp, self.grad_accum, self.pp_virtual,
+                                            megatron=rules_of(self.engine).megatron_schedules)) is not None:
                 raise ValueError(f"pp_schedule={self.pp_schedule}: {problem} (m = grad_accum)")
             stages = self.pp * self.pp_virtual
             if self.pp_split and (len(self.pp_split) != stages or any(

@@ -26,7 +26,7 @@ from .pipeline_schedule import (
 def in_flight_micro_batches(schedule: Schedule, pp: int, m: int, *, v: int = 1) -> tuple[int, ...]:
     """Per rank i, the most (stage, micro-batch) activation sets held at once (each set one of the rank's chunks
     when it runs several): closed forms of the torch 2.13 orders, checked against them in the tests."""
-    if (problem := schedule_problem(schedule, pp, m, v)) is not None:
+    if (problem := schedule_problem(schedule, pp, m, v, megatron=True)) is not None:
         raise ValueError(problem)
     match schedule:
         case Schedule.GPIPE:

@@ -46,8 +46,12 @@ class Op:
     micro_batch: int
 
 
-def schedule_problem(schedule: Schedule, pp: int, m: int, v: int = 1) -> str | None:
-    """Why torch 2.13 refuses `schedule` with `pp` ranks, `m` micro-batches and `v` stages per rank, or None."""
+def schedule_problem(schedule: Schedule, pp: int, m: int, v: int = 1, *, megatron: bool = False) -> str | None:
+    """Why torch 2.13 refuses `schedule` with `pp` ranks, `m` micro-batches and `v` stages per rank, or None.
+    `megatron`: as megatron-core runs it (Megatron-LM's pipelines), whose 1F1B
+    (`forward_backward_pipelining_without_interleaving`) warms up min(pp - rank - 1, m) micro-batches and so also
+    runs fewer micro-batches than stages, in the order `_one_f_one_b_ops` gives; its interleaved schedule is held
+    to torch's rules."""
     for name, value in (("pp", pp), ("m", m), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name}={value!r} must be a positive integer"
@@ -56,7 +60,7 @@ def schedule_problem(schedule: Schedule, pp: int, m: int, v: int = 1) -> str | N
     if schedule == Schedule.ZBV and v != 2:
         return f"zbv runs exactly two stages per rank (a V), not v={v}"
     # Schedule1F1B.__init__: "Number of microbatches must be greater than or equal to the number of stages".
-    if schedule == Schedule.ONE_F_ONE_B and m < pp:
+    if schedule == Schedule.ONE_F_ONE_B and m < pp and not megatron:
         return f"1f1b needs at least as many micro-batches as stages (m={m} < pp={pp})"
     # ScheduleInterleaved1F1B/InterleavedZeroBubble.__init__: m must be a multiple of max(1, m // pp) rounds.
     if schedule in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZB) and m % max(1, m // pp):
@@ -79,8 +83,9 @@ def stage_ranks(schedule: Schedule, pp: int, v: int = 1) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def schedule_order(schedule: Schedule, pp: int, m: int, v: int = 1) -> tuple[tuple[Op, ...], ...]:
-    """Each rank's compute actions in the order torch 2.13 runs them."""
-    if (problem := schedule_problem(schedule, pp, m, v)) is not None:
+    """Each rank's compute actions in the order torch 2.13 runs them (megatron-core's 1F1B also where torch
+    refuses it: fewer micro-batches than stages)."""
+    if (problem := schedule_problem(schedule, pp, m, v, megatron=True)) is not None:
         raise ValueError(problem)
     match schedule:
         case Schedule.GPIPE:

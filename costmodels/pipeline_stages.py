@@ -140,16 +140,19 @@ def rank_slices(graph: LayerGraph, workload: Workload, config: Config) -> tuple[
 
 
 def _key(config: Config) -> tuple[object, ...]:
+    # the engine and stage: its runtime's schedules decide the receive buffers and which schedules run
     return (config.pp, config.pp_schedule, config.pp_virtual, config.pp_split, config.grad_accum,
-            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision,
-            rules_of(config.engine).receives_per_message)
+            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision, config.engine,
+            config.zero)
 
 
 @lru_cache(maxsize=256)
 def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[object, ...]) -> tuple[RankSlice, ...]:
-    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec, per_message = key
+    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec, engine, zero = key
     config = Config(pp=pp, pp_schedule=schedule, pp_virtual=v, pp_split=split, grad_accum=m,  # type: ignore[arg-type]
-                    micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sp, precision=prec)
+                    micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sp, precision=prec,  # type: ignore[arg-type]
+                    engine=engine, zero=zero)  # type: ignore[arg-type]
+    per_message = rules_of(config.engine).megatron_schedules
     workload = Workload(seq_len=seq_len, global_batch=global_batch)
     sizes = stage_layers(graph, workload, config)
     if pp == 1:

@@ -140,10 +140,11 @@ class EngineRules:
     pipeline_stages: tuple[int, ...] = ()
     """Stages a pipeline-parallel runtime runs it at: parameters kept from a micro-batch's forward to its
     backward (a pipeline interleaves micro-batches, so resharding after every forward is refused)."""
-    receives_per_message: bool = False
-    """Its pipeline schedule allocates each received tensor when the message arrives and drops it once used
-    (Megatron's `P2PCommunicator._communicate`: `torch.empty` per call), instead of torch.distributed.pipelining's
-    receive buffer per micro-batch kept all step (`pipeline.receive_buffer_bytes`)."""
+    megatron_schedules: bool = False
+    """Its pipelines run megatron-core's schedules, not torch.distributed.pipelining's: each received tensor is
+    made when its message arrives and dropped once used (`P2PCommunicator._communicate`: `torch.empty` per call),
+    not a receive buffer per micro-batch kept all step (`pipeline.receive_buffer_bytes`), and 1F1B also runs with
+    fewer micro-batches than stages (`pipeline_schedule.schedule_problem`)."""
     own_fused_optimizer: bool = False
     """Steps its own fused optimizer (no torch foreach temporaries), after backward only."""
     bucketed_reduce_stages: tuple[int, ...] = ()

@@ -60,7 +60,7 @@ RULES = EngineRules(
     bf16_state_optimizer_stages=(1,),
     # megatron-core's pipeline schedules run with either optimizer (schedules.py), receiving each stage input and
     # output gradient into a tensor made for that message (p2p_communication.py `_communicate`).
-    pipeline_stages=(0, 1), receives_per_message=True,
+    pipeline_stages=(0, 1), megatron_schedules=True,
     # Megatron-LM's default --transformer-impl is transformer_engine (arguments.py, core_v0.16.1): its layers are
     # TE's modules (megatron/core/extensions/transformer_engine.py).
     transformer_engine=True,

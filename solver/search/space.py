@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from costmodels import Cluster, Config, Engine, Offload, Optimizer, Precision, Workload, precision
 from costmodels.compilation import compile_credited
 from costmodels.config import ContextParallel
-from costmodels.engines import RULES
+from costmodels.engines import RULES, rules_of
 from costmodels.pipeline_schedule import SINGLE_STAGE, Schedule, schedule_problem
 from graphs import Checkpoint, FitplanError, LayerGraph
 from solver.plan.capability import (
@@ -204,13 +204,14 @@ def expert_degrees(graph: LayerGraph, pins: Pins, ranks: int) -> list[int]:
 DEFAULT_SCHEDULES = tuple(s for s in Schedule if s is not Schedule.GPIPE)
 
 
-def virtual_stages(schedule: Schedule, pp: int, m: int, layers: int, pins: Pins) -> tuple[int, ...]:
+def virtual_stages(schedule: Schedule, pp: int, m: int, layers: int, pins: Pins, engine: Engine) -> tuple[int, ...]:
     """Stages per rank that torch runs `schedule` with (`schedule_problem`), narrowed by the pins: one for 1F1B and
     GPipe, two for zbv's V, and for the interleaved schedules two (any split, through Megatron's pipeline layout and
     torchtitan's module names per part) and every larger count whose stages hold equal layers, pp x v dividing the
     decoder layers (Megatron's --num-layers-per-virtual-pipeline-stage requires it: arguments.py). More stages per
     rank shrink the bubble (by v, Narayanan et al. 2021 section 2.2) for v times the point-to-point hops and the
-    stages' own receive buffers and model-wide tensors, so the cost model decides."""
+    stages' own receive buffers and model-wide tensors, so the cost model decides. The engine's runtime may run
+    more (megatron-core's 1F1B with fewer micro-batches than stages)."""
     if schedule in SINGLE_STAGE:
         options: Iterable[int] = (1,)
     elif schedule is Schedule.ZBV:
@@ -220,10 +221,10 @@ def virtual_stages(schedule: Schedule, pp: int, m: int, layers: int, pins: Pins)
         options = (pinned,) if pinned is not None else \
             (2, *(v for v in range(3, layers // pp + 1) if layers % (pp * v) == 0))
     return tuple(v for v in options if pins.allows("pp_virtual", v) and pp * v <= layers
-                 and schedule_problem(schedule, pp, m, v) is None)
+                 and schedule_problem(schedule, pp, m, v, megatron=rules_of(engine).megatron_schedules) is None)
 
 
-def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int) -> list[tuple[Schedule, int]]:
+def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int, engine: Engine) -> list[tuple[Schedule, int]]:
     """(schedule, stages per rank) pairs torch runs with `pp` ranks and `m` micro-batches; (1f1b, 1) stands for
     no pipeline when pp is 1. Each schedule comes once, at its fewest stages per rank: the space would grow
     tenfold with one configuration per count (a 405B over 1024 GPUs: pp=2 takes v up to 63), so the pipeline
@@ -232,13 +233,13 @@ def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int) -> list[t
         return [(Schedule.ONE_F_ONE_B, 1)]
     layers = len(graph.decoder_layers())
     return [(schedule, options[0]) for schedule in pins.allowed("pp_schedule") or DEFAULT_SCHEDULES
-            if (options := virtual_stages(schedule, pp, m, layers, pins))]
+            if (options := virtual_stages(schedule, pp, m, layers, pins, engine))]
 
 
 def virtual_variants(outer: Outer, *, layers: int, pins: Pins) -> tuple[Outer, ...]:
     """`outer` at every count of stages per rank its schedule runs (`virtual_stages`), `outer`'s own first: a
     launcher that runs one interleaved count runs the others (their rules read v only to refuse v = 1)."""
-    counts = virtual_stages(outer.pp_schedule, outer.pp, outer.grad_accum, layers, pins)
+    counts = virtual_stages(outer.pp_schedule, outer.pp, outer.grad_accum, layers, pins, outer.engine)
     return (outer, *(replace(outer, pp_virtual=v) for v in counts if v != outer.pp_virtual))
 
 
@@ -321,7 +322,7 @@ def _outers_of(runnable: Runnable, graph: LayerGraph, workload: Workload, pins: 
             continue  # KTO's KL term needs two examples in one
         if mb >= layout["cp"] > 1:
             continue  # whole sequences per GPU: the same tokens without CP (`context_parallel`)
-        schedules = pipeline_schedules(graph, pins, layout["pp"], ga)
+        schedules = pipeline_schedules(graph, pins, layout["pp"], ga, engine)
         for prec in precisions:
             for optimizer in _runnable_optimizers(optimizers, engine, zero, values["optimizer_offload"],
                                                   values["param_offload"]):

@@ -12,6 +12,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
+from costmodels import Config, Engine
 from costmodels.pipeline import (
     DEFAULT_WEIGHT_SHARE,
     StageActivations,
@@ -248,8 +249,14 @@ def test_held_bytes_needs_one_entry_per_stage():
 
 
 def test_refusals_name_the_rule():
+    assert "at least as many micro-batches" in schedule_problem(Schedule.ONE_F_ONE_B, 4, 2)
+    # megatron-core's 1F1B warms up min(pp - rank - 1, m) micro-batches: it runs m < pp (torch's refuses), so the
+    # orders cover it and each runtime's refusal is the configuration's (`Config`)
+    assert schedule_problem(Schedule.ONE_F_ONE_B, 4, 2, megatron=True) is None
+    assert in_flight_micro_batches(Schedule.ONE_F_ONE_B, 4, 2) == (2, 2, 2, 1)
     with pytest.raises(ValueError, match="at least as many micro-batches"):
-        in_flight_micro_batches(Schedule.ONE_F_ONE_B, 4, 2)
+        Config(engine=Engine.FSDP2, zero=2, pp=4, pp_schedule=Schedule.ONE_F_ONE_B, grad_accum=2)
+    assert Config(engine=Engine.MEGATRON, pp=4, pp_schedule=Schedule.ONE_F_ONE_B, grad_accum=2).grad_accum == 2
     assert "two stages per rank" in schedule_problem(Schedule.ZBV, 2, 4, 3)
     assert "one stage per rank" in schedule_problem(Schedule.GPIPE, 2, 4, 2)
     assert "positive integer" in schedule_problem(Schedule.GPIPE, 0, 4)

@@ -8,6 +8,7 @@ import functools
 import pytest
 
 from costmodels import Config, Workload, parse_cluster
+from costmodels.pipeline_schedule import Schedule
 from costmodels.pipeline_stages import stage_layers
 from costmodels.stage_split import megatron_splits
 from graphs import Checkpoint, lower, resolve
@@ -214,3 +215,19 @@ def test_solved_405b_pipeline_plan_passes_torchtitans_config_parser(tmp_path, mo
     assert plan.decisions.pp == 16 and plan.launchers == ("torchtitan",)
     config = torchtitan_checked(plan, tmp_path / "titan", monkeypatch)
     assert config.model_spec.flavor == "405B"
+
+
+def test_megatron_runs_a_pipeline_of_more_stages_than_micro_batches(tmp_path, monkeypatch):
+    """megatron-core's 1F1B warms up min(pp - rank - 1, m) micro-batches, so Megatron-LM runs 2 micro-batches through
+    4 stages, which torch's Schedule1F1B refuses: the search offers it on Megatron's engine only, and Megatron-LM's
+    validate_args accepts the emitted flags (skipped without its source)."""
+    from tests.solver.test_parallel_launchers import check_megatron_reads, megatron_checked
+
+    pins = {"seq_len": 1024, "global_batch": 2, "micro_batch": 1, "pp": 4, "tp": 1,
+            "pp_schedule": Schedule.ONE_F_ONE_B}
+    plan = solve("Qwen/Qwen2.5-0.5B", "4xA100", launcher="megatron", time_limit=60, **pins)
+    assert (plan.decisions.pp, plan.decisions.grad_accum) == (4, 2)
+    with pytest.raises(Infeasible):
+        solve("Qwen/Qwen2.5-0.5B", "4xA100", launcher="torchrun", time_limit=60, **pins)
+    args, config = megatron_checked(plan, tmp_path, monkeypatch)
+    check_megatron_reads(plan, args, config)

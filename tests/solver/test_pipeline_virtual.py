@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from costmodels import Engine
 from costmodels.pipeline_schedule import Schedule, schedule_problem
 from solver import estimate, solve
 from solver.search.pins import KNOBS, Pins
@@ -56,13 +57,16 @@ def test_deep_pipeline_solve_picks_the_cheapest_count_of_stages_per_rank(plan):
 
 
 def test_every_count_of_stages_per_rank_is_open_unless_pinned():
-    pins = Pins.of()
-    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 16, 64, 80, pins) == (2, 5)
-    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 4, 64, 80, pins) == (2, 4, 5, 10, 20)
-    assert virtual_stages(Schedule.INTERLEAVED_ZB, 4, 8, 16, pins) == (2, 4)
-    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 32, 256, 126, pins) == (2,)  # 405B: 126 layers
-    assert virtual_stages(Schedule.ZBV, 16, 64, 80, pins) == (2,)
-    assert virtual_stages(Schedule.ONE_F_ONE_B, 16, 64, 80, pins) == (1,)
-    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 16, 64, 80, Pins.of(pp_virtual=3)) == (3,)
+    pins, fsdp2 = Pins.of(), Engine.FSDP2
+    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 16, 64, 80, pins, fsdp2) == (2, 5)
+    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 4, 64, 80, pins, fsdp2) == (2, 4, 5, 10, 20)
+    assert virtual_stages(Schedule.INTERLEAVED_ZB, 4, 8, 16, pins, fsdp2) == (2, 4)
+    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 32, 256, 126, pins, fsdp2) == (2,)  # 405B: 126 layers
+    assert virtual_stages(Schedule.ZBV, 16, 64, 80, pins, fsdp2) == (2,)
+    assert virtual_stages(Schedule.ONE_F_ONE_B, 16, 64, 80, pins, fsdp2) == (1,)
+    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 16, 64, 80, Pins.of(pp_virtual=3), fsdp2) == (3,)
     # torch's interleaved schedules run m in rounds of m // pp: 9 micro-batches do not divide into 2 rounds
-    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 4, 9, 16, pins) == ()
+    assert virtual_stages(Schedule.INTERLEAVED_1F1B, 4, 9, 16, pins, fsdp2) == ()
+    # torch's 1F1B needs as many micro-batches as stages; megatron-core's runs fewer (warm-up min(pp - rank - 1, m))
+    assert virtual_stages(Schedule.ONE_F_ONE_B, 4, 2, 16, pins, fsdp2) == ()
+    assert virtual_stages(Schedule.ONE_F_ONE_B, 4, 2, 16, pins, Engine.MEGATRON) == (1,)
