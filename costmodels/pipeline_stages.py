@@ -23,6 +23,7 @@ from graphs.poly import ZERO
 from . import context_parallel, precision
 from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
+from .choices import Engine
 from .cluster import Cluster
 from .config import Config, Workload
 from .engines import rules_of
@@ -140,19 +141,19 @@ def rank_slices(graph: LayerGraph, workload: Workload, config: Config) -> tuple[
 
 
 def _key(config: Config) -> tuple[object, ...]:
-    # the engine and stage: its runtime's schedules decide the receive buffers and which schedules run
+    # whose schedules run the pipeline (megatron-core's or torch's) decides the receive buffers and the schedules
     return (config.pp, config.pp_schedule, config.pp_virtual, config.pp_split, config.grad_accum,
-            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision, config.engine,
-            config.zero)
+            config.micro_batch, config.tp, config.cp, config.sequence_parallel, config.precision,
+            rules_of(config.engine).megatron_schedules)
 
 
 @lru_cache(maxsize=256)
 def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[object, ...]) -> tuple[RankSlice, ...]:
-    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec, engine, zero = key
+    pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec, per_message = key
+    # an engine of that runtime's schedules stands for all of them: the slices read nothing else of it
     config = Config(pp=pp, pp_schedule=schedule, pp_virtual=v, pp_split=split, grad_accum=m,  # type: ignore[arg-type]
                     micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sp, precision=prec,  # type: ignore[arg-type]
-                    engine=engine, zero=zero)  # type: ignore[arg-type]
-    per_message = rules_of(config.engine).megatron_schedules
+                    engine=Engine.MEGATRON if per_message else Engine.DDP)
     workload = Workload(seq_len=seq_len, global_batch=global_batch)
     sizes = stage_layers(graph, workload, config)
     if pp == 1:

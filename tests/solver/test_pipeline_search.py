@@ -283,7 +283,10 @@ def test_the_ranks_states_together_hold_at_least_the_whole_models(seed):
     graph_of, space = space_of(case)
     for outer in space.pipelines:
         for engine, zero in ((outer.engine, outer.zero), (Engine.MEGATRON, 1), (Engine.FSDP2, 2)):
-            config = replace(outer, engine=engine, zero=zero).config()
+            try:
+                config = replace(outer, engine=engine, zero=zero).config()
+            except ValueError:  # a layout only its own engine runs (megatron-core's 1F1B with m < pp)
+                continue
             graph = graph_of(outer)
             ranks = [model_states(s.graph, config) for s in rank_slices(graph, case["workload"], config)]
             whole = model_states(graph, config)
