@@ -23,7 +23,6 @@ from graphs.poly import ZERO
 from . import context_parallel, precision
 from .activations import evaluate
 from .breakdown import MemoryBreakdown, PipelineRank, PipelineReport, TimeBreakdown
-from .choices import Engine
 from .cluster import Cluster
 from .config import Config, Workload
 from .engines import rules_of
@@ -150,10 +149,11 @@ def _key(config: Config) -> tuple[object, ...]:
 @lru_cache(maxsize=256)
 def _slices(graph: LayerGraph, seq_len: int, global_batch: int, key: tuple[object, ...]) -> tuple[RankSlice, ...]:
     pp, schedule, v, split, m, micro_batch, tp, cp, sp, prec, per_message = key
-    # an engine of that runtime's schedules stands for all of them: the slices read nothing else of it
-    config = Config(pp=pp, pp_schedule=schedule, pp_virtual=v, pp_split=split, grad_accum=m,  # type: ignore[arg-type]
-                    micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sp, precision=prec,  # type: ignore[arg-type]
-                    engine=Engine.MEGATRON if per_message else Engine.DDP)
+    # the split and the boundary's bytes read no micro-batch count: at least pp, so that the default engine's
+    # schedule check passes where megatron-core's 1F1B runs fewer (`schedule_problem`)
+    config = Config(pp=pp, pp_schedule=schedule, pp_virtual=v, pp_split=split,  # type: ignore[arg-type]
+                    grad_accum=max(m, pp), micro_batch=micro_batch, tp=tp, cp=cp,  # type: ignore[arg-type]
+                    sequence_parallel=sp, precision=prec)  # type: ignore[arg-type]
     workload = Workload(seq_len=seq_len, global_batch=global_batch)
     sizes = stage_layers(graph, workload, config)
     if pp == 1:
