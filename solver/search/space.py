@@ -225,10 +225,11 @@ def virtual_stages(schedule: Schedule, pp: int, m: int, layers: int, pins: Pins,
 
 
 def pipeline_schedules(graph: LayerGraph, pins: Pins, pp: int, m: int, engine: Engine) -> list[tuple[Schedule, int]]:
-    """(schedule, stages per rank) pairs torch runs with `pp` ranks and `m` micro-batches; (1f1b, 1) stands for
-    no pipeline when pp is 1. Each schedule comes once, at its fewest stages per rank: the space would grow
-    tenfold with one configuration per count (a 405B over 1024 GPUs: pp=2 takes v up to 63), so the pipeline
-    search opens the other counts of a configuration (`virtual_variants`) only while its bound can still win."""
+    """(schedule, stages per rank) pairs the engine's runtime runs with `pp` ranks and `m` micro-batches (torch's
+    pipelining, or megatron-core's schedules: `virtual_stages`); (1f1b, 1) stands for no pipeline when pp is 1.
+    Each schedule comes once, at its fewest stages per rank: the space would grow tenfold with one configuration
+    per count (a 405B over 1024 GPUs: pp=2 takes v up to 63), so the pipeline search opens the other counts of a
+    configuration (`virtual_variants`) only while its bound can still win."""
     if pp == 1:
         return [(Schedule.ONE_F_ONE_B, 1)]
     layers = len(graph.decoder_layers())
